@@ -1,0 +1,10 @@
+"""Bundled KV caches (installed as ``dlm_engine.cache``).
+
+Every module here is imported on package import; each registers itself with ``@register_cache``.
+"""
+import importlib as _importlib
+import pkgutil as _pkgutil
+
+for _m in sorted(_pkgutil.iter_modules(__path__), key=lambda m: m.name):
+    if not _m.name.startswith("_"):
+        _importlib.import_module(f"{__name__}.{_m.name}")

@@ -1,0 +1,15 @@
+"""``cache=none``: every step recomputes every column (the reference behaviour)."""
+from dataclasses import dataclass
+
+from dlm_engine.kvcache import Cache
+from dlm_engine.registry import register_cache
+
+
+@dataclass
+class NoCacheConfig:
+    name: str = "none"
+
+
+@register_cache("none", NoCacheConfig)
+class NoCache(Cache):
+    """Stores nothing; all logits of every call are valid."""

@@ -1,0 +1,157 @@
+"""What ``dlm`` does with a composed config: validate, load, decode, report, write results."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from .errors import ConfigError, UserError
+
+DEMO_PROMPTS = ["347+085=", "901-256=", "name a fruit:", "sum 9:"]
+
+
+def build_strategy(cfg: DictConfig):
+    from .registry import strategy_class
+
+    cls = strategy_class(cfg.strategy.name)
+    conf = OmegaConf.to_object(cfg.strategy)
+    return lambda: cls(conf, cfg.gen_length)
+
+
+def build_cache(cfg: DictConfig):
+    from .registry import cache_class
+
+    cls = cache_class(cfg.cache.name)
+    conf = OmegaConf.to_object(cfg.cache)
+    return lambda: cls(conf)
+
+
+def validate(cfg: DictConfig):
+    """Every check that needs no model; raises ConfigError naming the key."""
+    if cfg.gen_length <= 0:
+        raise ConfigError(f"gen_length={cfg.gen_length} must be a positive integer")
+    if cfg.batch_size <= 0:
+        raise ConfigError(f"batch_size={cfg.batch_size} must be a positive integer")
+    make_strategy = build_strategy(cfg)
+    strategy = make_strategy()  # runs the strategy's cross-field validation
+    if cfg.cache.name not in strategy.caches:
+        raise ConfigError(f"cache={cfg.cache.name} is not supported by strategy={cfg.strategy.name} "
+                          f"(supported: {', '.join(strategy.caches)})")
+    make_cache = build_cache(cfg)
+    make_cache()
+    if cfg.model.path:
+        from .models.loader import read_config, weight_files
+
+        p = Path(cfg.model.path).expanduser()
+        read_config(p)
+        weight_files(p)
+    if cfg.prompts_file and not Path(cfg.prompts_file).is_file():
+        raise ConfigError(f"prompts_file: '{cfg.prompts_file}' does not exist")
+    from .models.loader import resolve_device, resolve_dtype
+
+    resolve_dtype(cfg.dtype, resolve_device(cfg.device))
+    return make_strategy, make_cache
+
+
+def load_inputs(cfg: DictConfig, lm) -> Dict[str, Any]:
+    """Prompts (text and ids) plus the task examples when the task has a checker."""
+    from . import tasks as taskmod
+
+    examples = None
+    if cfg.prompts is not None:
+        prompts = [str(p) for p in cfg.prompts]
+    elif cfg.prompts_file:
+        with open(cfg.prompts_file) as f:
+            prompts = [line.rstrip("\n") for line in f if line.strip()]
+    elif cfg.task.name == "prompts":
+        prompts = list(DEMO_PROMPTS)
+    else:
+        examples = taskmod.held_out_for(cfg.task)
+        prompts = [e.prompt for e in examples]
+    if not prompts:
+        raise ConfigError("prompts: no prompts to decode")
+    return {"prompts": prompts, "ids": [lm.encode(p) for p in prompts], "examples": examples}
+
+
+def run(cfg: DictConfig, out_dir: Path) -> Dict[str, Any]:
+    import torch
+
+    from .fsutil import atomic_write_json, atomic_write_jsonl
+    from .generate import load_model, run_prompts
+    from .sinks import ProgressSink
+
+    make_strategy, make_cache = validate(cfg)
+    torch.manual_seed(cfg.seed)
+    lm = load_model(cfg.model, cfg.device, cfg.dtype)
+    inputs = load_inputs(cfg, lm)
+    prompts, ids, examples = inputs["prompts"], inputs["ids"], inputs["examples"]
+    progress = ProgressSink(len(ids), enabled=None if cfg.progress else False)
+
+    torch.manual_seed(cfg.seed)
+    stats = run_prompts(lm, ids, make_strategy, make_cache, cfg.gen_length, cfg.batch_size,
+                        sinks_for_batch=lambda b, rows: [progress], prompts=prompts)
+    progress.close()
+
+    correct = None
+    if examples is not None:
+        from .tasks import check
+
+        for row, ex in zip(stats.rows, examples):
+            row.extra["task"] = ex.task
+            row.extra["correct"] = bool(check(ex.task, ex.prompt, row.text))
+        correct = sum(r.extra["correct"] for r in stats.rows)
+    rows = [{"index": r.index, "prompt": r.prompt, "text": r.text, "tokens": r.tokens, "nfe": r.nfe,
+             "steps": r.steps, "generated_tokens": r.generated_tokens, "step_of": r.step_of, **r.extra}
+            for r in stats.rows]
+    summary = {
+        "model": lm.name, "model_digest": lm.digest, "strategy": OmegaConf.to_container(cfg.strategy),
+        "cache": OmegaConf.to_container(cfg.cache), "gen_length": cfg.gen_length, "batch_size": cfg.batch_size,
+        "seed": cfg.seed, "device": str(lm.device), "dtype": str(lm.dtype).replace("torch.", ""),
+        "prompts": len(rows), "nfe": stats.nfe, "nfe_per_prompt": sum(r.nfe for r in stats.rows) / len(rows),
+        "generated_tokens": stats.generated_tokens, "tpf": stats.tpf, "tps": stats.tps, "wall_time": stats.wall_time,
+        "versions": versions(),
+    }
+    if correct is not None:
+        summary["accuracy"] = correct / len(rows)
+        summary["accuracy_by_task"] = accuracy_by_task(rows)
+    atomic_write_jsonl(str(out_dir / "results.jsonl"), rows)
+    atomic_write_json(str(out_dir / "summary.json"), summary)
+    report(cfg, rows, summary)
+    return summary
+
+
+def accuracy_by_task(rows: List[dict]) -> Dict[str, float]:
+    out: Dict[str, List[int]] = {}
+    for r in rows:
+        out.setdefault(r["task"], []).append(int(r["correct"]))
+    return {k: sum(v) / len(v) for k, v in sorted(out.items())}
+
+
+def versions() -> Dict[str, str]:
+    import torch
+    import transformers
+
+    from . import __version__
+
+    return {"dlm_engine": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version()}
+
+
+def report(cfg: DictConfig, rows: List[dict], summary: Dict[str, Any]) -> None:
+    if cfg.print_outputs:
+        for r in rows[:20]:
+            mark = "" if "correct" not in r else ("  ok" if r["correct"] else "  WRONG")
+            print(f"[{r['index']}] {r['prompt']!r} -> {r['text']!r}  (nfe {r['nfe']}){mark}")
+        if len(rows) > 20:
+            print(f"... {len(rows) - 20} more rows in results.jsonl")
+    line = (f"prompts {summary['prompts']}  NFE {summary['nfe']} (per prompt {summary['nfe_per_prompt']:.2f})  "
+            f"TPF {summary['tpf']:.2f}  TPS {summary['tps']:.1f}  wall {summary['wall_time']:.2f}s")
+    if "accuracy" in summary:
+        line = f"accuracy {summary['accuracy']:.3f}  " + line
+    print(line)

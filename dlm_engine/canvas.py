@@ -1,0 +1,147 @@
+"""The canvas being decoded and the per-step delta every strategy emits."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+Scalar = Union[int, float, bool, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class BlockEvent:
+    """A block-level event: ``kind`` is ``opened``, ``admitted``, ``completed`` or ``stored``.
+
+    ``block`` is the generation-relative block index, ``start``/``end`` its canvas columns, ``row`` the
+    batch row (-1 = every row).
+    """
+
+    kind: str
+    block: int
+    start: int
+    end: int
+    row: int = -1
+
+
+@dataclass
+class FrameDelta:
+    """What one step changed. Tensors cover canvas columns ``[start, start + W)``.
+
+    ``finished`` marks rows that are done after this step (explicit, never inferred from empty
+    tensors). ``remask`` marks positions returned to the mask state (applied before ``commit``).
+    ``nfe`` is the number of forward passes this step spent.
+    """
+
+    step: int
+    nfe: int
+    start: int
+    commit: torch.Tensor                       # [B, W] bool
+    tokens: torch.Tensor                       # [B, W] long, meaningful where commit
+    active: torch.Tensor                       # [B] bool: rows that took part in this step
+    finished: torch.Tensor                     # [B] bool: rows finished after this step
+    confidence: Optional[torch.Tensor] = None  # [B, W] float, confidence of the proposals
+    remask: Optional[torch.Tensor] = None      # [B, W] bool
+    block_events: List[BlockEvent] = field(default_factory=list)
+    scalars: Dict[str, Scalar] = field(default_factory=dict)
+    wall_time: float = 0.0                     # seconds since decode start (host clock, no sync)
+
+    @property
+    def width(self) -> int:
+        return int(self.commit.shape[1])
+
+
+class Canvas:
+    """Token ids and commit steps of a left-padded batch.
+
+    ``step_of[b, i]``: -1 while masked, 0 for given tokens (padding, prompt, constraints), ``t >= 1`` for a
+    token committed by step ``t``. The state after step ``t`` is therefore
+    ``where((step_of >= 0) & (step_of <= t), tokens, mask_id)``.
+    """
+
+    def __init__(self, tokens: torch.Tensor, step_of: torch.Tensor, attention_mask: torch.Tensor,
+                 gen_start: int, mask_id: int):
+        self.tokens = tokens
+        self.step_of = step_of
+        self.attention_mask = attention_mask
+        self.gen_start = int(gen_start)
+        self.mask_id = int(mask_id)
+        self.finished = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+        self.step = 0
+        self.nfe = 0
+        self.row_nfe = torch.zeros(tokens.shape[0], dtype=torch.long, device=tokens.device)
+        self.position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+        self.is_padded = not bool(attention_mask.all())
+
+    @classmethod
+    def from_prompts(cls, prompts: Sequence[Sequence[int]], gen_length: int, mask_id: int, pad_id: int,
+                     device: Union[str, torch.device] = "cpu") -> "Canvas":
+        if not prompts:
+            raise ValueError("no prompts")
+        P = max(len(p) for p in prompts)
+        B, L = len(prompts), P + gen_length
+        tokens = torch.full((B, L), pad_id, dtype=torch.long)
+        attn = torch.zeros((B, L), dtype=torch.bool)
+        for i, p in enumerate(prompts):
+            if len(p):
+                tokens[i, P - len(p):P] = torch.as_tensor(list(p), dtype=torch.long)
+            attn[i, P - len(p):] = True
+        tokens[:, P:] = mask_id
+        step_of = torch.zeros((B, L), dtype=torch.int32)
+        step_of[:, P:] = -1
+        return cls(tokens.to(device), step_of.to(device), attn.to(device), P, mask_id)
+
+    # -- views -------------------------------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def length(self) -> int:
+        return int(self.tokens.shape[1])
+
+    @property
+    def gen_length(self) -> int:
+        return self.length - self.gen_start
+
+    @property
+    def device(self) -> torch.device:
+        return self.tokens.device
+
+    def masked(self) -> torch.Tensor:
+        return self.step_of < 0
+
+    def given(self) -> torch.Tensor:
+        """Positions present before decoding started (prompt, padding, constraints)."""
+        return self.step_of == 0
+
+    def padded(self) -> bool:
+        return not bool(self.attention_mask.all())
+
+    def state_at(self, t: int) -> torch.Tensor:
+        keep = (self.step_of >= 0) & (self.step_of <= t)
+        return torch.where(keep, self.tokens, torch.full_like(self.tokens, self.mask_id))
+
+    def set_given(self, columns: torch.Tensor, values: torch.Tensor) -> None:
+        """Write fixed tokens (e.g. constraints) before decoding; they count as given (step 0)."""
+        self.tokens[:, columns] = values
+        self.step_of[:, columns] = 0
+
+    # -- update ------------------------------------------------------------------------------------
+    def apply(self, delta: FrameDelta) -> None:
+        s, e = delta.start, delta.start + delta.width
+        tok = self.tokens[:, s:e]
+        so = self.step_of[:, s:e]
+        if delta.remask is not None:
+            tok.masked_fill_(delta.remask, self.mask_id)
+            so.masked_fill_(delta.remask, -1)
+        tok.copy_(torch.where(delta.commit, delta.tokens, tok))
+        so.masked_fill_(delta.commit, delta.step)
+        self.finished |= delta.finished
+        self.step = delta.step
+        self.nfe += delta.nfe
+        self.row_nfe += delta.active.long() * delta.nfe
+
+    def block_bounds(self, block_length: int) -> List[Tuple[int, int]]:
+        return [(self.gen_start + b, self.gen_start + b + block_length)
+                for b in range(0, self.gen_length, block_length)]

@@ -1,0 +1,56 @@
+"""The ``dlm`` console script: a Hydra app over :mod:`dlm_engine.app`."""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+
+def _fail(message: str, out_dir, code: int = 2) -> None:
+    """One line on stderr, no traceback, and no run directory left that could pass for a result."""
+    print(f"dlm: error: {message}", file=sys.stderr)
+    if out_dir is not None and os.path.isdir(out_dir) and not os.path.exists(os.path.join(out_dir, "summary.json")):
+        shutil.rmtree(out_dir, ignore_errors=True)
+    sys.stdout.flush()
+    sys.exit(code)
+
+
+@hydra.main(version_base="1.3", config_path="pkg://dlm_engine.conf", config_name="config")
+def _hydra_main(cfg: DictConfig) -> None:
+    from pathlib import Path
+
+    from hydra.core.hydra_config import HydraConfig
+
+    from .app import run
+    from .errors import UserError
+
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        run(cfg, out_dir)
+    except UserError as exc:
+        _fail(str(exc), out_dir)
+    except KeyboardInterrupt:
+        _fail("interrupted", out_dir, code=130)
+
+
+def main() -> None:
+    from .config import register_configs
+    from .errors import UserError
+    from .registry import load_plugins
+
+    try:
+        load_plugins()
+    except UserError as exc:
+        _fail(str(exc), None)
+    register_configs()
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

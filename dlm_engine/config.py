@@ -1,0 +1,74 @@
+"""Structured (dataclass) schemas of the top-level run config and the model group.
+
+Strategy and cache schemas are stored by their registration decorators; these are stored by
+:func:`register_configs`. YAML files in ``conf/`` extend the schemas, so unknown keys and wrong
+types are rejected by Hydra itself.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from omegaconf import MISSING
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    path: Optional[str] = None               # local official-format checkpoint directory
+    random: Optional[Dict[str, Any]] = None  # config of a seeded random model (used when path is null)
+    random_seed: int = 0
+    chat_template: str = "auto"              # auto | on | off
+
+
+@dataclass
+class TraceConfig:
+    record: bool = True
+    capture: str = "tokens"                  # tokens | confidence | topk | logits
+    topk: int = 5
+    logit_error_bound: float = 1e-2
+    queue_size: int = 256
+    filename: str = "trace.dlmt"
+
+
+@dataclass
+class TaskConfig:
+    name: str = "prompts"
+    n: int = 50                              # number of held-out examples (checkable tasks)
+    tasks: Optional[List[str]] = None        # subset of tasks; null = all
+    seed: Optional[int] = None               # held-out seed; null = the fixed default
+
+
+@dataclass
+class RunConfig:
+    model: Any = MISSING
+    strategy: Any = MISSING
+    cache: Any = MISSING
+    trace: TraceConfig = field(default_factory=TraceConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    prompts: Optional[List[str]] = None
+    prompts_file: Optional[str] = None
+    gen_length: int = 16
+    seed: int = 0
+    device: str = "auto"
+    dtype: str = "auto"
+    batch_size: int = 8
+    progress: bool = True
+    print_outputs: bool = True
+
+
+_registered = False
+
+
+def register_configs() -> None:
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="run_schema", node=RunConfig)
+    cs.store(group="model", name="model_schema", node=ModelConfig)
+    cs.store(group="trace", name="trace_schema", node=TraceConfig)
+    cs.store(group="task", name="task_schema", node=TaskConfig)

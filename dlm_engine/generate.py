@@ -1,0 +1,182 @@
+"""Python API: load a model, decode prompts in batches, collect per-row results and metrics."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, List, Optional, Sequence
+
+import torch
+
+from .canvas import Canvas
+from .errors import UserError
+from .loop import Sink, decode
+
+
+@dataclass
+class LoadedModel:
+    model: Any
+    tokenizer: Any
+    name: str
+    config: dict
+    digest: str
+    tokenizer_digest: Optional[str]
+    mask_id: int
+    eos_id: Optional[int]
+    pad_id: int
+    device: torch.device
+    dtype: torch.dtype
+
+    def encode(self, text: str) -> List[int]:
+        if self.tokenizer is None:
+            raise UserError(f"model '{self.name}' has no tokenizer; pass token ids instead of text")
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode_text(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            return " ".join(str(i) for i in ids)
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def _file_digest(path: Path) -> str:
+    import hashlib
+
+    return "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def load_model(model_cfg, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+    """Load the model named by a ``model`` config node (a local directory or a seeded random model)."""
+    from .models.loader import build_random, load_pretrained, resolve_device, resolve_dtype
+    from .tokenizer import build_char_tokenizer
+
+    dev = resolve_device(device)
+    tdtype = resolve_dtype(dtype, dev)
+    dname = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[tdtype]
+    path = getattr(model_cfg, "path", None)
+    if path:
+        model, raw, digest = load_pretrained(path, device=str(dev), dtype=dname)
+        tok, tok_digest = None, None
+        tok_file = Path(path).expanduser() / "tokenizer.json"
+        if tok_file.is_file():
+            from transformers import AutoTokenizer
+
+            try:
+                tok = AutoTokenizer.from_pretrained(str(Path(path).expanduser()), trust_remote_code=False)
+            except Exception as exc:
+                raise UserError(f"model.path: cannot load the tokenizer in '{path}' ({exc})") from None
+            tok.padding_side = "left"
+            tok_digest = _file_digest(tok_file)
+    elif getattr(model_cfg, "random", None):
+        model, raw, digest = build_random(dict(model_cfg.random), seed=model_cfg.random_seed, device=str(dev), dtype=dname)
+        tok, tok_digest = build_char_tokenizer(), "char-ascii-v1"
+    else:
+        raise UserError(f"model.path: model '{model_cfg.name}' needs model.path=DIR (an official-format checkpoint directory)")
+    cfg = model.config
+    eos = getattr(cfg, "eos_token_id", None)
+    pad = getattr(cfg, "pad_token_id", None)
+    return LoadedModel(model=model, tokenizer=tok, name=str(model_cfg.name), config=raw, digest=digest,
+                       tokenizer_digest=tok_digest, mask_id=int(cfg.mask_token_id), eos_id=eos,
+                       pad_id=int(pad if pad is not None else (eos if eos is not None else 0)), device=dev, dtype=tdtype)
+
+
+@dataclass
+class RowResult:
+    index: int
+    prompt: Optional[str]
+    prompt_ids: List[int]
+    tokens: List[int]            # generation region
+    step_of: List[int]           # generation region: step that committed each position
+    text: str
+    nfe: int
+    steps: int
+    generated_tokens: int
+    extra: dict = field(default_factory=dict)
+
+
+def generated_token_count(tokens: Sequence[int], eos_id: Optional[int]) -> int:
+    """Tokens up to and including the first EOS (all of them when there is none)."""
+    if eos_id is not None:
+        for i, t in enumerate(tokens):
+            if t == eos_id:
+                return i + 1
+    return len(tokens)
+
+
+def decode_batch(lm: LoadedModel, prompt_ids: Sequence[Sequence[int]], strategy, cache=None,
+                 gen_length: int = 16, sinks: Iterable[Sink] = (), canvas_hook=None) -> Canvas:
+    """Decode one batch of token-id prompts (left-padded) and return the final canvas."""
+    canvas = Canvas.from_prompts(prompt_ids, gen_length, lm.mask_id, lm.pad_id, device=lm.device)
+    if canvas_hook is not None:
+        canvas_hook(canvas)
+    return decode(lm.model, canvas, strategy, cache=cache, sinks=sinks)
+
+
+def rows_from_canvas(lm: LoadedModel, canvas: Canvas, prompt_ids, prompts, first_index: int) -> List[RowResult]:
+    g = canvas.gen_start
+    toks = canvas.tokens[:, g:].tolist()
+    steps = canvas.step_of[:, g:].tolist()
+    row_nfe = canvas.row_nfe.tolist()
+    out = []
+    for r, (ids, t, so) in enumerate(zip(prompt_ids, toks, steps)):
+        n_gen = generated_token_count(t, lm.eos_id)
+        shown = t[:n_gen - 1] if (lm.eos_id is not None and n_gen and t[n_gen - 1] == lm.eos_id) else t[:n_gen]
+        out.append(RowResult(
+            index=first_index + r, prompt=None if prompts is None else prompts[r], prompt_ids=list(ids),
+            tokens=t, step_of=so, text=lm.decode_text([x for x in shown if x != lm.mask_id]),
+            nfe=int(row_nfe[r]), steps=max([s for s in so if s > 0], default=0), generated_tokens=n_gen,
+        ))
+    return out
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class RunStats:
+    rows: List[RowResult]
+    wall_time: float
+    nfe: int                 # forward passes over all batches
+    generated_tokens: int
+
+    @property
+    def tpf(self) -> float:
+        return self.generated_tokens / self.nfe if self.nfe else 0.0
+
+    @property
+    def tps(self) -> float:
+        return self.generated_tokens / self.wall_time if self.wall_time > 0 else 0.0
+
+
+def run_prompts(lm: LoadedModel, prompt_ids: Sequence[Sequence[int]], make_strategy, make_cache,
+                gen_length: int, batch_size: int, sinks_for_batch=None, prompts: Optional[Sequence[str]] = None,
+                canvas_hook=None, warmup: bool = True) -> RunStats:
+    """Decode all prompts in batches of ``batch_size`` (a strategy may cap it with ``max_batch``).
+
+    ``make_strategy()``/``make_cache()`` build fresh per-batch objects; ``sinks_for_batch(i, rows)`` returns
+    the sinks of batch ``i``. Wall time covers decoding only (device synchronised, after a warm-up call).
+    """
+    strategy0 = make_strategy()
+    bs = max(1, int(batch_size))
+    if strategy0.max_batch is not None:
+        bs = min(bs, strategy0.max_batch)
+    if warmup and len(prompt_ids):
+        with torch.inference_mode():
+            c = Canvas.from_prompts([prompt_ids[0]], gen_length, lm.mask_id, lm.pad_id, device=lm.device)
+            lm.model(c.tokens)
+        sync(lm.device)
+    rows: List[RowResult] = []
+    total_time, nfe = 0.0, 0
+    for b, start in enumerate(range(0, len(prompt_ids), bs)):
+        chunk = prompt_ids[start:start + bs]
+        sinks = sinks_for_batch(b, list(range(start, start + len(chunk)))) if sinks_for_batch else ()
+        strategy = strategy0 if b == 0 else make_strategy()
+        sync(lm.device)
+        t0 = time.perf_counter()
+        canvas = decode_batch(lm, chunk, strategy, make_cache(), gen_length, sinks, canvas_hook)
+        sync(lm.device)
+        total_time += time.perf_counter() - t0
+        nfe += canvas.nfe
+        rows.extend(rows_from_canvas(lm, canvas, chunk, None if prompts is None else prompts[start:start + bs], start))
+    return RunStats(rows=rows, wall_time=total_time, nfe=nfe, generated_tokens=sum(r.generated_tokens for r in rows))

@@ -1,0 +1,97 @@
+"""The shared sampler: proposal token and confidence for every queried position.
+
+Gumbel-max at ``T > 0`` follows the references exactly: logits in float64, one draw of
+``torch.rand`` over the full shape of the model call ``(B, call_len, V)`` from the global RNG, score
+``exp(l) / (-log u)^T``. The window the strategy asked for is a slice of that draw, so the random
+stream matches the references even when only part of the logits is materialised.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+CONFIDENCE_KINDS = ("prob", "margin", "entropy", "random")
+
+
+@dataclass
+class Proposal:
+    """Proposal for the window ``[start, start + W)``."""
+
+    start: int
+    x0: torch.Tensor           # [B, W] argmax of the (noised) logits
+    confidence: torch.Tensor   # [B, W] float
+    logits: torch.Tensor       # [B, W, V] clean logits (after CFG / EOS edits), model dtype
+
+
+def noise_draw(shape, device) -> torch.Tensor:
+    return torch.rand(shape, dtype=torch.float64, device=device)
+
+
+def gumbel_argmax(logits: torch.Tensor, temperature: float, call_len: int, offset: int) -> torch.Tensor:
+    """argmax of Gumbel-noised logits; at T == 0 plain argmax and no RNG use."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    B, W, V = logits.shape
+    u = noise_draw((B, call_len, V), logits.device)[:, offset:offset + W]
+    l64 = logits.to(torch.float64)
+    gumbel = (-torch.log(u)) ** temperature
+    return (l64.exp() / gumbel).argmax(dim=-1)
+
+
+def softmax_in(logits: torch.Tensor, dtype: str) -> torch.Tensor:
+    if dtype == "float64":
+        return torch.softmax(logits.to(torch.float64), dim=-1)
+    return torch.softmax(logits, dim=-1)
+
+
+def confidence_of(logits: torch.Tensor, x0: torch.Tensor, kind: str, dtype: str = "model",
+                  call_len: Optional[int] = None, offset: int = 0, top_v: Optional[int] = None) -> torch.Tensor:
+    """Confidence of the proposal ``x0``.
+
+    * ``prob``: clean probability of ``x0`` (softmax in model dtype or float64). With ``top_v`` the
+      softmax runs over the top-``top_v`` logits only (float64) and a proposal outside them gets 0.
+    * ``margin``: top-1 minus top-2 clean probability.
+    * ``entropy``: ``exp(-H)`` of the clean distribution (1 = certain).
+    * ``random``: ``torch.rand((B, call_len))`` float32, sliced to the window (LLaDA's random remasking).
+    """
+    if kind == "random":
+        B, W = x0.shape
+        n = call_len if call_len is not None else W
+        return torch.rand((B, n), device=x0.device)[:, offset:offset + W]
+    if kind == "prob":
+        if top_v is not None:
+            vals, idx = torch.topk(logits, top_v, dim=-1)
+            p = torch.softmax(vals.to(torch.float64), dim=-1)
+            hit = idx == x0[..., None]
+            return torch.where(hit, p, torch.zeros_like(p)).sum(-1)
+        return torch.gather(softmax_in(logits, dtype), -1, x0[..., None]).squeeze(-1)
+    if kind == "margin":
+        p = softmax_in(logits, dtype)
+        top2 = torch.topk(p, 2, dim=-1).values
+        return top2[..., 0] - top2[..., 1]
+    if kind == "entropy":
+        p = softmax_in(logits, dtype)
+        h = -(p * torch.log(p.clamp_min(1e-30))).sum(-1)
+        return torch.exp(-h)
+    raise ValueError(f"unknown confidence kind '{kind}' (choose from {', '.join(CONFIDENCE_KINDS)})")
+
+
+def propose(logits: torch.Tensor, start: int, *, temperature: float, confidence: str, softmax_dtype: str = "model",
+            call_len: Optional[int] = None, call_start: Optional[int] = None, top_v: Optional[int] = None,
+            discard_draws: int = 0) -> Proposal:
+    """Sample proposals for a window of logits ``[B, W, V]`` starting at canvas column ``start``.
+
+    ``call_len``/``call_start`` describe the model call the logits came from (for the RNG shape);
+    ``discard_draws`` extra noise draws are made first and thrown away (Fast-dLLM prefix-cache quirk).
+    """
+    B, W, V = logits.shape
+    call_len = W if call_len is None else call_len
+    offset = 0 if call_start is None else start - call_start
+    if temperature > 0:
+        for _ in range(discard_draws):
+            noise_draw((B, call_len, V), logits.device)
+    x0 = gumbel_argmax(logits, temperature, call_len, offset)
+    conf = confidence_of(logits, x0, confidence, softmax_dtype, call_len, offset, top_v)
+    return Proposal(start=start, x0=x0, confidence=conf, logits=logits)

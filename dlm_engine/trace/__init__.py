@@ -1,0 +1,1 @@
+"""Trace recorder, file format and replayer (see docs/trace_format.md)."""
