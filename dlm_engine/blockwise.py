@@ -1,0 +1,90 @@
+"""Shared base of the Fast-dLLM-style strategies: decode one block at a time until it is full.
+
+Each step queries the current block, lets a *commit rule* (threshold, factor, ...) pick which
+candidates to commit, and moves to the next block as soon as the current one has no mask left
+(Fast-dLLM v2 loop control: a full block never costs another forward). Subclasses only provide
+:meth:`FillBlocks.rule` and, if they like, extra validation and scalars.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .canvas import BlockEvent
+from .errors import ConfigError
+from .strategy import BlockCursor, CacheDirective, StepPlan, Strategy, block_range, candidates
+
+
+@dataclass
+class FillBlocksConfig:
+    """Fields every block-filling strategy has (subclass it and add ``name`` plus the rule's knobs)."""
+
+    steps: Optional[int] = None          # only checked: divisible by the number of blocks (as the reference)
+    block_length: Optional[int] = None   # null = gen_length (a single block)
+    temperature: float = 0.0             # Gumbel-max temperature; 0 = argmax
+    remasking: str = "low_confidence"    # low_confidence (float64 softmax of p(x0)) | random
+
+
+class FillBlocks(Strategy):
+    """Block-by-block decoding; a block ends when it is full. Subclasses implement :meth:`rule`."""
+
+    caches = ("none", "prefix", "dual")
+
+    def validate(self) -> None:
+        c = self.cfg
+        self.block_length = self.block_length_or_gen(c.block_length)
+        self.num_blocks = self.gen_length // self.block_length
+        if c.steps is not None:
+            if int(c.steps) <= 0:
+                raise ConfigError(f"strategy.steps={c.steps} must be a positive integer")
+            if int(c.steps) % self.num_blocks != 0:
+                raise ConfigError(f"strategy.steps={c.steps} is not divisible by the number of blocks "
+                                  f"(gen_length/strategy.block_length = {self.num_blocks})")
+        if c.remasking not in ("low_confidence", "random"):
+            raise ConfigError(f"strategy.remasking='{c.remasking}' (choose low_confidence or random)")
+        if c.temperature < 0:
+            raise ConfigError(f"strategy.temperature={c.temperature} must be >= 0")
+
+    def rule(self, conf: torch.Tensor, cand: torch.Tensor, cur: BlockCursor) -> torch.Tensor:
+        """Which candidates to commit this step (``[B, W]`` bool, a subset of ``cand``)."""
+        raise NotImplementedError
+
+    def init_state(self, canvas):
+        return BlockCursor()
+
+    def plan(self, canvas, cur: BlockCursor) -> Optional[StepPlan]:
+        while cur.block < self.num_blocks:
+            s, e = block_range(canvas, cur.block, self.block_length)
+            # the block-full test sits before the forward (v2 loop): a block that is full when it
+            # starts (constraints, or a prompt-side fill) costs nothing
+            if cur.step > 0 or bool(canvas.masked()[:, s:e].any()):
+                break
+            cur.block += 1
+        else:
+            return None
+        c = self.cfg
+        return StepPlan(
+            window=(s, e), temperature=c.temperature,
+            confidence="random" if c.remasking == "random" else "prob", softmax_dtype="float64",
+            cache=CacheDirective(block=(s, e), block_start=cur.step == 0, step_in_block=cur.step),
+        )
+
+    def select(self, canvas, plan, proposal, cur: BlockCursor):
+        s, e = plan.window
+        cand = candidates(canvas, proposal, e)
+        commit = self.rule(proposal.confidence, cand, cur) & cand
+        events = [BlockEvent("opened", cur.block, s, e)] if cur.step == 0 else []
+        block = cur.block
+        cur.step += 1
+        if not bool((cand & ~commit).any()):
+            events.append(BlockEvent("completed", cur.block, s, e))
+            cur.block, cur.step = cur.block + 1, 0
+        scalars = {"block": block, "committed": commit.sum(-1)}
+        scalars.update(self.step_scalars(proposal, cand, commit))
+        return self.delta(canvas, proposal, commit, events=events, scalars=scalars), cur
+
+    def step_scalars(self, proposal, cand: torch.Tensor, commit: torch.Tensor) -> dict:
+        """Extra per-step scalars of a subclass (empty by default)."""
+        return {}

@@ -1,0 +1,33 @@
+"""``factor``: Fast-dLLM factor-based parallel decoding (``get_transfer_index_dynamic``).
+
+Candidates are ranked by confidence; the step commits the longest prefix of the ranking whose
+members ``n >= 2`` satisfy ``c_(n) >= 1 - factor / (n + 1)`` (the first is always committed). As in
+the reference, when only the last-ranked candidate fails, it is committed too. Larger ``factor`` =
+more tokens per step. Block loop as ``threshold``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dlm_engine.blockwise import FillBlocks, FillBlocksConfig
+from dlm_engine.errors import ConfigError
+from dlm_engine.registry import register_strategy
+from dlm_engine.selection import factor_commit
+
+
+@dataclass
+class FactorConfig(FillBlocksConfig):
+    name: str = "factor"
+    factor: float = 1.0                  # > 0; rank n (>= 2) passes iff (n + 1) * (1 - c_(n)) <= factor
+
+
+@register_strategy("factor", FactorConfig)
+class Factor(FillBlocks):
+    def validate(self) -> None:
+        super().validate()
+        f = self.cfg.factor
+        if f is None or not float(f) > 0:
+            raise ConfigError(f"strategy.factor={f} must be > 0")
+
+    def rule(self, conf, cand, cur):
+        return factor_commit(conf, cand, float(self.cfg.factor))
