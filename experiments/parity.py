@@ -84,7 +84,12 @@ def build(case: dict):
     cls = strategy_class(name)
     cfg_cls = cls.Config
     if hasattr(cls, "config_from_reference"):
-        conf = cls.config_from_reference(kw)
+        # optional context for strategies whose reference arguments are absolute canvas positions
+        import inspect
+
+        ctx = {"prompt_len": case.get("prompt_len"), "gen_length": gen_length}
+        params = inspect.signature(cls.config_from_reference).parameters
+        conf = cls.config_from_reference(kw, **{k: v for k, v in ctx.items() if k in params})
     else:
         fields = set(cfg_cls.__dataclass_fields__)
         unknown = sorted(set(kw) - fields)
