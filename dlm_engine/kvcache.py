@@ -4,8 +4,12 @@ with :func:`dlm_engine.registry.register_cache`.
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from contextlib import contextmanager
+from typing import Any, ClassVar, Tuple
 
+import torch
+
+from .errors import ConfigError
 from .models.hooks import NullHooks
 
 
@@ -21,3 +25,91 @@ class Cache(NullHooks):
 
     def end(self, canvas) -> None:
         """Release what was stored."""
+
+
+class StoredKVCache(Cache):
+    """Base of caches that keep every layer's keys/values for all canvas columns.
+
+    Each call computes one column span ``[a, b)`` (chosen by :meth:`compute_span`); in every layer the
+    fresh keys/values of that span are written into the stored tensors and attention runs over the stored
+    keys of columns ``[0, key_end)`` (the key padding mask and block-causal bias still apply, because the
+    model builds them from ``io.key_columns``). A *refresh* is the span ``[0, L)``: everything is
+    recomputed and stored. Subclasses only choose spans; the storage, in-place updates and shape checks
+    live here. K/V are stored after RoPE, which is applied from absolute position ids, so this equals
+    caching them before RoPE and re-rotating.
+    """
+
+    def __init__(self, config: Any = None):
+        if config is None:
+            config = type(self).Config()
+        n = getattr(config, "refresh_interval", 0)
+        if n is None or int(n) < 0:
+            raise ConfigError(f"cache.refresh_interval={n} must be >= 0 (0 = refresh only at block starts)")
+        super().__init__(config)
+        self.begin(None)
+
+    def begin(self, canvas) -> None:
+        self.k: dict = {}
+        self.v: dict = {}
+        self.shape = None            # (batch, length) of the stored tensors
+        self.since_refresh = 0       # cached calls since the last refresh
+        self._span = None            # (a, b, key_end) of the call in flight; None = pass-through
+
+    def end(self, canvas) -> None:
+        self.k, self.v, self.shape, self._span = {}, {}, None, None
+
+    # -- policy ---------------------------------------------------------------------------------------
+    def compute_span(self, call, directive) -> Tuple[int, int, int]:
+        """``(a, b, key_end)`` of a cached (non-refresh) call: recompute ``[a, b)``, attend to ``[0, key_end)``."""
+        L = call.input_ids.shape[1]
+        return 0, L, L
+
+    def wants_refresh(self, call, directive) -> bool:
+        """Refresh at block starts and, with ``refresh_interval = n > 0``, after every ``n`` cached calls."""
+        n = int(getattr(self.cfg, "refresh_interval", 0) or 0)
+        return bool(directive.block_start) or (n > 0 and self.since_refresh >= n)
+
+    def after_call(self, call, directive, refresh: bool) -> None:
+        """Runs after the model filled ``call.logits`` (e.g. to set ``call.extras['discard_draws']``)."""
+
+    # -- hooks ----------------------------------------------------------------------------------------
+    @contextmanager
+    def forward(self, call):
+        d = call.directive
+        if d is None:                # the strategy gave no block structure: plain full call
+            self._span = None
+            yield call
+            return
+        B, L = call.input_ids.shape
+        refresh = self.shape != (B, L) or not self.k or self.wants_refresh(call, d)
+        a, b, key_end = (0, L, L) if refresh else self.compute_span(call, d)
+        if refresh:
+            self.shape = (B, L)
+        call.compute = (a, b)
+        call.extras["cache_refresh"] = refresh
+        self._span = (a, b, key_end)
+        self._cols = torch.arange(key_end, device=call.input_ids.device)
+        yield call
+        self.since_refresh = 0 if refresh else self.since_refresh + 1
+        self.after_call(call, d, refresh)
+        self._span = None
+
+    @contextmanager
+    def attention(self, layer: int, io):
+        if self._span is None:
+            yield io
+            return
+        a, b, key_end = self._span
+        io.k, io.v = self._write(self.k, layer, io.k, a, b)[:, :, :key_end], \
+            self._write(self.v, layer, io.v, a, b)[:, :, :key_end]
+        io.key_columns = self._cols
+        yield io
+
+    def _write(self, store: dict, layer: int, fresh: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        B, H, _, D = fresh.shape
+        L = self.shape[1]
+        t = store.get(layer)
+        if t is None or t.shape != (B, H, L, D) or t.dtype != fresh.dtype or t.device != fresh.device:
+            t = store[layer] = torch.empty((B, H, L, D), dtype=fresh.dtype, device=fresh.device)
+        t[:, :, a:b] = fresh
+        return t
