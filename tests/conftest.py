@@ -1,0 +1,67 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures"
+REFPARITY = FIXTURES / "refparity"
+BIN = Path(sys.executable).parent
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def run_dlm(args, cwd, env=None, timeout=300, exe="dlm"):
+    """Run a console script of this environment as a subprocess; returns CompletedProcess."""
+    e = dict(os.environ)
+    e.update(env or {})
+    e["HYDRA_FULL_ERROR"] = "0"
+    return subprocess.run([str(BIN / exe), *args], cwd=str(cwd), env=e, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def tiny_llada():
+    from dlm_engine.models.loader import load_pretrained
+
+    model, raw, digest = load_pretrained(REFPARITY / "tiny_llada", device="cpu", dtype="float32")
+    return model
+
+
+@pytest.fixture(scope="session")
+def parity_candidates(tmp_path_factory):
+    """Run `experiments/parity.py` on the refparity copy once per session; {case id: candidate}."""
+    import json
+
+    out = tmp_path_factory.mktemp("parity") / "candidate.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "parity.py"), str(REFPARITY), str(out)],
+                          capture_output=True, text=True, timeout=900, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    return {c["id"]: c for c in data["cases"]}, proc.stdout
+
+
+def compare_with_reference(candidates, ids, tmp_path):
+    """Run the fixtures' compare.py on the given ids; returns (exit code, output)."""
+    import json
+
+    missing = [i for i in ids if i not in candidates]
+    assert not missing, f"cases not run by parity.py: {missing}"
+    path = tmp_path / "subset.json"
+    path.write_text(json.dumps({"cases": [candidates[i] for i in ids]}))
+    proc = subprocess.run([sys.executable, str(REFPARITY / "compare.py"), str(REFPARITY), str(path)],
+                          capture_output=True, text=True, timeout=120)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def fixture_ids(suite, predicate=lambda case: True):
+    import json
+
+    data = json.loads((REFPARITY / f"{suite}.json").read_text())
+    return [c["id"] for c in data["cases"] if "error" not in c and predicate(c)]

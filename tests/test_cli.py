@@ -1,0 +1,85 @@
+"""The `dlm` Hydra app driven as a subprocess: outputs, overrides and one-line user errors."""
+import json
+import shutil
+
+import pytest
+
+from conftest import REFPARITY, run_dlm
+
+
+def _run(tmp_path, *args):
+    out = tmp_path / "run"
+    proc = run_dlm([f"hydra.run.dir={out}", *args], cwd=tmp_path)
+    return proc, out
+
+
+def test_default_run_writes_results_and_summary(tmp_path):
+    proc, out = _run(tmp_path, "device=cpu", "trace.record=false")
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(l) for l in (out / "results.jsonl").read_text().splitlines()]
+    assert len(rows) >= 3
+    for r in rows:
+        assert {"prompt", "text", "tokens", "nfe"} <= set(r)
+        assert len(r["tokens"]) == 16
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("nfe", "tpf", "tps", "generated_tokens", "strategy", "model"):
+        assert key in summary
+    assert summary["strategy"]["name"] == "low_confidence"
+    assert "TPF" in proc.stdout and "TPS" in proc.stdout
+    assert rows[0]["prompt"] in proc.stdout
+
+
+def test_prompts_file_batch_and_strategy_options(tmp_path):
+    pf = tmp_path / "prompts.txt"
+    pf.write_text("12+34=\nname a color:\nsum 3:\n")
+    proc, out = _run(tmp_path, f"prompts_file={pf}", "batch_size=2", "seed=3", "device=cpu", "dtype=float32",
+                     "gen_length=16", "strategy.block_length=4", "strategy.steps=8", "trace.record=false")
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(l) for l in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == ["12+34=", "name a color:", "sum 3:"]
+    assert all(r["nfe"] == 8 for r in rows)
+    s = json.loads((out / "summary.json").read_text())
+    assert s["strategy"]["block_length"] == 4 and s["batch_size"] == 2 and s["nfe"] == 16
+
+
+def test_local_checkpoint_directory(tmp_path):
+    from dlm_engine.tokenizer import save_char_tokenizer
+
+    ck = tmp_path / "ck"
+    shutil.copytree(REFPARITY / "tiny_llada", ck)
+    save_char_tokenizer(ck)  # ids of the char tokenizer fit the fixture model's 1024-token vocabulary
+    proc, out = _run(tmp_path, "model=local", f"model.path={ck}", "prompts=[abc,hello]", "gen_length=8",
+                     "trace.record=false")
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(l) for l in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == ["abc", "hello"] and all(len(r["tokens"]) == 8 for r in rows)
+    assert json.loads((out / "summary.json").read_text())["model_digest"].startswith("sha256:")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["strategy=nope"], "Could not find 'strategy/nope'"),
+    (["strategy.steps=abc"], "strategy.steps"),
+    (["strategy.bogus=1"], "bogus"),
+    (["gen_length=10", "strategy.block_length=4"], "gen_length=10 is not divisible by strategy.block_length=4"),
+    (["gen_length=16", "strategy.block_length=8", "strategy.steps=3"], "strategy.steps=3 is not divisible"),
+    (["model=local", "model.path=/nonexistent/ckpt"], "/nonexistent/ckpt"),
+    (["batch_size=0"], "batch_size=0"),
+    (["strategy.remasking=sometimes"], "strategy.remasking"),
+])
+def test_user_errors_are_one_line(tmp_path, args, needle):
+    proc, out = _run(tmp_path, *args)
+    assert proc.returncode != 0
+    assert needle in proc.stderr + proc.stdout
+    assert "Traceback" not in proc.stderr
+    assert not (out / "summary.json").exists()
+
+
+def test_malformed_checkpoint_is_reported_before_loading(tmp_path):
+    ck = tmp_path / "ck"
+    shutil.copytree(REFPARITY / "tiny_llada", ck)
+    (ck / "config.json").write_text("{broken")
+    proc, out = _run(tmp_path, "model=local", f"model.path={ck}")
+    assert proc.returncode == 2
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and str(ck) in lines[0] and "not valid JSON" in lines[0]
+    assert not out.exists() or not (out / "summary.json").exists()
