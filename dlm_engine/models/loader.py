@@ -29,6 +29,16 @@ def _llada():
 register_architecture("llada", _llada)
 
 
+def _dream():
+    from .dream import DreamConfig, DreamModel, register_auto_classes
+
+    register_auto_classes()
+    return DreamConfig, DreamModel
+
+
+register_architecture("Dream", _dream)
+
+
 def architecture(model_type: str) -> Tuple[type, type]:
     if model_type not in _ARCHITECTURES:
         known = ", ".join(sorted(_ARCHITECTURES))
