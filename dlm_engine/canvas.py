@@ -45,6 +45,9 @@ class FrameDelta:
     block_events: List[BlockEvent] = field(default_factory=list)
     scalars: Dict[str, Scalar] = field(default_factory=dict)
     wall_time: float = 0.0                     # seconds since decode start (host clock, no sync)
+    # [B, W, V] the proposal's logits; set by the loop only when a sink has ``wants_logits = True``.
+    # Sinks may keep references to a delta's tensors: nothing mutates them after the delta is emitted.
+    logits: Optional[torch.Tensor] = None
 
     @property
     def width(self) -> int:

@@ -12,7 +12,12 @@ from .strategy import StepPlan, Strategy
 
 
 class Sink:
-    """Receives every FrameDelta. Sinks must not branch on the strategy and must stay cheap."""
+    """Receives every FrameDelta. Sinks must not branch on the strategy and must stay cheap.
+
+    A sink with ``wants_logits = True`` gets the proposal's logits in ``delta.logits``.
+    """
+
+    wants_logits = False
 
     def on_start(self, canvas: Canvas, info: dict) -> None:
         pass
@@ -57,6 +62,7 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
     if cache is None:
         cache = cache_class("none")(cache_class("none").Config())
     sinks = list(sinks)
+    want_logits = any(getattr(s, "wants_logits", False) for s in sinks)  # e.g. trace capture=topk|logits
     cache.begin(canvas)
     state = strategy.init_state(canvas)
     for s in sinks:
@@ -79,6 +85,8 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
             )
             delta, state = strategy.select(canvas, plan, proposal, state)
             delta.wall_time = time.perf_counter() - t0
+            if want_logits:
+                delta.logits = proposal.logits
             canvas.apply(delta)
             for s in sinks:
                 s.on_delta(delta, canvas)
