@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-CONFIDENCE_KINDS = ("prob", "margin", "entropy", "random")
+CONFIDENCE_KINDS = ("prob", "margin", "entropy", "inv_entropy", "random")
 
 
 @dataclass
@@ -23,6 +23,8 @@ class Proposal:
     x0: torch.Tensor           # [B, W] argmax of the (noised) logits
     confidence: torch.Tensor   # [B, W] float
     logits: torch.Tensor       # [B, W, V] clean logits (after CFG / EOS edits), model dtype
+    call_len: Optional[int] = None    # columns of the model call the window came from (RNG draw shape)
+    call_start: Optional[int] = None  # first canvas column of that call
 
 
 def noise_draw(shape, device) -> torch.Tensor:
@@ -54,8 +56,12 @@ def confidence_of(logits: torch.Tensor, x0: torch.Tensor, kind: str, dtype: str 
       softmax runs over the top-``top_v`` logits only (float64) and a proposal outside them gets 0.
     * ``margin``: top-1 minus top-2 clean probability.
     * ``entropy``: ``exp(-H)`` of the clean distribution (1 = certain).
+    * ``inv_entropy``: CadLLM's ``1 / (1 + H)`` with ``H = -sum p log(p + 1e-12)`` over the softmax (model
+      dtype) of the top-``top_v`` logits (all logits when ``top_v`` is None); independent of ``x0``.
     * ``random``: ``torch.rand((B, call_len))`` float32, sliced to the window (LLaDA's random remasking).
     """
+    if top_v is not None:
+        top_v = min(int(top_v), logits.shape[-1])   # a vocabulary smaller than the requested top-V
     if kind == "random":
         B, W = x0.shape
         n = call_len if call_len is not None else W
@@ -67,6 +73,11 @@ def confidence_of(logits: torch.Tensor, x0: torch.Tensor, kind: str, dtype: str 
             hit = idx == x0[..., None]
             return torch.where(hit, p, torch.zeros_like(p)).sum(-1)
         return torch.gather(softmax_in(logits, dtype), -1, x0[..., None]).squeeze(-1)
+    if kind == "inv_entropy":
+        vals = logits if top_v is None else torch.topk(logits, top_v, dim=-1).values
+        p = softmax_in(vals, dtype)
+        h = -(p * torch.log(p + 1e-12)).sum(-1)
+        return 1.0 / (1.0 + h)
     if kind == "margin":
         p = softmax_in(logits, dtype)
         top2 = torch.topk(p, 2, dim=-1).values
@@ -94,4 +105,4 @@ def propose(logits: torch.Tensor, start: int, *, temperature: float, confidence:
             noise_draw((B, call_len, V), logits.device)
     x0 = gumbel_argmax(logits, temperature, call_len, offset)
     conf = confidence_of(logits, x0, confidence, softmax_dtype, call_len, offset, top_v)
-    return Proposal(start=start, x0=x0, confidence=conf, logits=logits)
+    return Proposal(start=start, x0=x0, confidence=conf, logits=logits, call_len=call_len, call_start=start - offset)
