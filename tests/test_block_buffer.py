@@ -1,0 +1,150 @@
+"""block_buffer: buffer_size=1 is threshold (tokens and NFE, every cache mode), several blocks in flight
+with buffer_size=4, block events, per-block progress, cache directives, ragged last block, validation."""
+import pytest
+import torch
+
+from dlm_engine.canvas import Canvas
+from dlm_engine.errors import ConfigError
+from dlm_engine.loop import decode
+from dlm_engine.registry import cache_class, strategy_class
+from dlm_engine.sinks import RecordingSink
+
+PROMPTS = [[735, 559, 771, 678, 375, 377], [127, 157, 983, 804, 991, 537, 902, 490, 136, 103, 962], [413, 750, 0]]
+BB = strategy_class("block_buffer")
+
+
+class Plans:
+    """Wraps a strategy to record its plans (cache directives)."""
+
+    def __init__(self, inner):
+        self.inner, self.plans = inner, []
+        self.name, self.caches = inner.name, inner.caches
+
+    def init_state(self, canvas):
+        return self.inner.init_state(canvas)
+
+    def plan(self, canvas, st):
+        p = self.inner.plan(canvas, st)
+        if p is not None:
+            self.plans.append(p)
+        return p
+
+    def select(self, *a):
+        return self.inner.select(*a)
+
+
+def _run(model, name, prompts, gen=32, cache="none", seed=None, **kw):
+    cls = strategy_class(name)
+    canvas = Canvas.from_prompts(prompts, gen, 1000, 1001)
+    rec = RecordingSink()
+    strat = Plans(cls(cls.Config(**kw), gen))
+    if seed is not None:
+        torch.manual_seed(seed)
+    decode(model, canvas, strat, cache=cache_class(cache)(cache_class(cache).Config()), sinks=[rec])
+    return canvas, rec, strat.plans
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+@pytest.mark.parametrize("tau, bl, extra", [(0.9, 8, {}), (0.5, 16, {}), (0.7, 8, dict(temperature=0.8)),
+                                            (0.3, 4, dict(remasking="random"))])
+def test_buffer_size_one_is_threshold(tiny_llada, cache, tau, bl, extra):
+    a, ra, pa = _run(tiny_llada, "threshold", PROMPTS[:1], cache=cache, seed=11, threshold=tau, block_length=bl, **extra)
+    b, rb, pb = _run(tiny_llada, "block_buffer", PROMPTS[:1], cache=cache, seed=11, buffer_size=1,
+                     accept_threshold=tau, block_length=bl, **extra)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.step_of, b.step_of)
+    assert a.nfe == b.nfe == len(pa) == len(pb)
+    for x, y in zip(pa, pb):          # identical cache directives (apart from the store list)
+        assert (x.window, x.cache.block, x.cache.block_start, x.cache.step_in_block) == \
+               (y.window, y.cache.block, y.cache.block_start, y.cache.step_in_block)
+
+
+def test_buffer_of_four_decodes_blocks_concurrently(tiny_llada):
+    canvas, rec, plans = _run(tiny_llada, "block_buffer", PROMPTS[:1], gen=32, buffer_size=4, block_length=8,
+                              accept_threshold=0.9)
+    single, _, _ = _run(tiny_llada, "block_buffer", PROMPTS[:1], gen=32, buffer_size=1, block_length=8,
+                        accept_threshold=0.9)
+    assert not canvas.masked().any()
+    assert canvas.nfe < single.nfe                               # fewer forwards than one block at a time
+    g = canvas.gen_start
+    counts = [int(d.scalars["buffer_count"][0]) for d in rec.deltas]
+    assert max(counts) >= 3 and max(counts) <= 4
+    # commits of one step land in several blocks
+    multi = [d for d in rec.deltas
+             if len({(d.start - g + int(i)) // 8 for i in d.commit[0].nonzero().flatten()}) >= 2]
+    assert multi
+    # every block is admitted once and completed once, in order, and admitted before it commits anything
+    ev = [(d.step, e.kind, e.block) for d in rec.deltas for e in d.block_events]
+    assert [b for _, k, b in ev if k == "admitted"] == [0, 1, 2, 3]
+    assert [b for _, k, b in ev if k == "completed"] == [0, 1, 2, 3]
+    admitted_at = {b: s for s, k, b in ev if k == "admitted"}
+    first_commit = {}
+    for d in rec.deltas:
+        for i in d.commit[0].nonzero().flatten().tolist():
+            first_commit.setdefault((d.start - g + i) // 8, d.step)
+    assert all(admitted_at[b] <= first_commit[b] for b in range(4))
+    # per-block progress after each step equals the canvas state
+    for d, state in zip(rec.deltas, rec.states):
+        prog = d.scalars["block_progress"][0]
+        want = (state[0, g:] != 1000).view(4, 8).float().mean(-1)
+        assert torch.allclose(prog.float(), want)
+    # directives: the buffer range, refreshed when it changes; completed blocks handed over for storing
+    stored = [r for p in plans for r in p.cache.store]
+    assert stored == [(g + 8 * b, g + 8 * b + 8) for b in range(3)]      # the last one completes on the final step
+    assert all(p.cache.block == p.window for p in plans)
+    assert plans[0].cache.block_start and any(not p.cache.block_start for p in plans)
+
+
+def test_later_blocks_wait_for_a_semi_complete_predecessor(tiny_llada):
+    """With accept_threshold=1 nothing qualifies; only forced top-1s commit, and only in blocks that may."""
+    canvas, rec, _ = _run(tiny_llada, "block_buffer", PROMPTS[:1], gen=16, buffer_size=2, block_length=8,
+                          accept_threshold=1.0, add_block_threshold=0.0, semi_complete_threshold=0.5)
+    g = canvas.gen_start
+    waited = both = 0
+    for d, state in zip(rec.deltas, [None] + rec.states[:-1]):
+        blocks = {(d.start - g + int(i)) // 8 for i in d.commit[0].nonzero().flatten()}
+        done0 = 0.0 if state is None else float((state[0, g:g + 8] != 1000).float().mean())
+        in_buffer = d.step > 1                     # block 1 is admitted after the first step
+        assert blocks <= {0, 1} and len(blocks) >= 1
+        assert (1 in blocks) == (in_buffer and done0 >= 0.5)
+        waited += in_buffer and done0 < 0.5
+        both += blocks == {0, 1}
+    assert waited and both
+
+
+def test_batched_rows_progress_independently(tiny_llada):
+    kw = dict(buffer_size=2, block_length=8, accept_threshold=0.8)
+    canvas, rec, _ = _run(tiny_llada, "block_buffer", PROMPTS, **kw)
+    g = canvas.gen_start
+    solo = [_run(tiny_llada, "block_buffer", [p], **kw) for p in PROMPTS]
+    for r, (c1, _, _) in enumerate(solo):
+        assert torch.equal(canvas.tokens[r, g:], c1.tokens[0, c1.gen_start:])
+        assert int(canvas.row_nfe[r]) == c1.nfe
+    assert canvas.nfe == max(c.nfe for c, _, _ in solo)
+    assert any(e.row >= 0 for d in rec.deltas for e in d.block_events)      # rows moved at different times
+
+
+def test_ragged_last_block(tiny_llada):
+    canvas, rec, _ = _run(tiny_llada, "block_buffer", PROMPTS[:1], gen=20, buffer_size=2, block_length=8)
+    assert not canvas.masked().any()
+    ev = [(e.kind, e.block, e.end - e.start) for d in rec.deltas for e in d.block_events]
+    assert ("admitted", 2, 4) in ev and ("completed", 2, 4) in ev
+    assert rec.deltas[-1].scalars["block_progress"].shape == (1, 3)
+
+
+def test_defaults_are_diffulex_defaults():
+    c = BB.Config()
+    assert (c.block_length, c.buffer_size, c.add_block_threshold, c.accept_threshold, c.semi_complete_threshold) == \
+           (32, 4, 0.1, 0.9, 0.9)
+
+
+@pytest.mark.parametrize("kw, key", [
+    (dict(buffer_size=0), "strategy.buffer_size=0"),
+    (dict(accept_threshold=0.0), "strategy.accept_threshold=0.0"),
+    (dict(accept_threshold=1.5), "strategy.accept_threshold=1.5"),
+    (dict(add_block_threshold=1.2), "strategy.add_block_threshold=1.2"),
+    (dict(semi_complete_threshold=-0.1), "strategy.semi_complete_threshold=-0.1"),
+    (dict(block_length=0), "strategy.block_length=0"),
+])
+def test_bad_values_name_the_key(kw, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        BB(BB.Config(**kw), 16)
