@@ -66,7 +66,12 @@ def register_configs() -> None:
         return
     _registered = True
     from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
 
+    from .checkpoints import embedded_path
+
+    if not OmegaConf.has_resolver("dlm_embedded"):
+        OmegaConf.register_new_resolver("dlm_embedded", lambda name: embedded_path(name) or f"<missing embedded checkpoint '{name}'>")
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
     cs.store(group="model", name="model_schema", node=ModelConfig)

@@ -103,3 +103,18 @@ def held_out(n: int, tasks: Optional[Sequence[str]] = None, seed: int = HELD_OUT
 def held_out_prompts(n: int = 2000) -> set:
     """Prompts of the (large) held-out pool; training excludes these for the open-ended tasks."""
     return {e.prompt for e in held_out(n) if e.task in ("add", "sub")}
+
+
+def held_out_for(task_cfg) -> List[Example]:
+    """The held-out examples a ``task`` config node asks for (``n``, ``tasks``, ``seed``)."""
+    names = list(task_cfg.tasks) if task_cfg.tasks else None
+    unknown = sorted(set(names or []) - set(GENERATORS))
+    if unknown:
+        from .errors import ConfigError
+
+        raise ConfigError(f"task.tasks: unknown task(s) {unknown} (available: {', '.join(sorted(GENERATORS))})")
+    if task_cfg.n <= 0:
+        from .errors import ConfigError
+
+        raise ConfigError(f"task.n={task_cfg.n} must be a positive integer")
+    return held_out(int(task_cfg.n), names, HELD_OUT_SEED if task_cfg.seed is None else int(task_cfg.seed))
