@@ -70,8 +70,49 @@ def _strategy_and_cache(case: dict) -> Tuple[str, dict, str]:
     if suite == "prophet":
         return "early_exit", kw, "none", gen_length
     if suite.startswith("dream"):
-        return "dream", dict(kw, function=fn), "none", gen_length
+        # Dream's diffusion_generate: generation length from max_new_tokens / max_length (specs/dream.md §3.1)
+        kw.pop("attention_mask", None)
+        cache = "none"
+        if suite == "dream_block":                 # Fast-dLLM's block loop: block_length defaults to 32
+            kw.setdefault("block_length", 32)
+            cache = "dual" if kw.get("dual_cache") else "prefix"
+        return "dream", dict(kw, function=fn), cache, _dream_gen_length(case)
     raise Unsupported(f"unknown suite '{suite}'")
+
+
+def _dream_gen_length(case: dict) -> int:
+    kw = case["kwargs"]
+    ids = case.get("input_ids")
+    P = case.get("prompt_len") or (len(ids[0]) if ids and isinstance(ids[0], list) else len(ids or []))
+    if kw.get("max_new_tokens") is not None:
+        return int(kw["max_new_tokens"])
+    if kw.get("max_length") is not None:
+        return int(kw["max_length"]) - P
+    return min(20 + P, 256) - P   # DreamGenerationConfig's default max_length (tiny model: 256 positions)
+
+
+def _rows(case: dict, prompts: List[List[int]]) -> Tuple[List[List[int]], bool]:
+    """Prompt rows of a case (left padding removed; Canvas re-pads) and whether the case is batched."""
+    extra = case.get("extra_inputs") or {}
+    batch_idx = extra.get("batch")
+    if "input_ids" in case:
+        ids = case["input_ids"]
+        batched = bool(ids) and isinstance(ids[0], list)
+        rows = ids if batched else [ids]
+        am = case.get("attention_mask")
+        if am is not None:
+            am = am if batched else [am]
+            rows = [[t for t, a in zip(r, m) if a] for r, m in zip(rows, am)]
+    else:
+        rows = [prompts[i] for i in batch_idx] if batch_idx is not None else [prompts[case["prompt_idx"]]]
+        if batch_idx is None and "prompt" in case:
+            rows = [case["prompt"]]
+        batched = batch_idx is not None
+    n = int((case.get("kwargs") or {}).get("num_return_sequences") or 1)
+    if n > 1:
+        rows = [r for r in rows for _ in range(n)]
+        batched = True
+    return [list(r) for r in rows], batched
 
 
 def build(case: dict):
@@ -103,12 +144,14 @@ def build(case: dict):
 
 def run_case(case: dict, prompts: List[List[int]], model, mask_id: int, pad_id: int) -> Dict[str, Any]:
     strategy, cache, gen_length = build(case)
-    extra = case.get("extra_inputs") or {}
-    batch_idx = extra.get("batch")
-    rows = [prompts[i] for i in batch_idx] if batch_idx is not None else [prompts[case["prompt_idx"]]]
-    if batch_idx is None and "prompt" in case:
-        rows = [case["prompt"]]
+    rows, batched = _rows(case, prompts)
     canvas = Canvas.from_prompts(rows, gen_length, mask_id, pad_id)
+    if canvas.is_padded and not getattr(model, "logits_shift", 0):
+        # The LLaDA references run Fast-dLLM's copy of the model, which ignores padding masks (spec §1.5):
+        # left padding is attended like any token, with plain 0..L-1 positions. Reproduce that here.
+        canvas.attention_mask[:] = True
+        canvas.position_ids = torch.arange(canvas.length).expand(canvas.batch_size, -1).clone()
+        canvas.is_padded = False
     if hasattr(strategy, "prepare_canvas"):
         strategy.prepare_canvas(canvas)
     counter = CallCounter()
@@ -117,9 +160,10 @@ def run_case(case: dict, prompts: List[List[int]], model, mask_id: int, pad_id: 
     decode(model, canvas, strategy, cache=cache, sinks=[counter])
     out = canvas.tokens.tolist()
     g = canvas.gen_start
-    so = canvas.step_of[0, g:].tolist()
-    unmask = [counter.cum[s] if s > 0 else 0 for s in so]
-    res = {"id": case["id"], "output": out if batch_idx is not None else out[0], "nfe": canvas.nfe,
+    unmask = [[counter.cum[s] if s > 0 else 0 for s in so] for so in canvas.step_of[:, g:].tolist()]
+    if not (batched and case["id"].startswith("dream")):   # the LLaDA suites record row 0 only
+        unmask = unmask[0]
+    res = {"id": case["id"], "output": out if batched else out[0], "nfe": canvas.nfe,
            "unmask_step": unmask}
     if hasattr(strategy, "reference_extra"):
         res["extra"] = strategy.reference_extra(counter.scalars, canvas)
