@@ -1,0 +1,476 @@
+"""Byte layout of a trace file (see ``docs/trace_format.md``).
+
+A file is ``PREAMBLE`` (magic + version) followed by framed records::
+
+    record := kind:u8  length:u32le  crc:u32le  payload[length]
+
+``crc`` is CRC-32 over ``kind``, ``length`` and the payload, so any single damaged byte (payload,
+length or kind) is detected; a record whose length runs past the end of the file is a truncation.
+Payloads are either zstd frames (content size + content checksum, decompressed with a size bound)
+or the compact per-sequence encoding of :func:`encode_seq`. No pickle anywhere.
+"""
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import zstandard as zstd
+
+MAGIC = b"\x89DLMT\r\n\x1a"          # PNG-style: catches text-mode transfers and truncated starts
+VERSION = (1, 0)                    # major, minor: readers accept the same major, any minor
+PREAMBLE = MAGIC + struct.pack("<HH", *VERSION)
+REC_HEAD = struct.Struct("<BII")    # kind, length, crc32
+MAX_PAYLOAD = 1 << 31               # bound on one record's payload (compressed or not)
+MAX_RAW = 1 << 32                   # bound on one record's decompressed size
+
+# record kinds
+HEADER, BATCH, STEPS, SEQ, BATCH_END, LOGITS, END = 1, 2, 3, 4, 5, 6, 7
+KIND_NAMES = {HEADER: "header", BATCH: "batch", STEPS: "steps", SEQ: "sequence", BATCH_END: "batch-end",
+              LOGITS: "logits", END: "end"}
+
+CAPTURE_LEVELS = ("tokens", "confidence", "topk", "logits")
+ZSTD_LEVEL = 9
+
+
+class TraceError(Exception):
+    """A trace file is unreadable: the message names the file problem in one line."""
+
+
+# --------------------------------------------------------------------------------------------------
+# framing
+def record_crc(kind: int, head: bytes, payload) -> int:
+    """CRC-32 of a record; the header record's CRC also covers the preamble (magic + version)."""
+    seed = zlib.crc32(PREAMBLE) if kind == HEADER else 0
+    return zlib.crc32(payload, zlib.crc32(head, seed))
+
+
+def frame_record(kind: int, payload: bytes) -> bytes:
+    if len(payload) >= MAX_PAYLOAD:
+        raise TraceError(f"record of {len(payload)} bytes exceeds the format limit")
+    head = struct.pack("<BI", kind, len(payload))
+    crc = record_crc(kind, head, payload)
+    return head + struct.pack("<I", crc) + payload
+
+
+def check_preamble(data: bytes, name: str = "trace") -> None:
+    if len(data) < len(PREAMBLE):
+        if MAGIC.startswith(bytes(data[:len(MAGIC)])):
+            raise TraceError(f"{name}: truncated before the end of the file preamble ({len(data)} bytes)")
+        raise TraceError(f"{name}: not a dlm_engine trace (bad magic)")
+    if bytes(data[:len(MAGIC)]) != MAGIC:
+        raise TraceError(f"{name}: not a dlm_engine trace (bad magic)")
+    major, minor = struct.unpack_from("<HH", data, len(MAGIC))
+    if major != VERSION[0]:
+        raise TraceError(f"{name}: unsupported trace format version {major}.{minor} "
+                         f"(this dlm_engine reads {VERSION[0]}.x)")
+
+
+# --------------------------------------------------------------------------------------------------
+# zstd with checksums and bounded decompression
+_CCTX: Dict[int, zstd.ZstdCompressor] = {}
+
+
+def zc(data: bytes, level: int = ZSTD_LEVEL) -> bytes:
+    c = _CCTX.get(level)
+    if c is None:
+        c = _CCTX[level] = zstd.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)
+    return c.compress(data)
+
+
+_DCTX = zstd.ZstdDecompressor()
+
+
+def zd(data: bytes, limit: int = MAX_RAW, expect: Optional[int] = None) -> bytes:
+    """Decompress one zstd frame; the declared content size must exist and stay within ``limit``."""
+    try:
+        size = zstd.frame_content_size(data)
+    except zstd.ZstdError as exc:
+        raise TraceError(f"bad zstd frame ({exc})") from None
+    if size < 0:
+        raise TraceError("zstd frame without content size")
+    if size > limit or (expect is not None and size != expect):
+        raise TraceError(f"zstd frame declares {size} bytes (expected {expect if expect is not None else f'<= {limit}'})")
+    try:
+        out = _DCTX.decompress(data, max_output_size=max(size, 1))
+    except zstd.ZstdError as exc:
+        raise TraceError(f"bad zstd frame ({exc})") from None
+    if len(out) != size:
+        raise TraceError("zstd frame decompressed to the wrong size")
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# varints
+def put_varint(out: bytearray, v: int) -> None:
+    v = int(v)
+    if v < 0:
+        raise ValueError("varint must be >= 0")
+    while v >= 0x80:
+        out.append((v & 0x7F) | 0x80)
+        v >>= 7
+    out.append(v)
+
+
+def get_varint(buf, pos: int) -> Tuple[int, int]:
+    v, shift = 0, 0
+    while True:
+        if pos >= len(buf):
+            raise TraceError("record ends inside a varint")
+        b = buf[pos]
+        pos += 1
+        v |= (b & 0x7F) << shift
+        if b < 0x80:
+            return v, pos
+        shift += 7
+        if shift > 63:
+            raise TraceError("varint too long")
+
+
+# --------------------------------------------------------------------------------------------------
+# bundles: a JSON index + raw little-endian arrays, zstd-compressed (batch/steps/end/logits records)
+_DTYPES = {"u1": np.uint8, "i1": np.int8, "u2": np.uint16, "i2": np.int16, "u4": np.uint32, "i4": np.int32,
+           "i8": np.int64, "u8": np.uint64, "f2": np.float16, "f4": np.float32, "f8": np.float64, "b1": np.bool_}
+
+
+def _dtype_code(a: np.ndarray) -> str:
+    for k, v in _DTYPES.items():
+        if a.dtype == v:
+            return k
+    raise TypeError(f"unsupported array dtype {a.dtype}")
+
+
+def encode_bundle(meta: Dict[str, Any], arrays: Optional[Dict[str, np.ndarray]] = None,
+                  level: int = ZSTD_LEVEL) -> bytes:
+    arrays = arrays or {}
+    index, blobs = [], []
+    for name, a in arrays.items():
+        a = np.ascontiguousarray(a)
+        code = _dtype_code(a)
+        index.append([name, code, list(a.shape)])
+        blobs.append(a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes())
+    js = json.dumps({"m": meta, "a": index}, separators=(",", ":"), allow_nan=True).encode()
+    head = bytearray()
+    put_varint(head, len(js))
+    return zc(bytes(head) + js + b"".join(blobs), level)
+
+
+def decode_bundle(payload: bytes, limit: int = MAX_RAW) -> Tuple[Dict[str, Any], Dict[str, np.ndarray]]:
+    raw = zd(payload, limit)
+    n, pos = get_varint(raw, 0)
+    if pos + n > len(raw):
+        raise TraceError("bundle index runs past the record")
+    try:
+        idx = json.loads(raw[pos:pos + n])
+        meta, index = idx["m"], idx["a"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise TraceError(f"bundle index is not valid JSON ({exc})") from None
+    pos += n
+    arrays = {}
+    for name, code, shape in index:
+        if code not in _DTYPES:
+            raise TraceError(f"bundle array '{name}' has unknown dtype '{code}'")
+        dt = np.dtype(_DTYPES[code]).newbyteorder("<")
+        count = int(np.prod(shape)) if shape else 1
+        nbytes = count * dt.itemsize
+        if pos + nbytes > len(raw):
+            raise TraceError(f"bundle array '{name}' runs past the record")
+        arrays[name] = np.frombuffer(raw, dtype=dt, count=count, offset=pos).reshape(shape)
+        pos += nbytes
+    if pos != len(raw):
+        raise TraceError("bundle has trailing bytes")
+    return meta, arrays
+
+
+# --------------------------------------------------------------------------------------------------
+# integer streams: byte planes (optionally zstd) or bit packing, whichever is smaller
+def zigzag(d: np.ndarray) -> np.ndarray:
+    d = d.astype(np.int64)
+    return ((d << 1) ^ (d >> 63)).astype(np.uint64)
+
+
+def unzigzag(z: np.ndarray) -> np.ndarray:
+    z = z.astype(np.int64)
+    return (z >> 1) ^ -(z & 1)
+
+
+def nbytes_for(vmax: int) -> int:
+    return max(1, (int(vmax).bit_length() + 7) // 8)
+
+
+def planes(v: np.ndarray, nb: int) -> bytes:
+    """Plane-major little-endian bytes of non-negative ints: all low bytes, then all next bytes, ..."""
+    b = v.astype("<u8").view(np.uint8).reshape(-1, 8)[:, :nb]
+    return np.ascontiguousarray(b.T).tobytes()
+
+
+def unplanes(buf, n: int, nb: int, offset: int = 0) -> np.ndarray:
+    b = np.frombuffer(buf, dtype=np.uint8, count=n * nb, offset=offset).reshape(nb, n)
+    out = b[0].astype(np.int64)
+    for i in range(1, nb):
+        out |= b[i].astype(np.int64) << (8 * i)
+    return out
+
+
+def bitpack(v: np.ndarray, width: int) -> bytes:
+    if width == 0 or v.size == 0:
+        return b""
+    bits = ((v.astype(np.uint64)[:, None] >> np.arange(width, dtype=np.uint64)) & np.uint64(1)).astype(np.uint8)
+    return np.packbits(bits.ravel(), bitorder="little").tobytes()
+
+
+def bitunpack(buf, n: int, width: int, offset: int = 0) -> np.ndarray:
+    if width == 0 or n == 0:
+        return np.zeros(n, dtype=np.int64)
+    nbytes = (n * width + 7) // 8
+    raw = np.frombuffer(buf, dtype=np.uint8, count=nbytes, offset=offset)
+    bits = np.unpackbits(raw, count=n * width, bitorder="little").reshape(n, width).astype(np.int64)
+    return bits @ (np.int64(1) << np.arange(width, dtype=np.int64))
+
+
+# stream methods
+M_PLANES, M_ZPLANES, M_BITS = 0, 1, 2
+
+
+def encode_ints(v: np.ndarray, level: int = ZSTD_LEVEL) -> bytes:
+    """Smallest of raw byte planes, zstd byte planes and bit packing: ``method:u8 param:u8 len:varint data``."""
+    vmax = int(v.max()) if v.size else 0
+    nb = nbytes_for(vmax)
+    width = vmax.bit_length()
+    p = planes(v, nb)
+    cands = [(M_PLANES, nb, p), (M_BITS, width, bitpack(v, width))]
+    if len(p) > 24:
+        cands.append((M_ZPLANES, nb, zc(p, level)))
+    m, param, data = min(cands, key=lambda c: len(c[2]))
+    out = bytearray((m, param))
+    put_varint(out, len(data))
+    return bytes(out) + data
+
+
+def decode_ints(buf, pos: int, n: int) -> Tuple[np.ndarray, int]:
+    if pos + 2 > len(buf):
+        raise TraceError("record ends inside an integer stream")
+    m, param = buf[pos], buf[pos + 1]
+    ln, pos = get_varint(buf, pos + 2)
+    if pos + ln > len(buf):
+        raise TraceError("integer stream runs past the record")
+    if m == M_PLANES:
+        if ln != n * param or param > 8:
+            raise TraceError("integer stream has the wrong size")
+        v = unplanes(buf, n, param, pos)
+    elif m == M_ZPLANES:
+        if param > 8:
+            raise TraceError("integer stream has a bad byte width")
+        raw = zd(bytes(buf[pos:pos + ln]), expect=n * param)
+        v = unplanes(raw, n, param)
+    elif m == M_BITS:
+        if param > 63 or ln != (n * param + 7) // 8:
+            raise TraceError("integer stream has the wrong size")
+        v = bitunpack(buf, n, param, pos)
+    else:
+        raise TraceError(f"unknown integer stream method {m}")
+    return v, pos + ln
+
+
+def encode_f16(x: np.ndarray, level: int = ZSTD_LEVEL) -> bytes:
+    u = np.ascontiguousarray(x.astype("<f2")).view("<u2").astype(np.uint64)
+    return encode_ints(u, level)
+
+
+def decode_f16(buf, pos: int, n: int) -> Tuple[np.ndarray, int]:
+    u, pos = decode_ints(buf, pos, n)
+    return u.astype("<u2").view("<f2").astype(np.float32), pos
+
+
+def encode_f32(x: np.ndarray, level: int = ZSTD_LEVEL) -> bytes:
+    u = np.ascontiguousarray(x.astype("<f4")).view("<u4").astype(np.uint64)
+    return encode_ints(u, level)
+
+
+def decode_f32(buf, pos: int, n: int) -> Tuple[np.ndarray, int]:
+    u, pos = decode_ints(buf, pos, n)
+    return u.astype("<u4").view("<f4"), pos
+
+
+# --------------------------------------------------------------------------------------------------
+# the per-sequence record
+F_CONF, F_EDITS, F_TOPK = 1, 2, 4
+
+
+@dataclass
+class SeqData:
+    """One row's final state; ``tokens``/``step_of`` cover the generation region only."""
+
+    row: int
+    tokens: np.ndarray                      # [L] int64
+    step_of: np.ndarray                     # [L] int64: -1 masked, 0 given, t >= 1 committed at step t
+    nfe: int = 0
+    finish_step: int = -1                   # step after which the row was finished (-1: never marked)
+    confidence: Optional[np.ndarray] = None  # [L] float32 (float16 precision); NaN where never committed
+    # earlier holdings of positions that were later remasked or overwritten: column (absolute canvas
+    # column), token, first step held, first step no longer held, confidence
+    edits: Optional[Dict[str, np.ndarray]] = None
+    topk_ids: Optional[np.ndarray] = None     # [n_committed, k] int64 (committed positions, in column order)
+    topk_logits: Optional[np.ndarray] = None  # [n_committed, k] float32
+
+
+def encode_seq(s: SeqData, level: int = ZSTD_LEVEL) -> bytes:
+    L = int(s.tokens.shape[0])
+    flags = (F_CONF if s.confidence is not None else 0) | (F_EDITS if s.edits is not None and len(s.edits["col"]) else 0) \
+        | (F_TOPK if s.topk_ids is not None else 0)
+    out = bytearray()
+    for v in (s.row, L, s.nfe, s.finish_step + 1, flags):
+        put_varint(out, v)
+    tok = s.tokens.astype(np.int64)
+    if L and int(tok.min()) < 0:
+        raise ValueError("negative token id")
+    zs = zigzag(np.diff(s.step_of.astype(np.int64), prepend=0))
+    # joint frame (token planes + step planes) or two separate streams, whichever is smaller
+    tb, sb = nbytes_for(int(tok.max()) if L else 0), nbytes_for(int(zs.max()) if L else 0)
+    joint = zc(planes(tok, tb) + planes(zs, sb), level) if L else b""
+    sep = encode_ints(tok, level) + encode_ints(zs, level)
+    if L and len(joint) + 3 < len(sep):
+        out += bytes((1, tb, sb))
+        put_varint(out, len(joint))
+        out += joint
+    else:
+        out.append(0)
+        out += sep
+    if flags & F_CONF:
+        committed = s.step_of >= 1
+        out += encode_f16(np.asarray(s.confidence)[committed], level)
+    if flags & F_EDITS:
+        e = s.edits
+        n = len(e["col"])
+        put_varint(out, n)
+        out += encode_ints(np.asarray(e["col"], dtype=np.int64), level)
+        out += encode_ints(np.asarray(e["token"], dtype=np.int64), level)
+        out += encode_ints(np.asarray(e["start"], dtype=np.int64), level)
+        out += encode_ints(np.asarray(e["end"], dtype=np.int64), level)
+        if flags & F_CONF:
+            out += encode_f16(np.asarray(e["confidence"], dtype=np.float32), level)
+    if flags & F_TOPK:
+        ids = np.asarray(s.topk_ids, dtype=np.int64)
+        n, k = ids.shape
+        put_varint(out, n)
+        put_varint(out, k)
+        out += encode_ints(ids.ravel(), level)
+        out += encode_f32(np.asarray(s.topk_logits, dtype=np.float32).ravel(), level)
+    return bytes(out)
+
+
+def decode_seq(buf: bytes) -> SeqData:
+    row, pos = get_varint(buf, 0)
+    L, pos = get_varint(buf, pos)
+    nfe, pos = get_varint(buf, pos)
+    fin, pos = get_varint(buf, pos)
+    flags, pos = get_varint(buf, pos)
+    if L > (1 << 26):
+        raise TraceError(f"sequence record claims {L} positions")
+    if pos >= len(buf):
+        raise TraceError("sequence record is cut short")
+    layout = buf[pos]
+    pos += 1
+    if layout == 1:
+        if pos + 2 > len(buf):
+            raise TraceError("sequence record is cut short")
+        tb, sb = buf[pos], buf[pos + 1]
+        if tb > 8 or sb > 8:
+            raise TraceError("sequence record has a bad byte width")
+        ln, pos = get_varint(buf, pos + 2)
+        if pos + ln > len(buf):
+            raise TraceError("sequence stream runs past the record")
+        raw = zd(buf[pos:pos + ln], expect=L * (tb + sb))
+        pos += ln
+        tok = unplanes(raw, L, tb)
+        zs = unplanes(raw, L, sb, offset=L * tb)
+    elif layout == 0:
+        tok, pos = decode_ints(buf, pos, L)
+        zs, pos = decode_ints(buf, pos, L)
+    else:
+        raise TraceError(f"unknown sequence layout {layout}")
+    step_of = np.cumsum(unzigzag(zs))
+    s = SeqData(row=row, tokens=tok, step_of=step_of, nfe=nfe, finish_step=fin - 1)
+    if flags & F_CONF:
+        committed = step_of >= 1
+        c, pos = decode_f16(buf, pos, int(committed.sum()))
+        conf = np.full(L, np.nan, dtype=np.float32)
+        conf[committed] = c
+        s.confidence = conf
+    if flags & F_EDITS:
+        n, pos = get_varint(buf, pos)
+        if n > (1 << 30):
+            raise TraceError("edit list too long")
+        e = {}
+        for key in ("col", "token", "start", "end"):
+            e[key], pos = decode_ints(buf, pos, n)
+        if flags & F_CONF:
+            e["confidence"], pos = decode_f16(buf, pos, n)
+        s.edits = e
+    if flags & F_TOPK:
+        n, pos = get_varint(buf, pos)
+        k, pos = get_varint(buf, pos)
+        if n * k > (1 << 30):
+            raise TraceError("top-k table too large")
+        ids, pos = decode_ints(buf, pos, n * k)
+        lg, pos = decode_f32(buf, pos, n * k)
+        s.topk_ids, s.topk_logits = ids.reshape(n, k), lg.reshape(n, k)
+    if pos != len(buf):
+        raise TraceError("sequence record has trailing bytes")
+    return s
+
+
+# --------------------------------------------------------------------------------------------------
+# error-bounded logit quantisation (capture=logits)
+def quantize_logits(x: np.ndarray, bound: float) -> Tuple[Dict[str, Any], Dict[str, np.ndarray]]:
+    """Uniform quantisation with step ``2 * bound``: ``|decoded - x| <= bound`` for every finite value.
+
+    The bound is checked here with the decoder's own arithmetic; values that would break it (huge
+    magnitudes) and every non-finite value (-inf, +inf, NaN, bit-exact) are stored verbatim as exceptions.
+    """
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    flat = x.ravel()
+    step = 2.0 * float(bound)
+    finite = np.isfinite(flat)
+    q = np.zeros(flat.shape, dtype=np.int64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        qf = np.rint(flat.astype(np.float64) / step)
+    ok = finite & (np.abs(qf) < 2 ** 31)
+    q[ok] = qf[ok].astype(np.int64)
+    rec = dequant(q, step)
+    err = np.abs(rec.astype(np.float64) - flat.astype(np.float64))
+    ok &= err <= bound
+    exc = np.flatnonzero(~ok)
+    q[exc] = 0
+    maxerr = float(err[ok].max()) if ok.any() else 0.0
+    # zigzag of the quantised values; their spread is what zstd sees
+    z = zigzag(q)
+    nb = nbytes_for(int(z.max()) if z.size else 0)
+    meta = {"shape": list(x.shape), "bound": float(bound), "step": step, "max_error": maxerr, "nb": nb}
+    arrays = {"q": np.frombuffer(planes(z, nb), dtype=np.uint8), "exc_index": exc.astype(np.int64),
+              "exc_value": flat[exc].view(np.uint32).copy()}
+    return meta, arrays
+
+
+def dequant(q: np.ndarray, step: float) -> np.ndarray:
+    return (q.astype(np.float64) * step).astype(np.float32)
+
+
+def dequantize_logits(meta: Dict[str, Any], arrays: Dict[str, np.ndarray]) -> np.ndarray:
+    shape = [int(s) for s in meta["shape"]]
+    n = int(np.prod(shape)) if shape else 1
+    nb = int(meta["nb"])
+    if nb > 8 or arrays["q"].size != n * nb:
+        raise TraceError("logits record has the wrong size")
+    if not meta["max_error"] <= meta["bound"]:
+        raise TraceError(f"logits record claims error {meta['max_error']} above its bound {meta['bound']}")
+    q = unzigzag(unplanes(arrays["q"].tobytes(), n, nb))
+    out = dequant(q, float(meta["step"]))
+    idx = arrays["exc_index"].astype(np.int64)
+    if idx.size and (idx.min() < 0 or idx.max() >= n):
+        raise TraceError("logits exception index out of range")
+    out[idx] = arrays["exc_value"].astype("<u4").view("<f4")
+    return out.reshape(shape)

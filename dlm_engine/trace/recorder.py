@@ -1,0 +1,467 @@
+"""The trace recorder: a sink of the FrameDelta stream with a bounded queue and a writer thread.
+
+The step loop only hands references to the delta's tensors to a queue (the loop never mutates a delta
+after emitting it). On CUDA the hand-over also records an event; the writer thread waits on that event
+and copies on a side stream, so recording adds no host-device synchronisation to the step loop. The
+writer thread keeps a shadow canvas, compacts each batch into one record per sequence (``step_of`` +
+final tokens), compresses and appends. A full queue blocks the producer (backpressure, never a drop).
+The file is written as ``NAME.partial`` and renamed to ``NAME`` after the end record and fsync; an
+interrupted or failed run leaves a flushed ``NAME.partial`` whose end record says why.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import time
+from queue import SimpleQueue
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from ..loop import Sink
+from . import format as fmt
+from .format import SeqData, TraceError
+
+STEP_CHUNK = 64          # steps per STEPS record
+FLUSH_SECONDS = 1.0      # a STEPS record at least this often during a long batch
+FSYNC_SECONDS = 5.0      # fsync at most this often before the final one
+
+
+class _Channel:
+    """Bounded hand-over: a C-level SimpleQueue plus counters; ``put`` blocks when ``maxsize`` items wait."""
+
+    def __init__(self, maxsize: int):
+        self._q: SimpleQueue = SimpleQueue()
+        self.maxsize = max(1, int(maxsize))
+        self.put_count = 0
+        self.done_count = 0
+        self.blocked = 0                  # times the producer had to wait (backpressure)
+        self._space = threading.Event()
+        self._waiting = False
+        self.error: Optional[BaseException] = None
+
+    def put(self, item, force: bool = False) -> None:
+        if self.error is not None:
+            raise TraceError(f"trace writer failed: {self.error}")
+        if not force and self.put_count - self.done_count >= self.maxsize:
+            self.blocked += 1
+            while self.put_count - self.done_count >= self.maxsize:
+                self._waiting = True
+                self._space.clear()
+                if self.put_count - self.done_count < self.maxsize:
+                    break
+                self._space.wait(0.05)
+                if self.error is not None:
+                    raise TraceError(f"trace writer failed: {self.error}")
+            self._waiting = False
+        self.put_count += 1
+        self._q.put(item)
+
+    def get(self):
+        return self._q.get()
+
+    def done(self) -> None:
+        self.done_count += 1
+        if self._waiting:
+            self._space.set()
+
+
+def _np(t) -> Any:
+    """A host numpy view of a tensor (already on the host: see ``_host``)."""
+    if isinstance(t, torch.Tensor):
+        return t.detach().numpy()
+    return t
+
+
+class _BatchState:
+    def __init__(self, batch: int, rows: List[int], tokens: np.ndarray, step_of: np.ndarray, gen_start: int,
+                 mask_id: int, capture: str, topk: int):
+        self.batch, self.rows = batch, rows
+        self.tok = tokens.astype(np.int64)
+        self.step = step_of.astype(np.int64)
+        self.gen_start, self.mask_id = gen_start, mask_id
+        B, L = self.tok.shape
+        self.conf = np.full((B, L), np.nan, dtype=np.float32) if capture != "tokens" else None
+        self.topk_ids = np.full((B, L, topk), -1, dtype=np.int64) if capture in ("topk", "logits") else None
+        self.topk_logits = np.full((B, L, topk), np.nan, dtype=np.float32) if self.topk_ids is not None else None
+        self.finish_step = np.full(B, -1, dtype=np.int64)
+        self.edits: List[tuple] = []      # (row, col, token, start, end, conf)
+        self.pending: List[tuple] = []    # per-step metadata not yet written
+        self.first_pending = 0
+        self.last_flush = time.perf_counter()
+        self.n_steps = 0
+        self.nfe = 0
+        self.wall = 0.0
+
+
+class TraceRecorder:
+    """Records every batch of a run into one trace file.
+
+    ``sink(batch, rows)`` returns the :class:`Sink` for one batch (``rows``: the global row indices of
+    its prompts, in ``results.jsonl`` order). Use as a context manager or call :meth:`close`.
+    """
+
+    def __init__(self, path: str, header: Dict[str, Any], capture: str = "tokens", topk: int = 5,
+                 logit_error_bound: float = 1e-2, queue_size: int = 256, level: int = fmt.ZSTD_LEVEL):
+        from ..errors import ConfigError
+
+        if capture not in fmt.CAPTURE_LEVELS:
+            raise ConfigError(f"trace.capture={capture} is not one of {', '.join(fmt.CAPTURE_LEVELS)}")
+        if capture in ("topk", "logits") and int(topk) <= 0:
+            raise ConfigError(f"trace.topk={topk} must be a positive integer")
+        if not (float(logit_error_bound) > 0):
+            raise ConfigError(f"trace.logit_error_bound={logit_error_bound} must be > 0")
+        if int(queue_size) <= 0:
+            raise ConfigError(f"trace.queue_size={queue_size} must be a positive integer")
+        self.path = str(path)
+        self.partial_path = self.path + ".partial"
+        self.capture, self.topk, self.bound, self.level = capture, int(topk), float(logit_error_bound), int(level)
+        self.wants_logits = capture in ("topk", "logits")
+        self.digest: Optional[str] = None
+        self.status: Optional[str] = None
+        self.records = {k: 0 for k in fmt.KIND_NAMES}
+        self.bytes_written = 0
+        self._hash = hashlib.sha256()
+        self._chan = _Channel(queue_size)
+        self._batches: Dict[int, _BatchState] = {}
+        self._side_stream = None
+        self._last_fsync = time.perf_counter()
+        header = dict(header)
+        header.setdefault("format", "dlm_engine trace")
+        header["capture"] = {"level": capture, "topk": self.topk if self.wants_logits else None,
+                             "logit_error_bound": self.bound if capture == "logits" else None}
+        self.header = header
+        d = os.path.dirname(os.path.abspath(self.path))
+        os.makedirs(d, exist_ok=True)
+        self._f = open(self.partial_path, "wb")
+        self._write_raw(fmt.PREAMBLE)
+        self._write(fmt.HEADER, fmt.zc(json.dumps(header, sort_keys=True, default=str).encode(), self.level))
+        self._f.flush()
+        self._thread = threading.Thread(target=self._run, name="dlm-trace-writer", daemon=True)
+        self._thread.start()
+        self._closed = False
+
+    # -- producer side (the step loop's thread) ------------------------------------------------------
+    def sink(self, batch: int, rows: Sequence[int]) -> "BatchSink":
+        return BatchSink(self, int(batch), [int(r) for r in rows])
+
+    def _put(self, item) -> None:
+        if self._closed:
+            raise TraceError("trace recorder is closed")
+        self._chan.put(item)
+
+    @property
+    def blocked_puts(self) -> int:
+        return self._chan.blocked
+
+    def close(self, status: str = "complete") -> Optional[str]:
+        """Drain the queue, write the end record, fsync; rename to the final name when complete.
+
+        Returns the sha256 digest of the file. Safe to call twice.
+        """
+        if self._closed:
+            return self.digest
+        self._closed = True
+        self._chan.put(("close", status), force=True)
+        self._thread.join()
+        if self._chan.error is not None:
+            try:
+                self._f.close()
+            except OSError:
+                pass
+            raise TraceError(f"trace writer failed: {self._chan.error}")
+        self.status = status
+        if status == "complete":
+            os.replace(self.partial_path, self.path)
+            _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+        return self.digest
+
+    @property
+    def written_path(self) -> str:
+        return self.path if self.status == "complete" else self.partial_path
+
+    def __enter__(self) -> "TraceRecorder":
+        return self
+
+    def __exit__(self, et, ev, tb) -> None:
+        if et is None:
+            self.close("complete")
+        else:
+            status = "interrupted" if issubclass(et, KeyboardInterrupt) else f"failed: {et.__name__}: {ev}"
+            try:
+                self.close(status)
+            except TraceError:
+                pass
+
+    # -- writer thread ---------------------------------------------------------------------------------
+    def _write_raw(self, b: bytes) -> None:
+        self._f.write(b)
+        self._hash.update(b)
+        self.bytes_written += len(b)
+
+    def _write(self, kind: int, payload: bytes) -> None:
+        self._write_raw(fmt.frame_record(kind, payload))
+        self.records[kind] += 1
+
+    def _run(self) -> None:
+        chan = self._chan
+        while True:
+            item = chan.get()
+            is_close = item[0] == "close"
+            try:
+                if chan.error is None:
+                    if is_close:
+                        self._finish(item[1])
+                    else:
+                        self._handle(item)
+            except BaseException as exc:  # never die silently: the producer sees it on its next put
+                chan.error = exc
+            chan.done()
+            if is_close:
+                return
+
+    def _host(self, t):
+        if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+            if self._side_stream is None:
+                self._side_stream = torch.cuda.Stream(device=t.device)
+            with torch.cuda.stream(self._side_stream):
+                return t.to("cpu")
+        return t
+
+    def _handle(self, item) -> None:
+        kind = item[0]
+        if kind == "delta":
+            _, batch, delta, event = item
+            if event is not None:
+                event.synchronize()
+            self._on_delta(self._batches[batch], delta)
+        elif kind == "begin":
+            self._on_begin(*item[1:])
+        elif kind == "end":
+            self._on_end(*item[1:])
+
+    def _on_begin(self, batch, rows, tokens, step_of, attn, gen_start, mask_id, info, rng, event) -> None:
+        if event is not None:
+            event.synchronize()
+        tokens, step_of, attn = (_np(self._host(t)) for t in (tokens, step_of, attn))
+        st = _BatchState(batch, rows, tokens, step_of, gen_start, mask_id, self.capture, self.topk)
+        self._batches[batch] = st
+        P = gen_start
+        meta = {"batch": batch, "rows": rows, "gen_start": P, "length": int(tokens.shape[1]), "mask_id": mask_id,
+                "info": {k: (v if isinstance(v, (int, float, str, bool)) or v is None else str(v)) for k, v in info.items()},
+                "rng_sha256": None if rng is None else hashlib.sha256(rng).hexdigest()}
+        self._write(fmt.BATCH, fmt.encode_bundle(meta, {
+            "prompt_tokens": np.ascontiguousarray(tokens[:, :P]).astype(np.int64),
+            "prompt_mask": np.ascontiguousarray(attn[:, :P]).astype(np.bool_),
+            # tokens given inside the generation region (constraints) are part of the sequence records
+        }, self.level))
+
+    def _on_delta(self, st: _BatchState, delta) -> None:
+        s = int(delta.start)
+        commit = _np(self._host(delta.commit))
+        W = commit.shape[1]
+        tok = st.tok[:, s:s + W]
+        so = st.step[:, s:s + W]
+        t = int(delta.step)
+        conf = None
+        if st.conf is not None and delta.confidence is not None:
+            conf = _np(self._host(delta.confidence))
+        cw = st.conf[:, s:s + W] if st.conf is not None else None
+        if delta.remask is not None:
+            rm = _np(self._host(delta.remask))
+            if rm.any():
+                self._note_edits(st, rm & (so >= 0), s, tok, so, cw, t)
+                tok[rm] = st.mask_id
+                so[rm] = -1
+                if cw is not None:
+                    cw[rm] = np.nan
+        over = commit & (so >= 0)
+        if over.any():
+            self._note_edits(st, over, s, tok, so, cw, t)
+        np.copyto(tok, _np(self._host(delta.tokens)), where=commit)
+        so[commit] = t
+        if conf is not None:
+            np.copyto(cw, conf, where=commit)
+        logits = getattr(delta, "logits", None)
+        if logits is not None and st.topk_ids is not None:
+            self._capture_logits(st, delta, logits, commit, s, W)
+        fin = _np(self._host(delta.finished))
+        newly = fin & (st.finish_step < 0)
+        if newly.any():
+            st.finish_step[newly] = t
+        scal = {}
+        for k, v in delta.scalars.items():
+            scal[k] = _np(self._host(v)).copy() if isinstance(v, torch.Tensor) else v
+        st.pending.append((t, int(delta.nfe), float(delta.wall_time), s, W, _np(self._host(delta.active)).copy(),
+                           fin.copy(), scal, list(delta.block_events)))
+        st.n_steps += 1
+        st.nfe += int(delta.nfe)
+        st.wall = float(delta.wall_time)
+        if len(st.pending) >= STEP_CHUNK or time.perf_counter() - st.last_flush >= FLUSH_SECONDS:
+            self._flush_steps(st)
+
+    @staticmethod
+    def _note_edits(st: _BatchState, where: np.ndarray, s: int, tok, so, cw, t: int) -> None:
+        r, c = np.nonzero(where)
+        for ri, ci in zip(r.tolist(), c.tolist()):
+            st.edits.append((ri, s + ci, int(tok[ri, ci]), int(so[ri, ci]), t,
+                             float(cw[ri, ci]) if cw is not None else float("nan")))
+
+    def _capture_logits(self, st: _BatchState, delta, logits, commit, s: int, W: int) -> None:
+        lg = self._host(logits)
+        if lg.dtype not in (torch.float32, torch.float64):
+            lg = lg.float()
+        r, c = np.nonzero(commit)
+        if len(r):
+            sel = lg[torch.from_numpy(r), torch.from_numpy(c)]
+            k = min(self.topk, sel.shape[-1])
+            vals, ids = torch.topk(sel.float(), k, dim=-1)
+            st.topk_ids[r, s + c, :k] = ids.numpy()
+            st.topk_logits[r, s + c, :k] = vals.numpy()
+        if self.capture == "logits":
+            meta, arrays = fmt.quantize_logits(lg.float().numpy(), self.bound)
+            meta.update(batch=st.batch, step=int(delta.step), start=s)
+            self._write(fmt.LOGITS, fmt.encode_bundle(meta, arrays, level=3))
+
+    def _flush_steps(self, st: _BatchState) -> None:
+        if not st.pending:
+            return
+        rows = st.pending
+        n = len(rows)
+        arrays = {
+            "step": np.array([r[0] for r in rows], dtype=np.int32),
+            "nfe": np.array([r[1] for r in rows], dtype=np.int32),
+            "wall_time": np.array([r[2] for r in rows], dtype=np.float64),
+            "start": np.array([r[3] for r in rows], dtype=np.int32),
+            "width": np.array([r[4] for r in rows], dtype=np.int32),
+            "active": np.stack([r[5] for r in rows]).astype(np.bool_),
+            "finished": np.stack([r[6] for r in rows]).astype(np.bool_),
+        }
+        names: List[str] = []
+        for r in rows:
+            for k in r[7]:
+                if k not in names:
+                    names.append(k)
+        json_scalars = {}
+        for k in names:
+            vals = [r[7].get(k) for r in rows]
+            present = np.array([v is not None for v in vals])
+            got = [np.asarray(v) for v in vals if v is not None]
+            shapes = {g.shape for g in got}
+            kinds = {g.dtype.kind for g in got}
+            if len(shapes) == 1 and kinds <= {"b", "i", "u", "f"}:
+                dt = np.bool_ if kinds == {"b"} else (np.float64 if "f" in kinds else np.int64)
+                arr = np.zeros((n,) + next(iter(shapes)), dtype=dt)
+                arr[present] = np.stack(got).astype(dt)
+                arrays["s:" + k] = arr
+                if not present.all():
+                    arrays["p:" + k] = present
+            else:
+                json_scalars[k] = [None if v is None else (np.asarray(v).tolist()) for v in vals]
+        events = [[i, e.kind, int(e.block), int(e.start), int(e.end), int(e.row)]
+                  for i, r in enumerate(rows) for e in r[8]]
+        meta = {"batch": st.batch, "first": st.first_pending, "n": n, "events": events, "json_scalars": json_scalars}
+        self._write(fmt.STEPS, fmt.encode_bundle(meta, arrays, self.level))
+        st.first_pending += n
+        st.pending = []
+        st.last_flush = time.perf_counter()
+
+    def _on_end(self, batch, tokens, step_of, row_nfe, event) -> None:
+        if event is not None:
+            event.synchronize()
+        st = self._batches.pop(batch)
+        self._flush_steps(st)
+        tokens, step_of, row_nfe = (_np(self._host(t)) for t in (tokens, step_of, row_nfe))
+        P = st.gen_start
+        mismatch = not (np.array_equal(tokens[:, P:], st.tok[:, P:]) and np.array_equal(step_of[:, P:], st.step[:, P:]))
+        final_tok = tokens.astype(np.int64) if mismatch else st.tok
+        final_step = step_of.astype(np.int64) if mismatch else st.step
+        edits_by_row: Dict[int, List[tuple]] = {}
+        for e in st.edits:
+            edits_by_row.setdefault(e[0], []).append(e)
+        for i, row in enumerate(st.rows):
+            so = final_step[i, P:]
+            sd = SeqData(row=row, tokens=final_tok[i, P:], step_of=so, nfe=int(row_nfe[i]),
+                         finish_step=int(st.finish_step[i]))
+            if st.conf is not None:
+                sd.confidence = st.conf[i, P:]
+            ed = edits_by_row.get(i)
+            if ed:
+                sd.edits = {"col": np.array([e[1] for e in ed]), "token": np.array([e[2] for e in ed]),
+                            "start": np.array([e[3] for e in ed]), "end": np.array([e[4] for e in ed]),
+                            "confidence": np.array([e[5] for e in ed], dtype=np.float32)}
+            if st.topk_ids is not None:
+                committed = so >= 1
+                sd.topk_ids = np.maximum(st.topk_ids[i, P:][committed], 0)
+                sd.topk_logits = st.topk_logits[i, P:][committed]
+            self._write(fmt.SEQ, fmt.encode_seq(sd, self.level))
+        self._write(fmt.BATCH_END, fmt.encode_bundle(
+            {"batch": batch, "steps": st.n_steps, "nfe": st.nfe, "wall_time": st.wall, "mismatch": bool(mismatch),
+             "rows": st.rows}, {}, self.level))
+        self._f.flush()
+        if time.perf_counter() - self._last_fsync >= FSYNC_SECONDS:
+            os.fsync(self._f.fileno())
+            self._last_fsync = time.perf_counter()
+
+    def _finish(self, status: str) -> None:
+        for st in list(self._batches.values()):   # batches cut short: keep their step records
+            self._flush_steps(st)
+        unfinished = sorted(self._batches)
+        meta = {"status": status, "records": {fmt.KIND_NAMES[k]: v for k, v in self.records.items()},
+                "unfinished_batches": unfinished, "sha256_before_end": self._hash.hexdigest(),
+                "bytes_before_end": self.bytes_written, "queue": {"size": self._chan.maxsize, "blocked_puts": self._chan.blocked},
+                "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        self._write(fmt.END, fmt.encode_bundle(meta, {}, self.level))
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        self.digest = "sha256:" + self._hash.hexdigest()
+
+
+def _fsync_dir(d: str) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class BatchSink(Sink):
+    """The sink of one batch; hands tensors over without copying or synchronising."""
+
+    def __init__(self, rec: TraceRecorder, batch: int, rows: List[int]):
+        self.rec, self.batch, self.rows = rec, batch, rows
+        self.wants_logits = rec.wants_logits
+        self._cuda = False
+
+    def _event(self):
+        if not self._cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record()
+        return ev
+
+    def on_start(self, canvas, info: dict) -> None:
+        self._cuda = canvas.device.type == "cuda"
+        if len(self.rows) != canvas.batch_size:
+            raise TraceError(f"batch {self.batch}: {len(self.rows)} row indices for a batch of {canvas.batch_size}")
+        rng = torch.random.get_rng_state().numpy().tobytes()
+        if self._cuda:
+            rng += torch.cuda.get_rng_state(canvas.device).numpy().tobytes()
+        self.rec._put(("begin", self.batch, self.rows, canvas.tokens.clone(), canvas.step_of.clone(),
+                       canvas.attention_mask.clone(), canvas.gen_start, canvas.mask_id, dict(info), rng, self._event()))
+
+    def on_delta(self, delta, canvas) -> None:
+        self.rec._put(("delta", self.batch, delta, self._event()))
+
+    def on_end(self, canvas) -> None:
+        self.rec._put(("end", self.batch, canvas.tokens.clone(), canvas.step_of.clone(), canvas.row_nfe.clone(),
+                       self._event()))

@@ -1,0 +1,151 @@
+"""Glue between ``dlm`` runs and traces: provenance header, the run's recorder, config from a header."""
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from . import format as fmt
+
+
+def check_config(trace_cfg) -> None:
+    """Validate the ``trace`` config group before any model is loaded (ConfigError names the key)."""
+    from ..errors import ConfigError
+
+    if trace_cfg.capture not in fmt.CAPTURE_LEVELS:
+        raise ConfigError(f"trace.capture={trace_cfg.capture} is not one of {', '.join(fmt.CAPTURE_LEVELS)}")
+    if int(trace_cfg.topk) <= 0:
+        raise ConfigError(f"trace.topk={trace_cfg.topk} must be a positive integer")
+    if not float(trace_cfg.logit_error_bound) > 0:
+        raise ConfigError(f"trace.logit_error_bound={trace_cfg.logit_error_bound} must be > 0")
+    if int(trace_cfg.queue_size) <= 0:
+        raise ConfigError(f"trace.queue_size={trace_cfg.queue_size} must be a positive integer")
+    name = str(trace_cfg.filename)
+    if not name or os.sep in name or name in (".", ".."):
+        raise ConfigError(f"trace.filename='{name}' must be a plain file name (it is written in the run directory)")
+
+
+def git_commit() -> Dict[str, Any]:
+    """Commit of the source tree dlm_engine runs from (editable installs), if git knows it."""
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        if head.returncode != 0:
+            return {"commit": None}
+        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+        return {"commit": head.stdout.strip(), "dirty": bool(dirty.stdout.strip()) if dirty.returncode == 0 else None}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None}
+
+
+def rng_state() -> Dict[str, Any]:
+    import torch
+
+    cpu = torch.random.get_rng_state().numpy().tobytes()
+    out = {"torch_cpu_b64": base64.b64encode(cpu).decode(), "torch_cpu_sha256": hashlib.sha256(cpu).hexdigest()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        cuda = torch.cuda.get_rng_state().numpy().tobytes()
+        out["torch_cuda_b64"] = base64.b64encode(cuda).decode()
+    return out
+
+
+def restore_rng(state: Dict[str, Any]) -> None:
+    import torch
+
+    if state.get("torch_cpu_b64"):
+        raw = base64.b64decode(state["torch_cpu_b64"])
+        torch.random.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+    if state.get("torch_cuda_b64") and torch.cuda.is_available():
+        raw = base64.b64decode(state["torch_cuda_b64"])
+        torch.cuda.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+
+
+def hydra_overrides() -> List[str]:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return list(HydraConfig.get().overrides.task)
+    except Exception:
+        return []
+
+
+def build_header(cfg, lm, rows_expected: Optional[int] = None) -> Dict[str, Any]:
+    """Provenance of a run: package, git, model + weights digest, tokenizer, config, seed + RNG state, ..."""
+    import numpy
+    import torch
+    import transformers
+    import zstandard
+    from omegaconf import OmegaConf
+
+    from .. import __version__
+
+    model_path = getattr(cfg.model, "path", None)
+    if lm.tokenizer_digest == "char-ascii-v1":
+        tok = {"kind": "char", "digest": lm.tokenizer_digest}
+    elif model_path and lm.tokenizer_digest:
+        tok = {"kind": "hf", "path": str(Path(model_path).expanduser().resolve()), "digest": lm.tokenizer_digest}
+    else:
+        tok = None
+    now = time.time()
+    return {
+        "format": "dlm_engine trace",
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(now)),
+        "created_unix": now,
+        "package": {"name": "dlm_engine", "version": __version__, "git": git_commit()},
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "numpy": numpy.__version__,
+                     "zstandard": zstandard.__version__, "python": platform.python_version()},
+        "model": {"name": lm.name, "digest": lm.digest, "tokenizer_digest": lm.tokenizer_digest,
+                  "mask_id": lm.mask_id, "eos_id": lm.eos_id, "pad_id": lm.pad_id,
+                  "path": str(Path(model_path).expanduser().resolve()) if model_path else None},
+        "tokenizer": tok,
+        "config": OmegaConf.to_container(cfg, resolve=True),
+        "overrides": hydra_overrides(),
+        "seed": int(cfg.seed),
+        "rng": rng_state(),
+        "device": str(lm.device),
+        "dtype": str(lm.dtype).replace("torch.", ""),
+        "rows_expected": rows_expected,
+    }
+
+
+def open_run_recorder(cfg, out_dir, lm, prompt_ids: Sequence) -> Optional["TraceRecorder"]:
+    """The recorder of a ``dlm`` run (``None`` when ``trace.record=false``). Call right before decoding."""
+    from .recorder import TraceRecorder
+
+    t = cfg.trace
+    if not t.record:
+        return None
+    header = build_header(cfg, lm, rows_expected=len(prompt_ids))
+    return TraceRecorder(str(Path(out_dir) / t.filename), header, capture=t.capture, topk=t.topk,
+                         logit_error_bound=t.logit_error_bound, queue_size=t.queue_size)
+
+
+def config_from_header(header: Dict[str, Any]):
+    """Rebuild the typed run config recorded in a header (schemas from the registries, values from the file)."""
+    from omegaconf import OmegaConf
+
+    from ..config import ModelConfig, RunConfig, register_configs
+    from ..errors import UserError
+    from ..registry import cache_class, strategy_class
+
+    register_configs()
+    rec = header.get("config")
+    if not isinstance(rec, dict):
+        raise UserError("trace header has no recorded config")
+    rec = dict(rec)
+    groups = {"model": ModelConfig, "strategy": strategy_class(rec["strategy"]["name"]).Config,
+              "cache": cache_class(rec["cache"]["name"]).Config}
+    top = {k: v for k, v in rec.items() if k not in groups}
+    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), top)
+    for k, schema in groups.items():
+        node = OmegaConf.merge(OmegaConf.structured(schema), rec[k])
+        OmegaConf.set_struct(cfg, False)
+        cfg[k] = node
+    OmegaConf.set_struct(cfg, True)
+    return cfg

@@ -1,0 +1,287 @@
+"""What ``dlm-trace`` does: integrity check, replay, first divergence, diff, verified re-run, HTML view."""
+from __future__ import annotations
+
+import hashlib
+import html
+import json
+import os
+import tempfile
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+from . import format as fmt
+from .format import TraceError
+from .reader import Sequence, Trace, open_trace
+
+
+# --------------------------------------------------------------------------------------------------
+# integrity
+def verify_integrity(tr: Trace) -> Dict[str, Any]:
+    """Decode every record fully (sequences, step tables, logits with their error bound); raise on any problem."""
+    if tr.problems:
+        raise TraceError(f"{tr.name}: {tr.problems[0]}")
+    if tr.status != "complete":
+        raise TraceError(f"{tr.name}: the recorded run did not complete (status: {tr.status})")
+    for s in tr:
+        s.tokens  # noqa: B018 - decodes and checks the record
+        if (s.step_of < -1).any() or (s.tokens < 0).any():
+            raise TraceError(f"{tr.name}: sequence of row {s.row} holds invalid values")
+    for b in tr.batches.values():
+        b.steps  # noqa: B018
+    for key in tr.logit_steps():
+        tr.logits(*key)
+    exp = tr.header.get("rows_expected")
+    if exp is not None and len(tr) != int(exp):
+        raise TraceError(f"{tr.name}: {len(tr)} sequences recorded, the run had {exp}")
+    return {"sequences": len(tr), "batches": len(tr.batches), "records": len(tr.records), "bytes": tr.size,
+            "sha256": hashlib.sha256(tr.data).hexdigest()}
+
+
+# --------------------------------------------------------------------------------------------------
+# comparing trajectories
+def _event_steps(s: Sequence) -> np.ndarray:
+    parts = [s.step_of[s.step_of >= 0]]
+    if s.edits is not None:
+        parts += [s.edits["start"], s.edits["end"]]
+    return np.unique(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64)
+
+
+def first_divergence(a: Sequence, b: Sequence) -> Optional[Dict[str, Any]]:
+    """The first step whose canvas differs between two sequences, the first such position and both tokens.
+
+    ``None`` when the trajectories are identical (same tokens committed at the same steps).
+    """
+    if a.gen_length != b.gen_length:
+        return {"step": 0, "position": None, "column": None, "token_a": None, "token_b": None,
+                "reason": f"generation lengths differ ({a.gen_length} vs {b.gen_length})"}
+    if a.edits is None and b.edits is None:
+        so_a, so_b = a.step_of, b.step_of
+        differ = (so_a != so_b) | ((a.tokens != b.tokens) & (so_a >= 0))
+        if not differ.any():
+            return None
+        big = np.iinfo(np.int64).max
+        sa = np.where(so_a >= 0, so_a, big)
+        sb = np.where(so_b >= 0, so_b, big)
+        first = np.where(differ, np.minimum(sa, sb), big)
+        t = int(first.min())
+        p = int(np.flatnonzero(first == t)[0])
+    else:
+        t = p = None
+        for step in np.union1d(_event_steps(a), _event_steps(b)).tolist():
+            d = np.flatnonzero(a.state_at(step) != b.state_at(step))
+            if d.size:
+                t, p = int(step), int(d[0])
+                break
+        if t is None:
+            return None
+    return {"step": t, "position": p, "column": a.gen_start + p,
+            "token_a": int(a.state_at(t)[p]), "token_b": int(b.state_at(t)[p]),
+            "step_of_a": int(a.step_of[p]), "step_of_b": int(b.step_of[p])}
+
+
+def token_str(tr: Trace, tid: Optional[int], mask_id: Optional[int] = None) -> str:
+    if tid is None:
+        return "-"
+    if mask_id is not None and tid == mask_id:
+        return "[MASK]"
+    tok = tr.tokenizer
+    if tok is None:
+        return str(tid)
+    try:
+        out = tok.convert_ids_to_tokens([int(tid)])[0]
+        return str(tid) if out is None else str(out)
+    except Exception:
+        return str(tid)
+
+
+def diff(a: Trace, b: Trace) -> Dict[str, Any]:
+    """Row-by-row comparison of two traces: the first divergence overall, per-row results, header changes."""
+    rows_a = {s.row: s for s in a}
+    rows_b = {s.row: s for s in b}
+    common = sorted(set(rows_a) & set(rows_b))
+    per_row = []
+    first = None
+    for r in common:
+        sa, sb = rows_a[r], rows_b[r]
+        d = first_divergence(sa, sb)
+        ent = {"row": r, "identical": d is None, "nfe": [sa.nfe, sb.nfe], "steps": [sa.n_steps, sb.n_steps],
+               "output_equal": sa.output_ids() == sb.output_ids(),
+               "positions_differing": int((sa.tokens != sb.tokens).sum()) if sa.gen_length == sb.gen_length else None}
+        if sa.confidence is not None and sb.confidence is not None and d is None:
+            both = np.isfinite(sa.confidence) & np.isfinite(sb.confidence)
+            ent["max_confidence_diff"] = float(np.abs(sa.confidence[both] - sb.confidence[both]).max()) if both.any() else 0.0
+        if d is not None:
+            ent["divergence"] = d
+            if first is None or d["step"] < first["step"]:
+                first = dict(d, row=r)
+        per_row.append(ent)
+    changed = {}
+    for key in ("model", "seed", "device", "dtype"):
+        if a.header.get(key) != b.header.get(key):
+            changed[key] = [a.header.get(key), b.header.get(key)]
+    ca, cb = a.config, b.config
+    for grp in sorted(set(ca) | set(cb)):
+        if ca.get(grp) != cb.get(grp):
+            changed[f"config.{grp}"] = [ca.get(grp), cb.get(grp)]
+    return {"rows_a": len(rows_a), "rows_b": len(rows_b), "rows_only_a": sorted(set(rows_a) - set(rows_b)),
+            "rows_only_b": sorted(set(rows_b) - set(rows_a)), "rows_compared": len(common),
+            "rows_identical": sum(e["identical"] for e in per_row),
+            "outputs_equal": sum(e["output_equal"] for e in per_row),
+            "nfe": [sum(s.nfe for s in a), sum(s.nfe for s in b)], "first": first, "rows": per_row, "changed": changed}
+
+
+def describe_divergence(tr: Trace, d: Dict[str, Any], other: Optional[Trace] = None) -> str:
+    if d.get("position") is None:
+        return f"row {d['row']}: {d.get('reason', 'differs')}"
+    other = other or tr
+    mask = tr.header.get("model", {}).get("mask_id")
+    ta = token_str(tr, d["token_a"], mask)
+    tb = token_str(other, d["token_b"], mask)
+    return (f"row {d['row']} step {d['step']} position {d['position']} (column {d['column']}): "
+            f"{d['token_a']} {ta!r} vs {d['token_b']} {tb!r}")
+
+
+# --------------------------------------------------------------------------------------------------
+# verified re-run with the model
+def rerun(tr: Trace, device: Optional[str] = None, model_path: Optional[str] = None,
+          out_path: Optional[str] = None) -> Dict[str, Any]:
+    """Re-run the recorded decode (config, prompts, seed and RNG state from the trace) and compare.
+
+    Returns ``{"reproduced": bool, "first": divergence or None, "notes": [...], "diff": ...}``.
+    """
+    import torch
+
+    from ..app import validate
+    from ..generate import load_model, run_prompts
+    from ..registry import load_plugins
+    from .recorder import TraceRecorder
+    from .runtime import build_header, config_from_header, restore_rng
+
+    verify_integrity(tr)
+    load_plugins()
+    cfg = config_from_header(tr.header)
+    if device is not None:
+        cfg.device = device
+    if model_path is not None:
+        cfg.model.path = model_path
+    make_strategy, make_cache = validate(cfg)
+    lm = load_model(cfg.model, cfg.device, cfg.dtype)
+    notes = []
+    rec_model = tr.header.get("model", {})
+    if rec_model.get("digest") != lm.digest:
+        notes.append(f"weights digest differs: recorded {rec_model.get('digest')}, now {lm.digest}")
+    if rec_model.get("tokenizer_digest") != lm.tokenizer_digest:
+        notes.append(f"tokenizer digest differs: recorded {rec_model.get('tokenizer_digest')}, now {lm.tokenizer_digest}")
+    if str(lm.device) != tr.header.get("device") or str(lm.dtype).replace("torch.", "") != tr.header.get("dtype"):
+        notes.append(f"device/dtype differ: recorded {tr.header.get('device')}/{tr.header.get('dtype')}, "
+                     f"now {lm.device}/{str(lm.dtype).replace('torch.', '')}")
+    ids = [s.prompt_ids.tolist() for s in tr]
+    torch.manual_seed(int(tr.header.get("seed", 0)))
+    restore_rng(tr.header.get("rng", {}))
+    tmpdir = None
+    if out_path is None:
+        tmpdir = tempfile.mkdtemp(prefix="dlm-trace-rerun-")
+        out_path = os.path.join(tmpdir, "rerun.dlmt")
+    header = build_header(cfg, lm, rows_expected=len(ids))
+    header["rng"] = tr.header.get("rng", {})
+    cap = tr.header.get("capture", {})
+    rec = TraceRecorder(out_path, header, capture=cap.get("level", "tokens"), topk=cap.get("topk") or 5,
+                        logit_error_bound=cap.get("logit_error_bound") or 1e-2)
+    error = None
+    with rec:
+        try:
+            run_prompts(lm, ids, make_strategy, make_cache, cfg.gen_length, cfg.batch_size,
+                        sinks_for_batch=lambda b, rows: [rec.sink(b, rows)])
+        except RuntimeError as exc:   # e.g. a stalled decode under changed weights: still a divergence
+            error = f"{type(exc).__name__}: {exc}"
+    new = open_trace(rec.written_path)
+    dd = diff(tr, new)
+    if error:
+        notes.append(f"re-run stopped early ({error})")
+    reproduced = dd["first"] is None and not error and dd["rows_compared"] == len(tr)
+    out = {"reproduced": reproduced, "first": dd["first"], "notes": notes, "diff": dd, "trace": new,
+           "path": rec.written_path}
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# HTML view
+_PAGE = """<!doctype html>
+<html><head><meta charset="utf-8"><title>__TITLE__</title>
+<style>
+body{font-family:system-ui,sans-serif;margin:1.2em;color:#222}
+.seq{margin:0.8em 0 1.4em 0}.meta{font-size:12px;color:#555;margin-bottom:3px}
+.cells{display:flex;flex-wrap:wrap;gap:2px}
+.c{font-family:ui-monospace,monospace;font-size:13px;padding:2px 3px;border-radius:3px;min-width:0.7em;
+   white-space:pre;border:1px solid rgba(0,0,0,.08)}
+.m{background:#e8e8e8;color:#aaa}.p{background:#fff;color:#777;border-style:dashed}
+#bar{position:sticky;top:0;background:#fff;padding:6px 0;border-bottom:1px solid #ddd;z-index:1}
+#legend{display:inline-block;width:220px;height:10px;vertical-align:middle;
+        background:linear-gradient(90deg,hsl(230,75%,62%),hsl(130,65%,55%),hsl(50,90%,55%),hsl(0,80%,60%))}
+</style></head><body>
+<h3>__TITLE__</h3>
+<div id="bar">step <input id="t" type="range" min="0" max="__TMAX__" value="__TMAX__" style="width:45%">
+<b id="tv"></b> &nbsp; <label><input id="pr" type="checkbox"> prompt</label>
+&nbsp; commit step: 1 <span id="legend"></span> __TMAX__</div>
+<div id="seqs"></div>
+<script>
+const D = __DATA__;
+const T = D.tmax;
+function col(s){ if(s<=0) return '#fff'; const f=T>1?(s-1)/(T-1):0; return 'hsl('+(230-230*f)+',75%,'+(62+8*Math.sin(f*3.14))+'%)'; }
+function esc(x){ return x.replace(/[&<>]/g, c=>({'&':'&amp;','<':'&lt;','>':'&gt;'}[c])); }
+function render(){
+  const t = +document.getElementById('t').value, pr = document.getElementById('pr').checked;
+  document.getElementById('tv').textContent = t;
+  let h = '';
+  for (const s of D.seqs){
+    h += '<div class="seq"><div class="meta">row '+s.row+' &middot; NFE '+s.nfe+' &middot; steps '+s.steps+
+         (s.text!==null?' &middot; '+esc(JSON.stringify(s.text)):'')+'</div><div class="cells">';
+    if (pr) for (const p of s.prompt) h += '<span class="c p">'+esc(D.vocab[p]??String(p))+'</span>';
+    for (let i=0;i<s.tok.length;i++){
+      let tok=null, st=s.so[i];
+      if (st>=0 && st<=t) tok=s.tok[i];
+      for (const e of s.edits) if (e[0]===i && e[2]<=t && t<e[3]) { tok=e[1]; st=e[2]; }
+      const title='position '+i+(s.so[i]>=0?' committed at step '+s.so[i]:' never committed')+
+                  (s.conf && s.conf[i]!==null?' conf '+s.conf[i].toFixed(3):'');
+      if (tok===null) h += '<span class="c m" title="'+title+'">'+esc(D.mask)+'</span>';
+      else h += '<span class="c" style="background:'+col(st)+'" title="'+title+'">'+esc(D.vocab[tok]??String(tok))+'</span>';
+    }
+    h += '</div></div>';
+  }
+  document.getElementById('seqs').innerHTML = h;
+}
+document.getElementById('t').oninput = render; document.getElementById('pr').onchange = render; render();
+</script></body></html>
+"""
+
+
+def to_html(tr: Trace, max_sequences: int = 50, title: Optional[str] = None) -> str:
+    seqs = list(tr)[:max_sequences]
+    used = set()
+    data = []
+    for s in seqs:
+        used.update(s.tokens.tolist())
+        used.update(s.prompt_ids.tolist())
+        ed = []
+        if s.edits is not None:
+            for c, tk, a, b in zip(s.edits["col"], s.edits["token"], s.edits["start"], s.edits["end"]):
+                ed.append([int(c) - s.gen_start, int(tk), int(a), int(b)])
+                used.add(int(tk))
+        conf = None
+        if s.confidence is not None:
+            conf = [None if not np.isfinite(x) else round(float(x), 4) for x in s.confidence]
+        data.append({"row": s.row, "nfe": s.nfe, "steps": s.n_steps, "tok": s.tokens.tolist(), "so": s.step_of.tolist(),
+                     "prompt": s.prompt_ids.tolist(), "edits": ed, "conf": conf, "text": s.text})
+    mask = tr.header.get("model", {}).get("mask_id")
+    vocab = {int(t): _display(token_str(tr, int(t), mask)) for t in used}
+    tmax = max([s.n_steps for s in seqs] + [1])
+    payload = {"tmax": tmax, "seqs": data, "vocab": vocab, "mask": "\u2592"}
+    t = title or f"{os.path.basename(tr.name)} - {tr.config.get('strategy', {}).get('name', '')}"
+    js = json.dumps(payload).replace("</", "<\\/")
+    return (_PAGE.replace("__TITLE__", html.escape(t)).replace("__TMAX__", str(tmax)).replace("__DATA__", js))
+
+
+def _display(s: str) -> str:
+    # byte-level BPE markers -> visible spaces/newlines
+    return s.replace("\u0120", " ").replace("\u010a", "\\n").replace("\u2581", " ")
