@@ -1,6 +1,7 @@
 """What ``dlm`` does with a composed config: validate, load, decode, report, write results."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -56,6 +57,9 @@ def validate(cfg: DictConfig):
     from .models.loader import resolve_device, resolve_dtype
 
     resolve_dtype(cfg.dtype, resolve_device(cfg.device))
+    from .trace.runtime import check_config
+
+    check_config(cfg.trace)
     return make_strategy, make_cache
 
 
@@ -94,8 +98,13 @@ def run(cfg: DictConfig, out_dir: Path) -> Dict[str, Any]:
     progress = ProgressSink(len(ids), enabled=None if cfg.progress else False)
 
     torch.manual_seed(cfg.seed)
-    stats = run_prompts(lm, ids, make_strategy, make_cache, cfg.gen_length, cfg.batch_size,
-                        sinks_for_batch=lambda b, rows: [progress], prompts=prompts)
+    from .trace.runtime import open_run_recorder
+
+    recorder = open_run_recorder(cfg, out_dir, lm, ids)  # None when trace.record=false
+    with recorder if recorder is not None else contextlib.nullcontext():  # closed (flushed) on errors and Ctrl-C too
+        stats = run_prompts(lm, ids, make_strategy, make_cache, cfg.gen_length, cfg.batch_size,
+                            sinks_for_batch=lambda b, rows: [progress] + ([recorder.sink(b, rows)] if recorder else []),
+                            prompts=prompts)
     progress.close()
 
     correct = None
@@ -116,6 +125,7 @@ def run(cfg: DictConfig, out_dir: Path) -> Dict[str, Any]:
         "prompts": len(rows), "nfe": stats.nfe, "nfe_per_prompt": sum(r.nfe for r in stats.rows) / len(rows),
         "generated_tokens": stats.generated_tokens, "tpf": stats.tpf, "tps": stats.tps, "wall_time": stats.wall_time,
         "versions": versions(),
+        **({"trace": Path(recorder.path).name, "trace_digest": recorder.digest} if recorder else {}),
     }
     if correct is not None:
         summary["accuracy"] = correct / len(rows)

@@ -36,7 +36,9 @@ def _hydra_main(cfg: DictConfig) -> None:
     except UserError as exc:
         _fail(str(exc), out_dir)
     except KeyboardInterrupt:
-        _fail("interrupted", out_dir, code=130)
+        partial = sorted(out_dir.glob("*.partial"))  # a flushed trace of what was decoded: keep the run dir
+        _fail("interrupted" + (f" (partial trace kept: {partial[0]})" if partial else ""),
+              None if partial else out_dir, code=130)
 
 
 def main() -> None:
