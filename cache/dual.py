@@ -21,6 +21,6 @@ class DualCacheConfig:
 
 @register_cache("dual", DualCacheConfig)
 class DualCache(StoredKVCache):
-    def compute_span(self, call, d):
+    def compute_span(self, call, d, refresh):
         L = call.input_ids.shape[1]
-        return d.block[0], d.block[1], L
+        return (0, L, L) if refresh else (d.block[0], d.block[1], L)

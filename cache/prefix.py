@@ -21,9 +21,9 @@ class PrefixCacheConfig:
 
 @register_cache("prefix", PrefixCacheConfig)
 class PrefixCache(StoredKVCache):
-    def compute_span(self, call, d):
+    def compute_span(self, call, d, refresh):
         L = call.input_ids.shape[1]
-        return d.block[0], L, L
+        return (0 if refresh else d.block[0]), L, L
 
     def after_call(self, call, d, refresh):
         if not refresh and self.cfg.wasted_draw:

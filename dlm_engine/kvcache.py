@@ -31,12 +31,13 @@ class StoredKVCache(Cache):
     """Base of caches that keep every layer's keys/values for all canvas columns.
 
     Each call computes one column span ``[a, b)`` (chosen by :meth:`compute_span`); in every layer the
-    fresh keys/values of that span are written into the stored tensors and attention runs over the stored
-    keys of columns ``[0, key_end)`` (the key padding mask and block-causal bias still apply, because the
-    model builds them from ``io.key_columns``). A *refresh* is the span ``[0, L)``: everything is
-    recomputed and stored. Subclasses only choose spans; the storage, in-place updates and shape checks
-    live here. K/V are stored after RoPE, which is applied from absolute position ids, so this equals
-    caching them before RoPE and re-rotating.
+    fresh keys/values of that span are written into the stored tensors (in place) and attention runs over
+    the stored keys of columns ``[0, key_end)``. The key padding mask and the block-causal bias still
+    apply, because the model builds them from ``io.key_columns``. A *refresh* recomputes and stores every
+    column ``[0, L)``; it happens on the first call, whenever batch or length change (e.g. CFG switched
+    on), and whenever :meth:`wants_refresh` says so. Subclasses only choose spans and refresh points.
+    K/V are stored after RoPE, which is applied from absolute position ids, so this equals caching them
+    before RoPE and re-rotating at every call.
     """
 
     def __init__(self, config: Any = None):
@@ -51,16 +52,20 @@ class StoredKVCache(Cache):
     def begin(self, canvas) -> None:
         self.k: dict = {}
         self.v: dict = {}
-        self.shape = None            # (batch, length) of the stored tensors
+        self.shape = None            # (batch, length) of the stored tensors; None = nothing stored
         self.since_refresh = 0       # cached calls since the last refresh
         self._span = None            # (a, b, key_end) of the call in flight; None = pass-through
 
     def end(self, canvas) -> None:
         self.k, self.v, self.shape, self._span = {}, {}, None, None
 
-    # -- policy ---------------------------------------------------------------------------------------
-    def compute_span(self, call, directive) -> Tuple[int, int, int]:
-        """``(a, b, key_end)`` of a cached (non-refresh) call: recompute ``[a, b)``, attend to ``[0, key_end)``."""
+    # -- policy (override these) ----------------------------------------------------------------------
+    def compute_span(self, call, directive, refresh: bool) -> Tuple[int, int, int]:
+        """``(a, b, key_end)``: recompute columns ``[a, b)``, attend to stored keys ``[0, key_end)``.
+
+        ``refresh`` is True when nothing usable is stored or :meth:`wants_refresh` asked for it; the
+        default then recomputes everything.
+        """
         L = call.input_ids.shape[1]
         return 0, L, L
 
@@ -68,6 +73,9 @@ class StoredKVCache(Cache):
         """Refresh at block starts and, with ``refresh_interval = n > 0``, after every ``n`` cached calls."""
         n = int(getattr(self.cfg, "refresh_interval", 0) or 0)
         return bool(directive.block_start) or (n > 0 and self.since_refresh >= n)
+
+    def on_reset(self) -> None:
+        """Called when the stored tensors are (re)started from nothing (first call, shape change)."""
 
     def after_call(self, call, directive, refresh: bool) -> None:
         """Runs after the model filled ``call.logits`` (e.g. to set ``call.extras['discard_draws']``)."""
@@ -81,10 +89,14 @@ class StoredKVCache(Cache):
             yield call
             return
         B, L = call.input_ids.shape
-        refresh = self.shape != (B, L) or not self.k or self.wants_refresh(call, d)
-        a, b, key_end = (0, L, L) if refresh else self.compute_span(call, d)
-        if refresh:
-            self.shape = (B, L)
+        fresh = self.shape != (B, L)
+        if fresh:
+            self.shape, self.since_refresh = (B, L), 0
+            self.on_reset()
+        refresh = fresh or self.wants_refresh(call, d)
+        a, b, key_end = self.compute_span(call, d, refresh)
+        if fresh and (a, key_end) != (0, b):
+            raise RuntimeError(f"cache '{self.name}': the first call must compute every column it attends to")
         call.compute = (a, b)
         call.extras["cache_refresh"] = refresh
         self._span = (a, b, key_end)
@@ -100,8 +112,8 @@ class StoredKVCache(Cache):
             yield io
             return
         a, b, key_end = self._span
-        io.k, io.v = self._write(self.k, layer, io.k, a, b)[:, :, :key_end], \
-            self._write(self.v, layer, io.v, a, b)[:, :, :key_end]
+        io.k = self._write(self.k, layer, io.k, a, b)[:, :, :key_end]
+        io.v = self._write(self.v, layer, io.v, a, b)[:, :, :key_end]
         io.key_columns = self._cols
         yield io
 

@@ -21,12 +21,15 @@ class CacheDirective:
 
     ``block``: the block being decoded (canvas columns); ``block_start``: first step of that block;
     ``store``: completed blocks whose keys/values may be stored for good (block buffer).
+    ``stored``: filled by the cache during the forward with the ``store`` ranges it actually stored, so
+    the strategy can report them as ``stored`` block events (stays empty with caches that store nothing).
     """
 
     block: Tuple[int, int]
     block_start: bool
     step_in_block: int = 0
     store: List[Tuple[int, int]] = field(default_factory=list)
+    stored: List[Tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass

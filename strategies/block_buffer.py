@@ -48,7 +48,7 @@ class BufferState:
 
 @register_strategy("block_buffer", BlockBufferConfig)
 class BlockBuffer(Strategy):
-    caches = ("none", "prefix", "dual")
+    caches = ("none", "prefix", "dual", "block_store")
 
     def validate(self) -> None:
         c = self.cfg
@@ -147,6 +147,8 @@ class BlockBuffer(Strategy):
         room = (new_count < c.buffer_size) & (new_first + new_count < self.nb)
         admit = room & ((new_count == 0) | (prog_after.gather(1, newest[:, None]).squeeze(1) >= c.add_block_threshold))
         events, st.events = st.events, []
+        for s0, e0 in (plan.cache.stored if plan.cache is not None else []):   # honoured by the cache
+            events.append(BlockEvent("stored", (s0 - g) // self.bl, s0, e0))
         if bool(((new_first != st.first) | admit).any()):
             pairs = [(r, b) for r, (f0, f1) in enumerate(zip(st.first.tolist(), new_first.tolist()))
                      for b in range(f0, min(f1, self.nb))]

@@ -118,7 +118,8 @@ def attention_bias(
     if call.key_mask is not None:
         mask = call.key_mask[:, key_columns][:, None, None, :]
     if mode == "block_causal":
-        origin = int(call.extras.get("block_origin", 0))
+        # blocks count from the generation start unless the caller says otherwise; the prompt is block -1
+        origin = int(call.extras.get("block_origin", call.extras.get("gen_start", 0)))
         size = int(call.extras.get("block_size", block_size or 0))
         if size <= 0:
             raise ValueError("block_causal attention needs a block size (config.block_causal_size)")
@@ -151,6 +152,8 @@ class LLaDABlock(nn.Module):
         self.ff_proj = nn.Linear(d, cfg.mlp_hidden_size, bias=False)
         self.up_proj = nn.Linear(d, cfg.mlp_hidden_size, bias=False)
         self.ff_out = nn.Linear(cfg.mlp_hidden_size, d, bias=False)
+        if cfg.attention_mode not in ("bidirectional", "block_causal"):
+            raise ValueError(f"attention_mode '{cfg.attention_mode}' (choose bidirectional or block_causal)")
         self.attention_mode = cfg.attention_mode
         self.block_causal_size = cfg.block_causal_size
 
@@ -253,7 +256,8 @@ class LLaDAModelLM(PreTrainedModel):
                 position_ids = (key_mask.long().cumsum(-1) - 1).clamp_min(0)
         call = ForwardCall(
             input_ids=input_ids, position_ids=position_ids, key_mask=key_mask, compute=(0, L),
-            logits_range=logits_range or (0, L), directive=directive, extras=dict(extras or {}),
+            logits_range=logits_range or (0, L), directive=directive,
+            extras=dict(extras or {}, attention_mode=self.config.attention_mode),
         )
         t = self.model.transformer
         with hooks.forward(call) as call:

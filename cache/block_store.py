@@ -1,0 +1,61 @@
+"""``cache=block_store``: keys/values of completed blocks are stored once and never recomputed.
+
+Driven by ``CacheDirective.store`` (the block buffer hands over blocks that are complete in every
+row). The cache keeps a *frozen prefix* ``[0, f)`` of stored columns: the prompt after the first call,
+then each handed-over block once its keys/values were computed from its final tokens (in the call of
+the step that hands it over). Every call recomputes only ``[f, end)``, where ``end`` is the end of the
+query window when later columns cannot influence it (block-causal attention), else the canvas end.
+Honoured store requests are reported in ``directive.stored`` so the strategy can emit ``stored``
+block events.
+
+With a block-causal model (``attention_mode: block_causal``, blocks aligned with the strategy's) this
+is exact: a completed block's keys/values depend only on itself and earlier blocks, which are final.
+With a bidirectional model it is an approximation (stored keys/values never see later tokens), like
+the prefix cache without refreshes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dlm_engine.errors import ConfigError
+from dlm_engine.kvcache import StoredKVCache
+from dlm_engine.registry import register_cache
+
+SUFFIX_MODES = ("auto", "compute", "skip")
+
+
+@dataclass
+class BlockStoreCacheConfig:
+    name: str = "block_store"
+    suffix: str = "auto"     # columns after the query window: auto (skip iff block-causal) | compute | skip
+
+
+@register_cache("block_store", BlockStoreCacheConfig)
+class BlockStoreCache(StoredKVCache):
+    def __init__(self, config: BlockStoreCacheConfig = None):
+        config = config if config is not None else BlockStoreCacheConfig()
+        if config.suffix not in SUFFIX_MODES:
+            raise ConfigError(f"cache.suffix='{config.suffix}' (choose {', '.join(SUFFIX_MODES)})")
+        super().__init__(config)
+
+    def on_reset(self) -> None:
+        self.frozen = 0                       # columns [0, frozen) hold stored, final keys/values
+
+    def wants_refresh(self, call, d) -> bool:
+        return False                          # stored blocks are never recomputed
+
+    def compute_span(self, call, d, refresh):
+        L = call.input_ids.shape[1]
+        mode = self.cfg.suffix
+        skip = mode == "skip" or (mode == "auto" and call.extras.get("attention_mode") == "block_causal")
+        end = max(d.block[1], self.frozen) if skip else L
+        return self.frozen, end, end
+
+    def after_call(self, call, d, refresh):
+        a, b = call.compute
+        f = max(self.frozen, min(int(call.extras.get("gen_start", 0)), b))   # the prompt never changes
+        for s, e in sorted(d.store):
+            if s <= f and f < e <= b:         # contiguous with what is stored, computed in this call
+                f = e
+                d.stored.append((s, e))
+        self.frozen = f
