@@ -11,7 +11,7 @@ at generation positions before decoding (they count as given: never candidates, 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -37,7 +37,7 @@ class EarlyExitConfig:
     early_threshold: float = 7.5            # logit gap needed to exit while global_step/steps < 0.33
     mid_threshold: float = 5.0              # ... < 0.67
     late_threshold: float = 2.5             # ... afterwards
-    constraints: Optional[Dict[int, int]] = None  # generation position -> token id, fixed before decoding
+    constraints: Optional[List[List[int]]] = None  # [[generation position, token id], ...], given tokens
 
 
 @dataclass
@@ -72,8 +72,11 @@ class EarlyExit(Strategy):
                 raise ConfigError(f"strategy.answer_start={c.answer_start} puts the answer window outside the "
                                   f"generation (gen_length={self.gen_length})")
             self.window = (lo, hi)
-        for pos in (c.constraints or {}):
-            if not 0 <= int(pos) < self.gen_length:
+        if any(len(pair) != 2 for pair in (c.constraints or [])):
+            raise ConfigError(f"strategy.constraints={c.constraints} must be a list of [position, token_id] pairs")
+        self.constraints: Dict[int, int] = {int(p): int(t) for p, t in (c.constraints or [])}
+        for pos in self.constraints:
+            if not 0 <= pos < self.gen_length:
                 raise ConfigError(f"strategy.constraints: position {pos} is outside [0, gen_length={self.gen_length})")
 
     @classmethod
@@ -89,14 +92,13 @@ class EarlyExit(Strategy):
                 start = None
         thr = dict(kw.pop("early_exit_thresholds", None) or {})
         cons = kw.pop("constraints", None)
-        if cons is not None:
-            cons = {int(p): int(t) for p, t in (cons.items() if isinstance(cons, dict) else cons)}
+        cons = [[int(p), int(t)] for p, t in (cons.items() if isinstance(cons, dict) else cons)] if cons else None
         return EarlyExitConfig(answer_start=start, constraints=cons, early_threshold=thr.get("early", 7.5),
                                mid_threshold=thr.get("mid", 5.0), late_threshold=thr.get("late", 2.5), **kw)
 
     def prepare_canvas(self, canvas) -> None:
         """Write the constraints (idempotent); they count as given tokens."""
-        cons = self.cfg.constraints
+        cons = self.constraints
         if cons:
             cols = torch.tensor([canvas.gen_start + int(p) for p in cons], device=canvas.device)
             canvas.set_given(cols, torch.tensor([int(t) for t in cons.values()], device=canvas.device))

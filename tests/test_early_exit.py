@@ -74,7 +74,7 @@ def test_batched_exit_is_per_row(tiny_llada):
 
 def test_constraints_are_written_by_the_strategy_and_count_as_given(tiny_llada):
     cons = {0: 5, 7: 6}
-    canvas, rec = _run(tiny_llada, "early_exit", PROMPTS[:2], steps=16, block_length=8, constraints=cons,
+    canvas, rec = _run(tiny_llada, "early_exit", PROMPTS[:2], steps=16, block_length=8, constraints=[[0, 5], [7, 6]],
                        cfg_scale=1.0)
     g = canvas.gen_start
     for p, t in cons.items():
@@ -97,7 +97,8 @@ def test_config_from_reference_maps_absolute_positions():
 @pytest.mark.parametrize("kw, key", [
     (dict(answer_start=16), "strategy.answer_start=16"),
     (dict(answer_start=-5), "strategy.answer_start=-5"),
-    (dict(constraints={16: 3}), "strategy.constraints"),
+    (dict(constraints=[[16, 3]]), "strategy.constraints"),
+    (dict(constraints=[[1, 2, 3]]), "strategy.constraints"),
     (dict(steps=6, block_length=4), "strategy.steps=6"),
     (dict(answer_length=0), "strategy.answer_length=0"),
     (dict(cfg_scale=-1.0), "strategy.cfg_scale"),

@@ -62,7 +62,7 @@ def test_parity_maps_to_the_new_strategies(parity):
     strategy, _, gen_length = parity.build(case)
     assert strategy.name == "early_exit"
     assert strategy.cfg.answer_start == case["kwargs"]["answer_start_pos"] - case["prompt_len"]
-    assert strategy.cfg.constraints == {int(p): int(t) for p, t in case["kwargs"]["constraints"]}
+    assert strategy.constraints == {int(p): int(t) for p, t in case["kwargs"]["constraints"]}
     fd = json.loads((REFPARITY / "fastdllm_v2.json").read_text())
     names = {parity.build(c)[0].name for c in fd["cases"] if c["function"] == "generate"}
     assert {"threshold", "factor"} <= names
