@@ -106,3 +106,68 @@ def propose(logits: torch.Tensor, start: int, *, temperature: float, confidence:
     x0 = gumbel_argmax(logits, temperature, call_len, offset)
     conf = confidence_of(logits, x0, confidence, softmax_dtype, call_len, offset, top_v)
     return Proposal(start=start, x0=x0, confidence=conf, logits=logits, call_len=call_len, call_start=start - offset)
+
+
+# -- Dream-style proposals (specs/dream.md §4.1 and §8): nucleus / top-k filters, categorical draws,
+# -- position draws. Strategies that follow Dream's rules call these from ``select`` on clean logits.
+
+def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Nucleus filter over the last axis: keep the smallest prefix of the sorted logits whose softmax mass
+    reaches ``top_p`` (the token that crosses it is kept, the top token always); the rest is set to
+    ``finfo(dtype).min`` (not ``-inf``), as Dream's ``top_p_logits`` does."""
+    sorted_logits, order = torch.sort(logits, descending=True)
+    mass = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+    drop = mass > top_p
+    drop[..., 1:] = drop[..., :-1].clone()
+    drop[..., 0] = False
+    drop = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, order, drop)
+    return logits.masked_fill(drop, torch.finfo(logits.dtype).min)
+
+
+def top_k_filter(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Keep logits ``>=`` the row's k-th largest (ties at the k-th value survive); the rest -> ``finfo.min``."""
+    k = min(int(top_k), logits.shape[-1])
+    kth = torch.topk(logits, k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, torch.finfo(logits.dtype).min)
+
+
+def filtered_probs(logits: torch.Tensor, temperature: float, top_p: Optional[float] = None,
+                   top_k: Optional[int] = None) -> torch.Tensor:
+    """``softmax`` after temperature, top-p and top-k, in that order (in the logits' dtype)."""
+    if temperature > 0:
+        logits = logits / temperature
+    if top_p is not None and top_p < 1:
+        logits = top_p_filter(logits, top_p)
+    if top_k is not None:
+        logits = top_k_filter(logits, top_k)
+    return torch.softmax(logits, dim=-1)
+
+
+def categorical_draw(probs: torch.Tensor) -> Optional[torch.Tensor]:
+    """One id per row of ``probs [M, V]``, making exactly the RNG calls of
+    ``torch.distributions.Categorical(probs=probs).sample()`` (renormalise, ``multinomial(·, 1, True)``).
+
+    Returns None where ``Categorical`` would reject its argument (a row off the simplex by ``>= 1e-6``
+    after renormalising, e.g. in bf16, or NaN): the references then fall back to argmax, no RNG used.
+    """
+    p = probs / probs.sum(-1, keepdim=True)
+    if p.shape[0] and not bool(((p >= 0).all(-1) & ((p.sum(-1) - 1).abs() < 1e-6)).all()):
+        return None
+    return torch.multinomial(p, 1, True).squeeze(-1)
+
+
+def draw_tokens(probs: torch.Tensor, temperature: float):
+    """``(confidence, x0)``: a categorical draw at ``T > 0`` (confidence = ``probs[x0]``, not renormalised),
+    else -- or when the draw is rejected -- ``max``/``argmax`` of ``probs``."""
+    if temperature > 0:
+        x0 = categorical_draw(probs)
+        if x0 is not None:
+            return torch.gather(probs, -1, x0[:, None]).squeeze(-1), x0
+    conf, x0 = probs.max(dim=-1)
+    return conf, x0
+
+
+def sample_positions(scores: torch.Tensor, k: int, temperature: float) -> torch.Tensor:
+    """``k`` column indices per row drawn without replacement from ``softmax(scores / temperature)``
+    (``-inf`` scores are never drawn): Dream's ``alg_temp`` position sampling."""
+    return torch.multinomial(torch.softmax(scores / temperature, dim=-1), num_samples=int(k))
