@@ -1,0 +1,174 @@
+#!/usr/bin/env python3
+"""Every decoding strategy at its reference defaults and a few settings, on one model and the built-in
+held-out prompts: accuracy, NFE, TPF, TPS, framework overhead and speed-up over ``low_confidence`` at
+one token per step (the baseline row, measured in the same run).
+
+    python experiments/bench_strategies.py [--model-path DIR] [--n 64] [--batch-size 8] [--repeats 3]
+
+Model: ``--model-path`` (an official-format checkpoint directory with a tokenizer), else the embedded
+model (``dlm_engine/checkpoints/tiny``) when it exists, else the seeded random ``tiny_random`` model
+(mechanics only: its accuracy is meaningless). Definitions (README "Metric definitions"): NFE = forward
+calls; generated tokens = generation up to and including the first EOS; TPF = tokens / NFE; TPS =
+tokens / decode wall time (after a warm-up, median of ``--repeats`` runs); overhead = wall time outside
+``model.forward`` / wall time; speed-up = TPS / TPS of the baseline, NFE ratio = baseline NFE / NFE.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from types import SimpleNamespace
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+from dlm_engine import tasks  # noqa: E402
+from dlm_engine.errors import UserError  # noqa: E402
+from dlm_engine.generate import decode_batch, load_model, rows_from_canvas, sync  # noqa: E402
+from dlm_engine.registry import cache_class, load_plugins, strategy_class  # noqa: E402
+
+BASELINE = ("low_confidence", {}, "1 token/step (baseline)")
+
+# (strategy, overrides, note); {} = the strategy's reference defaults. gen_length is filled in at run time.
+SETTINGS = [
+    ("low_confidence", {"steps_div": 2}, "2 tokens/step"),
+    ("threshold", {}, "defaults (0.9)"),
+    ("threshold", {"threshold": 0.7}, ""),
+    ("threshold", {"threshold": 0.5}, ""),
+    ("threshold", {"threshold": 0.9, "block_length": 4}, "block 4"),
+    ("threshold", {"threshold": 0.9, "cache": "dual", "block_length": 4}, "block 4, dual cache"),
+    ("factor", {}, "defaults (1.0)"),
+    ("factor", {"factor": 2.0}, ""),
+    ("factor", {"factor": 4.0}, ""),
+    ("early_exit", {}, "defaults (no answer window)"),
+    ("early_exit", {"answer_start": 0}, "window [0,5), 7.5/5/2.5"),
+    ("early_exit", {"answer_start": 0, "early_threshold": 4.0, "mid_threshold": 3.0, "late_threshold": 2.0},
+     "window [0,5), 4/3/2"),
+    ("cadllm", {}, "defaults"),
+    ("block_buffer", {}, "defaults (block 32)"),
+    ("block_buffer", {"block_length": 4, "buffer_size": 1}, "block 4, buffer 1"),
+    ("block_buffer", {"block_length": 4, "buffer_size": 2}, "block 4, buffer 2"),
+    ("block_buffer", {"block_length": 4, "buffer_size": 4}, "block 4, buffer 4"),
+]
+
+
+class TimedForward:
+    """Callable model wrapper that accumulates the wall time spent in ``model.forward``."""
+
+    def __init__(self, model):
+        self.model, self.seconds = model, 0.0
+
+    def __call__(self, *args, **kwargs):
+        sync(self.model.device)
+        t0 = time.perf_counter()
+        out = self.model(*args, **kwargs)
+        sync(self.model.device)
+        self.seconds += time.perf_counter() - t0
+        return out
+
+
+def pick_model(path):
+    if path is None:
+        from dlm_engine.checkpoints import embedded_path
+
+        path = embedded_path()
+    if path is not None:
+        return SimpleNamespace(name=os.path.basename(os.path.normpath(path)), path=path, random=None), path
+    from omegaconf import OmegaConf
+    from importlib.resources import files
+
+    node = OmegaConf.load(str(files("dlm_engine.conf") / "model" / "tiny_random.yaml"))
+    return SimpleNamespace(name="tiny_random", path=None, random=node.random, random_seed=node.random_seed), \
+        "tiny_random (seeded random weights: accuracy is meaningless)"
+
+
+def build(name, overrides, gen_length):
+    kw = dict(overrides)
+    cache = kw.pop("cache", None)
+    cls = strategy_class(name)
+    if "steps_div" in kw:
+        kw["steps"] = gen_length // kw.pop("steps_div")
+    if name == "low_confidence" and not kw:
+        kw = {"steps": gen_length, "block_length": gen_length}
+    cache = cache or ("none" if "none" in cls.caches else cls.caches[0])
+    conf = cls.Config(**kw)
+    cls(conf, gen_length)  # validate now: a setting that does not apply is reported, not crashed on
+    return (lambda: cls(conf, gen_length)), (lambda: cache_class(cache)(cache_class(cache).Config())), cache
+
+
+def measure(lm, ids, examples, make_strategy, make_cache, gen_length, batch_size, repeats):
+    walls, model_s = [], []
+    for rep in range(repeats):
+        timed = TimedForward(lm.model)
+        tlm = dataclasses.replace(lm, model=timed)
+        rows, nfe, wall = [], 0, 0.0
+        torch.manual_seed(0)
+        for start in range(0, len(ids), batch_size):
+            chunk = ids[start:start + batch_size]
+            sync(lm.device)
+            t0 = time.perf_counter()
+            canvas = decode_batch(tlm, chunk, make_strategy(), make_cache(), gen_length)
+            sync(lm.device)
+            wall += time.perf_counter() - t0
+            nfe += canvas.nfe
+            rows += rows_from_canvas(lm, canvas, chunk, None, start)
+        walls.append(wall)
+        model_s.append(timed.seconds)
+    tokens = sum(r.generated_tokens for r in rows)
+    correct = sum(tasks.check(e.task, e.prompt, r.text) for e, r in zip(examples, rows))
+    wall, fwd = statistics.median(walls), statistics.median(model_s)
+    return {"nfe": nfe, "tokens": tokens, "accuracy": correct / len(rows), "tpf": tokens / nfe,
+            "tps": tokens / wall, "wall_s": wall, "overhead": max(0.0, wall - fwd) / wall}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", default=None)
+    ap.add_argument("--n", type=int, default=64, help="held-out prompts (dlm_engine.tasks.held_out)")
+    ap.add_argument("--gen-length", type=int, default=tasks.ANSWER_LENGTH)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    load_plugins()
+    model_cfg, desc = pick_model(args.model_path)
+    lm = load_model(model_cfg, args.device, "float32")
+    examples = tasks.held_out(args.n)
+    ids = [lm.encode(e.prompt) for e in examples]
+    G = args.gen_length
+    with torch.inference_mode():   # warm-up
+        decode_batch(lm, ids[:args.batch_size], build(*BASELINE[:2], G)[0](), None, G)
+    print(f"model: {desc}\n{len(ids)} held-out prompts, gen_length {G}, batch {args.batch_size}, device "
+          f"{lm.device}, median of {args.repeats} runs")
+    head = f"{'strategy':<15}{'setting':<30}{'cache':<7}{'acc':>6}{'NFE':>7}{'TPF':>6}{'TPS':>9}{'ovh':>7}{'speed-up':>9}{'NFE x':>7}"
+    print(head + "\n" + "-" * len(head))
+    out, base = [], None
+    for name, ov, note in [BASELINE] + SETTINGS:
+        label = note or ", ".join(f"{k}={v}" for k, v in ov.items())
+        try:
+            make_s, make_c, cache = build(name, ov, G)
+        except (UserError, KeyError) as exc:
+            print(f"{name:<15}{label:<30}not run: {exc}")
+            continue
+        r = measure(lm, ids, examples, make_s, make_c, G, args.batch_size, args.repeats)
+        base = base or r
+        r.update(strategy=name, setting=label, cache=cache, speedup=r["tps"] / base["tps"], nfe_ratio=base["nfe"] / r["nfe"])
+        out.append(r)
+        print(f"{name:<15}{label:<30}{cache:<7}{r['accuracy']:>6.3f}{r['nfe']:>7}{r['tpf']:>6.2f}{r['tps']:>9.0f}"
+              f"{r['overhead']:>7.1%}{r['speedup']:>8.2f}x{r['nfe_ratio']:>6.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": desc, "n": len(ids), "gen_length": G, "rows": out}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
