@@ -449,7 +449,7 @@ def quantize_logits(x: np.ndarray, bound: float) -> Tuple[Dict[str, Any], Dict[s
     # zigzag of the quantised values; their spread is what zstd sees
     z = zigzag(q)
     nb = nbytes_for(int(z.max()) if z.size else 0)
-    meta = {"shape": list(x.shape), "bound": float(bound), "step": step, "max_error": maxerr, "nb": nb}
+    meta = {"shape": list(x.shape), "bound": float(bound), "qstep": step, "max_error": maxerr, "nb": nb}
     arrays = {"q": np.frombuffer(planes(z, nb), dtype=np.uint8), "exc_index": exc.astype(np.int64),
               "exc_value": flat[exc].view(np.uint32).copy()}
     return meta, arrays
@@ -468,7 +468,7 @@ def dequantize_logits(meta: Dict[str, Any], arrays: Dict[str, np.ndarray]) -> np
     if not meta["max_error"] <= meta["bound"]:
         raise TraceError(f"logits record claims error {meta['max_error']} above its bound {meta['bound']}")
     q = unzigzag(unplanes(arrays["q"].tobytes(), n, nb))
-    out = dequant(q, float(meta["step"]))
+    out = dequant(q, float(meta["qstep"]))
     idx = arrays["exc_index"].astype(np.int64)
     if idx.size and (idx.min() < 0 or idx.max() >= n):
         raise TraceError("logits exception index out of range")

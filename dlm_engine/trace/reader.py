@@ -140,15 +140,22 @@ def _merge_steps(chunks, B: int) -> StepTable:
             n = int(m["n"])
             if "s:" + k in a:
                 v = a["s:" + k].astype(np.float64) if a["s:" + k].dtype.kind == "f" else a["s:" + k]
-                if "p:" + k in a:
-                    v = np.where(a["p:" + k].reshape((-1,) + (1,) * (v.ndim - 1)), v, np.nan if v.dtype.kind == "f" else v)
+                if "p:" + k in a:   # present in some steps only: NaN elsewhere
+                    v = np.where(a["p:" + k].reshape((-1,) + (1,) * (v.ndim - 1)), v.astype(np.float64), np.nan)
                 parts.append(v)
             elif k in m.get("json_scalars", {}):
                 parts.append(m["json_scalars"][k])
                 ok = False
             else:
-                parts.append([None] * n)
-                ok = False
+                parts.append(n)    # absent from this chunk: filled below
+        shape = next((p.shape[1:] for p in parts if isinstance(p, np.ndarray)), None)
+        for j, p in enumerate(parts):
+            if isinstance(p, int):
+                if ok and shape is not None:
+                    parts[j] = np.full((p,) + shape, np.nan)
+                else:
+                    parts[j] = [None] * p
+                    ok = False
         if ok:
             try:
                 tab.scalars[k] = np.concatenate(parts)

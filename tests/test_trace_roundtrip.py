@@ -1,0 +1,253 @@
+"""Trace round trips: every registered strategy, batches, capture levels, remask/edit events."""
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import dataclasses  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from dlm_engine.canvas import BlockEvent, Canvas, FrameDelta  # noqa: E402
+from dlm_engine.errors import ConfigError  # noqa: E402
+from dlm_engine.generate import load_model, run_prompts  # noqa: E402
+from dlm_engine.loop import Sink  # noqa: E402
+from dlm_engine.registry import STRATEGIES, cache_class, load_plugins  # noqa: E402
+from dlm_engine.trace import TraceRecorder, open_trace  # noqa: E402
+from dlm_engine.trace import format as fmt  # noqa: E402
+
+load_plugins()
+STRATEGY_NAMES = sorted(STRATEGIES)   # discovered: strategies added later are covered automatically
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def lm():
+    mc = OmegaConf.load(os.path.join(ROOT, "conf", "model", "tiny_random.yaml"))
+    return load_model(mc, "cpu", "float32")
+
+
+HEADER = {"model": {"eos_id": 2, "mask_id": 3}, "tokenizer": {"kind": "char"}}
+
+
+class StateSink(Sink):
+    """The canvas after every step, the deltas, and the final canvas of one batch."""
+
+    def __init__(self):
+        self.states, self.deltas, self.final = [], [], None
+
+    def on_delta(self, delta, canvas):
+        self.deltas.append(delta)
+        self.states.append((canvas.tokens.clone(), canvas.step_of.clone()))
+
+    def on_end(self, canvas):
+        self.final = canvas
+
+
+def make_strategy(name, gen_length=16):
+    """The strategy from its Config defaults; a few small settings if the defaults do not fit gen_length."""
+    cls = STRATEGIES[name]
+    names = {f.name for f in dataclasses.fields(cls.Config)}
+    tries = [{}]
+    for key in ("block_length", "initial_block_length"):
+        if key in names:
+            tries += [{key: 8}, {key: gen_length}]
+    tries.append({k: v for k, v in {"block_length": 8, "steps": gen_length}.items() if k in names})
+    last = None
+    for kw in tries:
+        try:
+            conf = cls.Config(**kw)
+            return lambda: cls(conf, gen_length)
+        except (ConfigError, TypeError) as exc:
+            last = exc
+            continue
+    raise AssertionError(f"cannot build strategy {name} for gen_length={gen_length}: {last}")
+
+
+def record_run(lm, path, name, prompts, batch_size=2, capture="tokens", gen_length=16, **rec_kw):
+    make = make_strategy(name, gen_length)
+    state_sinks = {}
+
+    def sinks(b, rows):
+        state_sinks[b] = (rows, StateSink())
+        return [rec.sink(b, rows), state_sinks[b][1]]
+
+    torch.manual_seed(0)
+    with TraceRecorder(str(path), HEADER, capture=capture, **rec_kw) as rec:
+        stats = run_prompts(lm, [lm.encode(p) for p in prompts], make, lambda: cache_class("none")(cache_class("none").Config()),
+                            gen_length, batch_size, sinks_for_batch=sinks, prompts=prompts, warmup=False)
+    return stats, state_sinks, rec
+
+
+PROMPTS = ["347+085=", "hi", "name a fruit:"]
+
+
+@pytest.mark.parametrize("name", STRATEGY_NAMES)
+def test_round_trip_every_strategy(lm, tmp_path, name):
+    path = tmp_path / "t.dlmt"
+    stats, state_sinks, rec = record_run(lm, path, name, PROMPTS, batch_size=2)
+    assert os.path.exists(path) and not os.path.exists(str(path) + ".partial")
+    tr = open_trace(path, recover=False)
+    assert tr.ok and len(tr) == len(PROMPTS)
+    assert [s.row for s in tr] == list(range(len(PROMPTS)))
+    for s, row in zip(tr, stats.rows):
+        # replayed outputs == decoded outputs
+        assert s.tokens.tolist() == row.tokens
+        assert s.step_of.tolist() == row.step_of
+        assert s.text == row.text
+        assert s.nfe == row.nfe
+        assert s.prompt_ids.tolist() == row.prompt_ids
+    for b, (rows, sink) in state_sinks.items():
+        canvas = sink.final
+        g = canvas.gen_start
+        assert len(tr.batches[b].steps) == len(sink.deltas)
+        assert tr.batches[b].steps.nfe.tolist() == [d.nfe for d in sink.deltas]
+        for i, r in enumerate(rows):
+            s = tr[r]
+            # state_at(t) equals the canvas the loop saw after step t
+            for (tokens, step_of), d in zip(sink.states, sink.deltas):
+                assert np.array_equal(s.canvas_at(d.step), tokens[i].numpy()), (name, r, d.step)
+                assert np.array_equal(s.state_at(d.step), tokens[i, g:].numpy())
+            assert np.array_equal(s.state_at(0), np.where(canvas.step_of[i, g:].numpy() == 0,
+                                                          canvas.tokens[i, g:].numpy(), canvas.mask_id))
+            assert s.steps.active.shape == (len(sink.deltas),)
+
+
+def test_capture_levels(lm, tmp_path):
+    bound = 0.02
+    for capture in ("confidence", "topk", "logits"):
+        path = tmp_path / f"{capture}.dlmt"
+        stats, state_sinks, rec = record_run(lm, path, "low_confidence", PROMPTS, batch_size=3, capture=capture,
+                                             topk=4, logit_error_bound=bound)
+        tr = open_trace(path, recover=False)
+        rows, sink = state_sinks[0]
+        g = sink.final.gen_start
+        for i, s in enumerate(tr):
+            # the confidence of each committed position at its commit step (float16 precision)
+            exp = np.full(s.gen_length, np.nan, dtype=np.float32)
+            for d in sink.deltas:
+                c = d.commit[i].numpy()
+                cols = np.flatnonzero(c) + d.start - g
+                exp[cols] = d.confidence[i].numpy()[c]
+            np.testing.assert_allclose(s.confidence, exp.astype(np.float16).astype(np.float32), rtol=0, atol=0)
+            if capture == "confidence":
+                assert s.topk is None
+                continue
+            cols, ids, lg = s.topk
+            assert ids.shape == (int((s.step_of >= 1).sum()), 4)
+            for j, col in enumerate(cols):
+                d = sink.deltas[s.step_of[col - g] - 1]
+                full = d.logits[i, col - d.start].float()
+                v, k = torch.topk(full, 4)
+                assert ids[j].tolist() == k.tolist()
+                np.testing.assert_array_equal(lg[j], v.numpy())
+                assert ids[j, 0] == s.tokens[col - g]   # temperature 0: the committed token is the argmax
+        if capture == "logits":
+            assert len(tr.logit_steps()) == len(sink.deltas)
+            for d in sink.deltas:
+                start, lg = tr.logits(0, d.step)
+                assert start == d.start
+                err = np.abs(lg.astype(np.float64) - d.logits.numpy().astype(np.float64))
+                assert err.max() <= bound
+        else:
+            assert tr.logit_steps() == []
+
+
+def test_quantized_logits_bound_and_specials():
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((3, 5, 257)) * 12).astype(np.float32)
+    x[0, 0, :4] = [-np.inf, np.inf, np.nan, 3e38]
+    x[1, 2, 7] = -1e30
+    x[2, 4, :] = -np.inf
+    for bound in (1e-2, 1e-3, 0.5):
+        meta, arrays = fmt.quantize_logits(x, bound)
+        payload = fmt.encode_bundle(meta, arrays)
+        y = fmt.dequantize_logits(*fmt.decode_bundle(payload))
+        fin = np.isfinite(x)
+        assert np.all(np.abs(y[fin].astype(np.float64) - x[fin].astype(np.float64)) <= bound)
+        assert np.array_equal(x[~fin].view(np.uint32), y[~fin].view(np.uint32))  # -inf/+inf/NaN bit-exact
+    # a record claiming an error above its bound is rejected on decode
+    meta["max_error"] = meta["bound"] * 2
+    with pytest.raises(fmt.TraceError):
+        fmt.dequantize_logits(meta, arrays)
+
+
+def test_rows_of_several_batches_in_results_order(lm, tmp_path):
+    prompts = ["a", "bb", "ccc", "dddd", "eeeee"]
+    stats, state_sinks, _ = record_run(lm, tmp_path / "b.dlmt", "low_confidence", prompts, batch_size=2)
+    tr = open_trace(tmp_path / "b.dlmt", recover=False)
+    assert len(tr.batches) == 3 and [s.row for s in tr] == [0, 1, 2, 3, 4]
+    assert [s.text for s in tr] == [r.text for r in stats.rows]
+    assert [tr.batches[b].rows for b in sorted(tr.batches)] == [[0, 1], [2, 3], [4]]
+
+
+def _apply_and_emit(canvas, sinks, delta):
+    canvas.apply(delta)
+    for s in sinks:
+        s.on_delta(delta, canvas)
+
+
+def test_remask_and_edit_events_round_trip(tmp_path):
+    """Crafted deltas: commits, remasks (with and without recommit), overwrites of committed tokens."""
+    mask = 3
+    canvas = Canvas.from_prompts([[10, 11], [12]], gen_length=6, mask_id=mask, pad_id=0)
+    canvas.set_given(torch.tensor([canvas.gen_start + 5]), torch.tensor([42]))   # a given token in the region
+    B, g = 2, canvas.gen_start
+    rec = TraceRecorder(str(tmp_path / "r.dlmt"), HEADER, capture="confidence")
+    states = StateSink()
+    sinks = [rec.sink(0, [0, 1]), states]
+    for s in sinks:
+        s.on_start(canvas, {"strategy": "crafted"})
+
+    def d(step, start, W, commit, tokens, remask=None, conf=None, finished=(False, False), events=(), scalars=None):
+        return FrameDelta(step=step, nfe=1, start=start, commit=torch.tensor(commit), tokens=torch.tensor(tokens),
+                          active=torch.ones(B, dtype=torch.bool), finished=torch.tensor(finished),
+                          confidence=torch.tensor(conf if conf is not None else [[0.5] * W] * B),
+                          remask=None if remask is None else torch.tensor(remask), block_events=list(events),
+                          scalars=scalars or {"k": torch.tensor([1, 2]), "x": 0.5 * step})
+
+    T, F = True, False
+    _apply_and_emit(canvas, sinks, d(1, g, 3, [[T, F, F], [T, T, F]], [[20, 0, 0], [21, 22, 0]],
+                                     conf=[[0.9, 0, 0], [0.8, 0.7, 0]], events=[BlockEvent("opened", 0, g, g + 3)]))
+    # step 2: remask row 0 col g (committed at 1) and recommit it at once with another token;
+    # row 1: overwrite col g+1 without remasking
+    _apply_and_emit(canvas, sinks, d(2, g, 3, [[T, T, F], [F, T, F]], [[30, 31, 0], [0, 32, 0]],
+                                     remask=[[T, F, F], [F, F, F]], conf=[[0.6, 0.61, 0], [0, 0.62, 0]]))
+    # step 3: remask row 1 col g (no recommit) and the given token of row 0 (col g+5); commit the rest
+    _apply_and_emit(canvas, sinks, d(3, g, 6, [[F, F, T, T, T, F], [F, F, T, T, T, T]],
+                                     [[0, 0, 40, 41, 43, 0], [0, 0, 44, 45, 46, 47]],
+                                     remask=[[F, F, F, F, F, T], [T, F, F, F, F, F]],
+                                     scalars={"k": torch.tensor([3, 4]), "x": 1.5, "only_here": 7}))
+    _apply_and_emit(canvas, sinks, d(4, g, 6, [[T, F, F, F, F, T], [T, F, F, F, F, F]], [[50, 0, 0, 0, 0, 51], [52, 0, 0, 0, 0, 0]],
+                                     finished=(True, True), events=[BlockEvent("completed", 0, g, g + 6, row=1)]))
+    for s in sinks:
+        s.on_end(canvas)
+    rec.close()
+    tr = open_trace(tmp_path / "r.dlmt", recover=False)
+    for i, s in enumerate(tr):
+        assert np.array_equal(s.tokens, canvas.tokens[i, g:].numpy())
+        assert np.array_equal(s.step_of, canvas.step_of[i, g:].numpy())
+        assert s.edits is not None and len(s.edits["col"]) >= 1
+        assert np.array_equal(s.state_at(0), np.where(np.arange(6) == 5, 42, mask) if i == 0 else
+                              np.where(np.arange(6) == 5, 42, mask))
+        for (tokens, _), delta in zip(states.states, states.deltas):
+            assert np.array_equal(s.canvas_at(delta.step), tokens[i].numpy()), (i, delta.step)
+        assert s.finish_step == 4
+    s0, s1 = tr[0], tr[1]
+    # the first holding of row 0 col g: token 20 at steps [1, 2), with its confidence
+    e = s0.edits
+    k = list(zip(e["col"].tolist(), e["token"].tolist(), e["start"].tolist(), e["end"].tolist()))
+    assert (g, 20, 1, 2) in k and (g + 5, 42, 0, 3) in k
+    assert np.isclose(e["confidence"][k.index((g, 20, 1, 2))], 0.9, atol=1e-3)
+    k1 = list(zip(s1.edits["col"].tolist(), s1.edits["token"].tolist(), s1.edits["start"].tolist(), s1.edits["end"].tolist()))
+    assert (g + 1, 22, 1, 2) in k1 and (g, 21, 1, 3) in k1
+    st = tr.batches[0].steps
+    assert st.scalars["k"].tolist() == [[1, 2], [1, 2], [3, 4], [1, 2]]
+    assert st.scalars["x"].tolist() == [0.5, 1.0, 1.5, 2.0]
+    assert st.scalars["only_here"][2] == 7 and np.isnan(st.scalars["only_here"][0])
+    assert s1.steps.scalars["k"].tolist() == [2, 2, 4, 2]
+    assert [(e[0], e[1], e[5]) for e in st.events] == [(1, "opened", -1), (4, "completed", 1)]
+    assert [e[1] for e in s0.steps.events] == ["opened"]
+    assert s0.commits_per_step().tolist() == [0, 1, 2, 3, 2]
