@@ -95,6 +95,9 @@ class StoredKVCache(Cache):
             self.on_reset()
         refresh = fresh or self.wants_refresh(call, d)
         a, b, key_end = self.compute_span(call, d, refresh)
+        if call.extras.get("logits_shift") and 0 <= call.logits_range[0] < a:
+            # a shifted-logits model (Dream) reads column j from hidden state j - 1: recompute from there
+            a = int(call.logits_range[0])
         if fresh and (a, key_end) != (0, b):
             raise RuntimeError(f"cache '{self.name}': the first call must compute every column it attends to")
         call.compute = (a, b)
