@@ -72,7 +72,7 @@ class BlockBuffer(Strategy):
         return F.pad(masked_gen, (0, self.nb * self.bl - self.gen_length)).view(-1, self.nb, self.bl)
 
     def progress(self, blocks: torch.Tensor) -> torch.Tensor:
-        return 1.0 - blocks.sum(-1) / self.sizes.to(blocks.device)
+        return 1.0 - blocks.sum(-1) / self.sizes
 
     def first_incomplete(self, blocks: torch.Tensor) -> torch.Tensor:
         inc = blocks.any(-1)
@@ -89,6 +89,7 @@ class BlockBuffer(Strategy):
 
     # -- policy ------------------------------------------------------------------------------------
     def init_state(self, canvas):
+        self.sizes = self.sizes.to(canvas.device)
         first = self.first_incomplete(self.blocks(canvas.masked()[:, canvas.gen_start:]))
         count = (first < self.nb).long()
         rows = [r for r, f in enumerate(first.tolist()) if f < self.nb]

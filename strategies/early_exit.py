@@ -65,13 +65,13 @@ class EarlyExit(Strategy):
             if getattr(c, key) < 0:
                 raise ConfigError(f"strategy.{key}={getattr(c, key)} must be >= 0")
         self.check_positive("answer_length", c.answer_length)
-        self.window = None
+        self.answer_window = None
         if c.answer_start is not None:
             lo, hi = max(int(c.answer_start), 0), min(int(c.answer_start) + c.answer_length, self.gen_length)
             if lo >= hi:
                 raise ConfigError(f"strategy.answer_start={c.answer_start} puts the answer window outside the "
                                   f"generation (gen_length={self.gen_length})")
-            self.window = (lo, hi)
+            self.answer_window = (lo, hi)
         if any(len(pair) != 2 for pair in (c.constraints or [])):
             raise ConfigError(f"strategy.constraints={c.constraints} must be a list of [position, token_id] pairs")
         self.constraints: Dict[int, int] = {int(p): int(t) for p, t in (c.constraints or [])}
@@ -127,7 +127,7 @@ class EarlyExit(Strategy):
 
     def answer_gap(self, logits: torch.Tensor) -> torch.Tensor:
         """Mean top-1 minus top-2 raw logit over the answer window ([B], float64, summed in order)."""
-        lo, hi = self.window
+        lo, hi = self.answer_window
         top2 = torch.topk(logits[:, lo:hi], 2, dim=-1).values
         diff = (top2[..., 0] - top2[..., 1]).to(torch.float64)       # differences in model dtype
         total = torch.zeros_like(diff[:, 0])
@@ -142,7 +142,7 @@ class EarlyExit(Strategy):
         k = cur.schedule[:, cur.step]
         commit = topk_commit(proposal.confidence, cand, k)
         scalars = {"block": cur.block, "committed": commit.sum(-1)}
-        if self.window is not None:
+        if self.answer_window is not None:
             gap = self.answer_gap(proposal.logits)
             thr = self.phase_threshold(canvas.step + 1)
             fire = (gap >= thr) & ~st.exited
