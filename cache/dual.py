@@ -16,7 +16,7 @@ from dlm_engine.registry import register_cache
 @dataclass
 class DualCacheConfig:
     name: str = "dual"
-    refresh_interval: int = 0    # also refresh after this many cached steps (0 = only at block starts)
+    refresh_interval: int = 0    # also refresh every n-th step of a block (0 = only at block starts)
 
 
 @register_cache("dual", DualCacheConfig)

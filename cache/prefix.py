@@ -15,7 +15,7 @@ from dlm_engine.registry import register_cache
 @dataclass
 class PrefixCacheConfig:
     name: str = "prefix"
-    refresh_interval: int = 0    # also refresh after this many cached steps (0 = only at block starts)
+    refresh_interval: int = 0    # also refresh every n-th step of a block (0 = only at block starts)
     wasted_draw: bool = True     # Fast-dLLM's discarded Gumbel draw on cached steps at T > 0 (RNG parity)
 
 

@@ -70,9 +70,10 @@ class StoredKVCache(Cache):
         return 0, L, L
 
     def wants_refresh(self, call, directive) -> bool:
-        """Refresh at block starts and, with ``refresh_interval = n > 0``, after every ``n`` cached calls."""
+        """Refresh at block starts and, with ``refresh_interval = n > 0``, on every ``n``-th call after a
+        refresh (``n = 1``: every call, i.e. exact but without savings)."""
         n = int(getattr(self.cfg, "refresh_interval", 0) or 0)
-        return bool(directive.block_start) or (n > 0 and self.since_refresh >= n)
+        return bool(directive.block_start) or (n > 0 and self.since_refresh + 1 >= n)
 
     def on_reset(self) -> None:
         """Called when the stored tensors are (re)started from nothing (first call, shape change)."""
