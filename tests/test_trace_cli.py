@@ -1,0 +1,147 @@
+"""`dlm` records a trace by default; `dlm-trace` show/replay/verify (--rerun)/diff/html on it."""
+import hashlib
+import json
+import os
+import shutil
+
+import pytest
+
+from conftest import run_dlm
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+PROMPTS = "prompts=['347+085=',hi,'name a fruit:']"
+
+
+def _checkpoint(directory):
+    """A tiny random LLaDA-format checkpoint (safetensors + config.json) with the char tokenizer."""
+    import torch
+    from omegaconf import OmegaConf
+    from safetensors.torch import save_file
+
+    from dlm_engine.models.loader import build_random
+    from dlm_engine.tokenizer import save_char_tokenizer
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    mc = OmegaConf.load(os.path.join(root, "conf", "model", "tiny_random.yaml"))
+    model, raw, _ = build_random(dict(mc.random), seed=1)
+    os.makedirs(directory, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(directory, "model.safetensors"))
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(raw, f)
+    save_char_tokenizer(directory)
+    return torch
+
+
+def trace_cli(*args):
+    from dlm_engine.trace.cli import main
+
+    return main(list(args))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    base = tmp_path_factory.mktemp("cli")
+    ck = base / "ck"
+    _checkpoint(ck)
+    out = base / "run"
+    proc = run_dlm([f"hydra.run.dir={out}", "model=local", f"model.path={ck}", PROMPTS, "batch_size=2", "seed=5",
+                    "device=cpu", "gen_length=16", "strategy.temperature=0.8", "strategy.block_length=8",
+                    "trace.capture=confidence"], cwd=base)
+    assert proc.returncode == 0, proc.stderr
+    return base, ck, out
+
+
+def test_run_writes_trace_named_in_summary(run):
+    _, _, out = run
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["trace"] == "trace.dlmt"
+    data = (out / "trace.dlmt").read_bytes()
+    assert summary["trace_digest"] == "sha256:" + hashlib.sha256(data).hexdigest()
+    assert not (out / "trace.dlmt.partial").exists()
+
+
+def test_replay_json_matches_results_in_order(run, capsys):
+    _, _, out = run
+    rows = [json.loads(l) for l in (out / "results.jsonl").read_text().splitlines()]
+    assert trace_cli("replay", str(out / "trace.dlmt"), "--json") == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert [r["tokens"] for r in rep] == [r["tokens"] for r in rows]
+    assert [r["text"] for r in rep] == [r["text"] for r in rows]
+    assert [r["step_of"] for r in rep] == [r["step_of"] for r in rows]
+    assert trace_cli("replay", str(out / "trace.dlmt"), "--step", "2", "--json") == 0
+    at2 = json.loads(capsys.readouterr().out)
+    assert all(sum(t == 3 for t in r["tokens"]) == r["masked"] for r in at2)
+    assert trace_cli("replay", str(out / "trace.dlmt"), "--step", "2") == 0
+    assert "step 2:" in capsys.readouterr().out
+
+
+def test_show_html_and_diff(run, capsys, tmp_path):
+    base, _, out = run
+    t = str(out / "trace.dlmt")
+    assert trace_cli("show", t) == 0
+    text = capsys.readouterr().out
+    assert "weights sha256:" in text and "low_confidence" in text and "wall ms" in text
+    html = tmp_path / "v.html"
+    assert trace_cli("html", t, "-o", str(html)) == 0
+    page = html.read_text()
+    assert "<input id=\"t\" type=\"range\"" in page and "const D = " in page and "http" not in page.split("<script>")[1]
+    assert trace_cli("diff", t, t) == 0
+    assert "no divergence" in capsys.readouterr().out
+
+
+def test_verify_rerun_reproduces_then_detects_changed_weight(run, capsys, tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    base, ck, out = run
+    t = str(out / "trace.dlmt")
+    assert trace_cli("verify", t) == 0
+    assert "intact:" in capsys.readouterr().out
+    assert trace_cli("verify", t, "--rerun") == 0
+    assert "reproduced" in capsys.readouterr().out
+    # change one weight tensor deliberately
+    ck2 = tmp_path / "ck2"
+    shutil.copytree(ck, ck2)
+    w = load_file(str(ck2 / "model.safetensors"))
+    key = "model.transformer.wte.weight"
+    g = torch.Generator().manual_seed(0)
+    w[key] = w[key] + 0.5 * torch.randn(w[key].shape, generator=g)
+    save_file(w, str(ck2 / "model.safetensors"))
+    assert trace_cli("verify", t, "--rerun", "--model-path", str(ck2)) == 1
+    res = capsys.readouterr().out
+    assert "weights digest differs" in res
+    assert "diverged: first at row" in res and "step" in res and "position" in res
+
+
+def test_damaged_files_give_one_line_and_nonzero_exit(run, tmp_path, capsys):
+    _, _, out = run
+    data = (out / "trace.dlmt").read_bytes()
+    cases = {"corrupt": data[:300] + bytes([data[300] ^ 0x40]) + data[301:], "truncated": data[:len(data) - 150],
+             "version": data[:8] + b"\x07\x00" + data[10:], "magic": b"hello world, not a trace at all"}
+    for name, blob in cases.items():
+        p = tmp_path / f"{name}.dlmt"
+        p.write_bytes(blob)
+        for cmd in (["show"], ["replay", "--json"], ["html", "-o", str(tmp_path / "x.html")]):
+            assert trace_cli(cmd[0], str(p), *cmd[1:]) == 2, (name, cmd)
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and err[0].startswith("dlm-trace: error:"), (name, err)
+        assert trace_cli("verify", str(p)) != 0
+        capsys.readouterr()
+    # --recover reads what is complete and says what was lost
+    assert trace_cli("replay", str(tmp_path / "truncated.dlmt"), "--recover") == 0
+    cap = capsys.readouterr()
+    assert "recovered" in cap.err
+
+
+def test_record_false_writes_no_trace(tmp_path):
+    out = tmp_path / "run"
+    proc = run_dlm([f"hydra.run.dir={out}", "device=cpu", "trace.record=false", "prompts=[hi]"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert not list(out.glob("*.dlmt*"))
+    assert "trace" not in json.loads((out / "summary.json").read_text())
+
+
+def test_bad_trace_config_names_the_key(tmp_path):
+    proc = run_dlm([f"hydra.run.dir={tmp_path / 'r'}", "device=cpu", "trace.capture=everything"], cwd=tmp_path)
+    assert proc.returncode == 2 and "trace.capture=everything" in proc.stderr
