@@ -209,10 +209,11 @@ def planes(v: np.ndarray, nb: int) -> bytes:
 
 def unplanes(buf, n: int, nb: int, offset: int = 0) -> np.ndarray:
     b = np.frombuffer(buf, dtype=np.uint8, count=n * nb, offset=offset).reshape(nb, n)
-    out = b[0].astype(np.int64)
-    for i in range(1, nb):
-        out |= b[i].astype(np.int64) << (8 * i)
-    return out
+    if nb == 1:
+        return b[0].astype(np.int64)
+    out = np.zeros((n, 8), dtype=np.uint8)
+    out[:, :nb] = b.T
+    return out.view("<i8").reshape(n)
 
 
 def bitpack(v: np.ndarray, width: int) -> bytes:
@@ -227,8 +228,13 @@ def bitunpack(buf, n: int, width: int, offset: int = 0) -> np.ndarray:
         return np.zeros(n, dtype=np.int64)
     nbytes = (n * width + 7) // 8
     raw = np.frombuffer(buf, dtype=np.uint8, count=nbytes, offset=offset)
-    bits = np.unpackbits(raw, count=n * width, bitorder="little").reshape(n, width).astype(np.int64)
-    return bits @ (np.int64(1) << np.arange(width, dtype=np.int64))
+    bits = np.unpackbits(raw, count=n * width, bitorder="little").reshape(n, width)
+    if width != 8:
+        wide = np.zeros((n, 64 if width > 8 else 8), dtype=np.uint8)
+        wide[:, :width] = bits
+        bits = wide
+    packed = np.packbits(bits, axis=1, bitorder="little")
+    return packed[:, 0].astype(np.int64) if width <= 8 else packed.view("<i8").reshape(n)
 
 
 # stream methods
@@ -330,15 +336,19 @@ def encode_seq(s: SeqData, level: int = ZSTD_LEVEL) -> bytes:
     zs = zigzag(np.diff(s.step_of.astype(np.int64), prepend=0))
     # joint frame (token planes + step planes) or two separate streams, whichever is smaller
     tb, sb = nbytes_for(int(tok.max()) if L else 0), nbytes_for(int(zs.max()) if L else 0)
-    joint = zc(planes(tok, tb) + planes(zs, sb), level) if L else b""
-    sep = encode_ints(tok, level) + encode_ints(zs, level)
-    if L and len(joint) + 3 < len(sep):
-        out += bytes((1, tb, sb))
-        put_varint(out, len(joint))
-        out += joint
-    else:
-        out.append(0)
-        out += sep
+    steps = encode_ints(zs, level)
+    cands = [b"\x00" + encode_ints(tok, level) + steps]            # separate streams
+    if L:
+        joint = zc(planes(tok, tb) + planes(zs, sb), level)          # one frame of token + step planes
+        head = bytearray((1, tb, sb))
+        put_varint(head, len(joint))
+        cands.append(bytes(head) + joint)
+        # a sorted dictionary of the distinct ids (delta-coded) + one index per position
+        uniq, idx = np.unique(tok, return_inverse=True)
+        head = bytearray((2,))
+        put_varint(head, len(uniq))
+        cands.append(bytes(head) + encode_ints(np.diff(uniq, prepend=0), level) + encode_ints(idx.ravel(), level) + steps)
+    out += min(cands, key=len)
     if flags & F_CONF:
         committed = s.step_of >= 1
         out += encode_f16(np.asarray(s.confidence)[committed], level)
@@ -389,6 +399,16 @@ def decode_seq(buf: bytes) -> SeqData:
         zs = unplanes(raw, L, sb, offset=L * tb)
     elif layout == 0:
         tok, pos = decode_ints(buf, pos, L)
+        zs, pos = decode_ints(buf, pos, L)
+    elif layout == 2:
+        nu, pos = get_varint(buf, pos)
+        if nu > L or (L and nu == 0):
+            raise TraceError("sequence record has a bad dictionary size")
+        gaps, pos = decode_ints(buf, pos, nu)
+        idx, pos = decode_ints(buf, pos, L)
+        if L and int(idx.max()) >= nu:
+            raise TraceError("sequence record has a dictionary index out of range")
+        tok = np.cumsum(gaps)[idx]
         zs, pos = decode_ints(buf, pos, L)
     else:
         raise TraceError(f"unknown sequence layout {layout}")

@@ -128,7 +128,10 @@ def _merge_steps(chunks, B: int) -> StepTable:
     if not chunks:
         return StepTable.empty(B)
     cat = lambda k: np.concatenate([a[k] for _, a in chunks])  # noqa: E731
-    tab = StepTable(cat("step"), cat("nfe"), cat("wall_time"), cat("start"), cat("width"), cat("active"), cat("finished"))
+    step = np.concatenate([a["step"].astype(np.int64) if "step" in a else np.arange(m["step0"], m["step0"] + int(m["n"]))
+                           for m, a in chunks])
+    wall = np.concatenate([np.cumsum(a["wall_dus"]) / 1e6 for _, a in chunks])
+    tab = StepTable(step, cat("nfe"), wall, cat("start"), cat("width"), cat("active"), cat("finished"))
     names: List[str] = []
     for m, a in chunks:
         for k in [x[2:] for x in a if x[:2] in ("s:", "p:")] + list(m.get("json_scalars", {})):
@@ -178,7 +181,7 @@ class Sequence:
         self.trace, self.batch, self.slot = trace, batch, slot
         self._payload = payload
         self._data: Optional[SeqData] = None
-        self._row: Optional[int] = None
+        self._key: Optional[np.ndarray] = None   # step_of with "never" as +inf: state_at is one comparison
 
     def _d(self) -> SeqData:
         if self._data is None:
@@ -261,9 +264,12 @@ class Sequence:
     # -- states ---------------------------------------------------------------------------------------
     def state_at(self, t: int) -> np.ndarray:
         """The generation region after step ``t`` (``t = 0``: before the first step)."""
-        d = self._d()
-        so = d.step_of
-        out = np.where((so >= 0) & (so <= t), d.tokens, self.batch.mask_id)
+        key = self._key
+        if key is None:
+            d = self._d()
+            key = self._key = np.where(d.step_of >= 0, d.step_of, np.iinfo(np.int64).max)
+        d = self._data
+        out = np.where(key <= t, d.tokens, self.batch.mask_id)
         e = d.edits
         if e is not None:
             sel = (e["start"] <= t) & (t < e["end"])

@@ -128,6 +128,7 @@ class TraceRecorder:
         self._chan = _Channel(queue_size)
         self._batches: Dict[int, _BatchState] = {}
         self._side_stream = None
+        self._cuda = False          # set by a batch sink whose canvas lives on a CUDA device
         self._last_fsync = time.perf_counter()
         header = dict(header)
         header.setdefault("format", "dlm_engine trace")
@@ -224,6 +225,8 @@ class TraceRecorder:
                 return
 
     def _host(self, t):
+        if not self._cuda:
+            return t
         if isinstance(t, torch.Tensor) and t.device.type == "cuda":
             if self._side_stream is None:
                 self._side_stream = torch.cuda.Stream(device=t.device)
@@ -292,9 +295,8 @@ class TraceRecorder:
         newly = fin & (st.finish_step < 0)
         if newly.any():
             st.finish_step[newly] = t
-        scal = {}
-        for k, v in delta.scalars.items():
-            scal[k] = _np(self._host(v)).copy() if isinstance(v, torch.Tensor) else v
+        # small per-step values are copied: a strategy might reuse a state tensor as a scalar
+        scal = {k: (_np(self._host(v)).copy() if isinstance(v, torch.Tensor) else v) for k, v in delta.scalars.items()}
         st.pending.append((t, int(delta.nfe), float(delta.wall_time), s, W, _np(self._host(delta.active)).copy(),
                            fin.copy(), scal, list(delta.block_events)))
         st.n_steps += 1
@@ -331,10 +333,12 @@ class TraceRecorder:
             return
         rows = st.pending
         n = len(rows)
+        steps = np.array([r[0] for r in rows], dtype=np.int64)
+        wall_us = np.rint(np.array([r[2] for r in rows], dtype=np.float64) * 1e6).astype(np.int64)
         arrays = {
-            "step": np.array([r[0] for r in rows], dtype=np.int32),
+            # wall time (seconds since decode start) in microseconds, delta-coded within the chunk
+            "wall_dus": np.diff(wall_us, prepend=0).astype(np.int64),
             "nfe": np.array([r[1] for r in rows], dtype=np.int32),
-            "wall_time": np.array([r[2] for r in rows], dtype=np.float64),
             "start": np.array([r[3] for r in rows], dtype=np.int32),
             "width": np.array([r[4] for r in rows], dtype=np.int32),
             "active": np.stack([r[5] for r in rows]).astype(np.bool_),
@@ -364,6 +368,10 @@ class TraceRecorder:
         events = [[i, e.kind, int(e.block), int(e.start), int(e.end), int(e.row)]
                   for i, r in enumerate(rows) for e in r[8]]
         meta = {"batch": st.batch, "first": st.first_pending, "n": n, "events": events, "json_scalars": json_scalars}
+        if n and np.array_equal(steps, np.arange(steps[0], steps[0] + n)):
+            meta["step0"] = int(steps[0])             # consecutive steps: no array needed
+        else:
+            arrays["step"] = steps.astype(np.int32)
         self._write(fmt.STEPS, fmt.encode_bundle(meta, arrays, self.level))
         st.first_pending += n
         st.pending = []
@@ -451,6 +459,8 @@ class BatchSink(Sink):
 
     def on_start(self, canvas, info: dict) -> None:
         self._cuda = canvas.device.type == "cuda"
+        if self._cuda:
+            self.rec._cuda = True
         if len(self.rows) != canvas.batch_size:
             raise TraceError(f"batch {self.batch}: {len(self.rows)} row indices for a batch of {canvas.batch_size}")
         rng = torch.random.get_rng_state().numpy().tobytes()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import os
 import platform
@@ -30,6 +31,7 @@ def check_config(trace_cfg) -> None:
         raise ConfigError(f"trace.filename='{name}' must be a plain file name (it is written in the run directory)")
 
 
+@functools.lru_cache(maxsize=1)
 def git_commit() -> Dict[str, Any]:
     """Commit of the source tree dlm_engine runs from (editable installs), if git knows it."""
     here = Path(__file__).resolve().parent
@@ -97,7 +99,7 @@ def build_header(cfg, lm, rows_expected: Optional[int] = None) -> Dict[str, Any]
         "format": "dlm_engine trace",
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(now)),
         "created_unix": now,
-        "package": {"name": "dlm_engine", "version": __version__, "git": git_commit()},
+        "package": {"name": "dlm_engine", "version": __version__, "git": dict(git_commit())},
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "numpy": numpy.__version__,
                      "zstandard": zstandard.__version__, "python": platform.python_version()},
         "model": {"name": lm.name, "digest": lm.digest, "tokenizer_digest": lm.tokenizer_digest,
