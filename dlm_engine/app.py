@@ -46,12 +46,12 @@ def validate(cfg: DictConfig):
                           f"(supported: {', '.join(strategy.caches)})")
     make_cache = build_cache(cfg)
     make_cache()
-    if cfg.model.path:
-        from .models.loader import read_config, weight_files
+    from .chat import CHAT_MODES
+    from .models.checkpoint import check_checkpoint
 
-        p = Path(cfg.model.path).expanduser()
-        read_config(p)
-        weight_files(p)
+    if cfg.model.chat_template not in CHAT_MODES:
+        raise ConfigError(f"model.chat_template='{cfg.model.chat_template}' (choose auto, on or off)")
+    check_checkpoint(cfg.model)
     if cfg.prompts_file and not Path(cfg.prompts_file).is_file():
         raise ConfigError(f"prompts_file: '{cfg.prompts_file}' does not exist")
     from .models.loader import resolve_device, resolve_dtype
@@ -119,7 +119,8 @@ def run(cfg: DictConfig, out_dir: Path) -> Dict[str, Any]:
              "steps": r.steps, "generated_tokens": r.generated_tokens, "step_of": r.step_of, **r.extra}
             for r in stats.rows]
     summary = {
-        "model": lm.name, "model_digest": lm.digest, "strategy": OmegaConf.to_container(cfg.strategy),
+        "model": lm.name, "model_digest": lm.digest, "chat_template": lm.chat_template,
+        "strategy": OmegaConf.to_container(cfg.strategy),
         "cache": OmegaConf.to_container(cfg.cache), "gen_length": cfg.gen_length, "batch_size": cfg.batch_size,
         "seed": cfg.seed, "device": str(lm.device), "dtype": str(lm.dtype).replace("torch.", ""),
         "prompts": len(rows), "nfe": stats.nfe, "nfe_per_prompt": sum(r.nfe for r in stats.rows) / len(rows),

@@ -18,7 +18,11 @@ class ModelConfig:
     path: Optional[str] = None               # local official-format checkpoint directory
     random: Optional[Dict[str, Any]] = None  # config of a seeded random model (used when path is null)
     random_seed: int = 0
-    chat_template: str = "auto"              # auto | on | off
+    chat_template: str = "auto"              # auto | on | off (auto: on for instruct models whose tokenizer has one)
+    instruct: bool = False                   # chat-tuned checkpoint (presets set it)
+    model_type: Optional[str] = None         # expected config.json model_type (presets; checked before loading)
+    hub_id: Optional[str] = None             # the official repository this preset expects a local copy of (hints only)
+    eot_token_id: Optional[int] = None       # end-of-turn id; null = config.json's, else the tokenizer's EoT token
 
 
 @dataclass

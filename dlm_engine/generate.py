@@ -26,10 +26,16 @@ class LoadedModel:
     pad_id: int
     device: torch.device
     dtype: torch.dtype
+    eot_id: Optional[int] = None          # end-of-turn id (instruct models), from the preset/config/tokenizer
+    chat_template: bool = False           # encode() wraps prompts in the tokenizer's chat template
 
     def encode(self, text: str) -> List[int]:
         if self.tokenizer is None:
             raise UserError(f"model '{self.name}' has no tokenizer; pass token ids instead of text")
+        if self.chat_template:
+            from .chat import encode_chat
+
+            return encode_chat(self.tokenizer, text)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def decode_text(self, ids: Sequence[int]) -> str:
@@ -54,29 +60,29 @@ def load_model(model_cfg, device: str = "auto", dtype: str = "auto") -> LoadedMo
     dname = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[tdtype]
     path = getattr(model_cfg, "path", None)
     if path:
-        model, raw, digest = load_pretrained(path, device=str(dev), dtype=dname)
-        tok, tok_digest = None, None
-        tok_file = Path(path).expanduser() / "tokenizer.json"
-        if tok_file.is_file():
-            from transformers import AutoTokenizer
+        from .chat import load_tokenizer
+        from .models.checkpoint import check_checkpoint
 
-            try:
-                tok = AutoTokenizer.from_pretrained(str(Path(path).expanduser()), trust_remote_code=False)
-            except Exception as exc:
-                raise UserError(f"model.path: cannot load the tokenizer in '{path}' ({exc})") from None
-            tok.padding_side = "left"
-            tok_digest = _file_digest(tok_file)
+        check_checkpoint(model_cfg)
+        model, raw, digest = load_pretrained(path, device=str(dev), dtype=dname)
+        tok, tok_digest = load_tokenizer(path)
     elif getattr(model_cfg, "random", None):
         model, raw, digest = build_random(dict(model_cfg.random), seed=model_cfg.random_seed, device=str(dev), dtype=dname)
         tok, tok_digest = build_char_tokenizer(), "char-ascii-v1"
     else:
         raise UserError(f"model.path: model '{model_cfg.name}' needs model.path=DIR (an official-format checkpoint directory)")
+    from .chat import end_of_turn_id, use_chat_template
+
     cfg = model.config
     eos = getattr(cfg, "eos_token_id", None)
     pad = getattr(cfg, "pad_token_id", None)
+    eot = end_of_turn_id(raw, tok, getattr(model_cfg, "eot_token_id", None))
+    chat = use_chat_template(str(getattr(model_cfg, "chat_template", "auto") or "auto"),
+                             bool(getattr(model_cfg, "instruct", False)), tok, str(path) if path else "")
     return LoadedModel(model=model, tokenizer=tok, name=str(model_cfg.name), config=raw, digest=digest,
                        tokenizer_digest=tok_digest, mask_id=int(cfg.mask_token_id), eos_id=eos,
-                       pad_id=int(pad if pad is not None else (eos if eos is not None else 0)), device=dev, dtype=tdtype)
+                       pad_id=int(pad if pad is not None else (eos if eos is not None else 0)), device=dev, dtype=tdtype,
+                       eot_id=eot, chat_template=chat)
 
 
 @dataclass
