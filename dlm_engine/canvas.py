@@ -63,12 +63,15 @@ class Canvas:
     """
 
     def __init__(self, tokens: torch.Tensor, step_of: torch.Tensor, attention_mask: torch.Tensor,
-                 gen_start: int, mask_id: int):
+                 gen_start: int, mask_id: int, eos_id: Optional[int] = None, eot_id: Optional[int] = None):
         self.tokens = tokens
         self.step_of = step_of
         self.attention_mask = attention_mask
         self.gen_start = int(gen_start)
         self.mask_id = int(mask_id)
+        # the model's end-of-sequence / end-of-turn ids (None = unknown): EOS policies and early stops read them
+        self.eos_id = None if eos_id is None else int(eos_id)
+        self.eot_id = None if eot_id is None else int(eot_id)
         self.finished = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
         self.step = 0
         self.nfe = 0
@@ -78,7 +81,8 @@ class Canvas:
 
     @classmethod
     def from_prompts(cls, prompts: Sequence[Sequence[int]], gen_length: int, mask_id: int, pad_id: int,
-                     device: Union[str, torch.device] = "cpu") -> "Canvas":
+                     device: Union[str, torch.device] = "cpu", eos_id: Optional[int] = None,
+                     eot_id: Optional[int] = None) -> "Canvas":
         if not prompts:
             raise ValueError("no prompts")
         P = max(len(p) for p in prompts)
@@ -92,7 +96,7 @@ class Canvas:
         tokens[:, P:] = mask_id
         step_of = torch.zeros((B, L), dtype=torch.int32)
         step_of[:, P:] = -1
-        return cls(tokens.to(device), step_of.to(device), attn.to(device), P, mask_id)
+        return cls(tokens.to(device), step_of.to(device), attn.to(device), P, mask_id, eos_id=eos_id, eot_id=eot_id)
 
     # -- views -------------------------------------------------------------------------------------
     @property

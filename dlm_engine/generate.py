@@ -111,7 +111,8 @@ def generated_token_count(tokens: Sequence[int], eos_id: Optional[int]) -> int:
 def decode_batch(lm: LoadedModel, prompt_ids: Sequence[Sequence[int]], strategy, cache=None,
                  gen_length: int = 16, sinks: Iterable[Sink] = (), canvas_hook=None) -> Canvas:
     """Decode one batch of token-id prompts (left-padded) and return the final canvas."""
-    canvas = Canvas.from_prompts(prompt_ids, gen_length, lm.mask_id, lm.pad_id, device=lm.device)
+    canvas = Canvas.from_prompts(prompt_ids, gen_length, lm.mask_id, lm.pad_id, device=lm.device,
+                                 eos_id=lm.eos_id, eot_id=lm.eot_id)
     if canvas_hook is not None:
         canvas_hook(canvas)
     return decode(lm.model, canvas, strategy, cache=cache, sinks=sinks)

@@ -51,6 +51,8 @@ def forward(model, canvas: Canvas, plan: StepPlan, cache) -> Tuple[torch.Tensor,
     if cfg:
         cond, uncond = logits.chunk(2, dim=0)
         logits = uncond + (plan.cfg_scale + 1) * (cond - uncond)
+    if plan.suppress:  # in place, after CFG and before any noise (LLaDA's logits_eos_inf)
+        logits[..., list(plan.suppress)] = float("-inf")
     return logits, call
 
 

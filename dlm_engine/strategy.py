@@ -42,6 +42,7 @@ class StepPlan:
     cfg_scale: float = 0.0
     cache: Optional[CacheDirective] = None
     info: Dict[str, Any] = field(default_factory=dict)
+    suppress: Tuple[int, ...] = ()       # token ids whose logits are set to -inf before sampling (e.g. EOS)
 
 
 class Strategy:

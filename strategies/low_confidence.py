@@ -7,6 +7,11 @@ ranks by uniform noise instead. ``loop`` picks the reference loop control:
 * ``llada`` (default): every scheduled step runs, zero-transfer steps included; softmax in model dtype.
 * ``fastdllm``: Fast-dLLM's fixed-schedule loop — a block ends as soon as it is full (zero-transfer
   steps are not run) and confidences use a float64 softmax.
+
+EOS policy (LLaDA ``generate``, ids from the model config): ``logits_eos_inf`` never proposes EOS;
+``confidence_eos_eot_inf`` ranks EoT (and, at ``T = 0``, EOS) proposals last (reference quirk, see
+:mod:`dlm_engine.eos`); ``stop_at_eos`` ends a row once an EOS is committed with every position before it
+decoded (the rest of the row becomes EOS) and stops decoding when every row has ended.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ from dlm_engine.registry import register_strategy
 from dlm_engine.selection import topk_commit, transfer_schedule
 from dlm_engine.strategy import BlockCursor, CacheDirective, StepPlan, Strategy, block_range, candidates
 from dlm_engine.canvas import BlockEvent
+from dlm_engine.eos import eos_eot_confidence, require_id, stop_at_eos
 
 
 @dataclass
@@ -32,6 +38,9 @@ class LowConfidenceConfig:
     confidence: str = "prob"             # prob | margin | entropy (used by low_confidence remasking)
     cfg_scale: float = 0.0               # classifier-free guidance (prompt replaced by masks)
     loop: str = "llada"                  # llada | fastdllm
+    logits_eos_inf: bool = False         # EOS logit -> -inf before sampling (EOS is never proposed)
+    confidence_eos_eot_inf: bool = False # EoT (and EOS at T = 0) proposals get confidence 0 (LLaDA quirk)
+    stop_at_eos: bool = False            # end a row once EOS is committed and everything before it is decoded
 
 
 @register_strategy("low_confidence", LowConfidenceConfig)
@@ -61,10 +70,17 @@ class LowConfidence(Strategy):
             raise ConfigError(f"strategy.cfg_scale={c.cfg_scale} must be >= 0")
 
     def init_state(self, canvas):
+        c = self.cfg
+        if c.logits_eos_inf or c.stop_at_eos:
+            require_id(canvas, "eos", "strategy.logits_eos_inf" if c.logits_eos_inf else "strategy.stop_at_eos")
+        if c.confidence_eos_eot_inf and canvas.eos_id is None and canvas.eot_id is None:
+            require_id(canvas, "eos", "strategy.confidence_eos_eot_inf")
         return BlockCursor()
 
     def plan(self, canvas, cur: BlockCursor) -> Optional[StepPlan]:
         if cur.block >= self.num_blocks:
+            return None
+        if self.cfg.stop_at_eos and bool(canvas.finished.all()):
             return None
         s, e = block_range(canvas, cur.block, self.block_length)
         if cur.step == 0:
@@ -75,11 +91,16 @@ class LowConfidence(Strategy):
             confidence="random" if c.remasking == "random" else c.confidence,
             softmax_dtype="float64" if c.loop == "fastdllm" else "model", cfg_scale=c.cfg_scale,
             cache=CacheDirective(block=(s, e), block_start=cur.step == 0, step_in_block=cur.step),
+            suppress=(canvas.eos_id,) if c.logits_eos_inf else (),
         )
 
     def select(self, canvas, plan, proposal, cur: BlockCursor):
         s, e = plan.window
         cand = candidates(canvas, proposal, e)
+        c = self.cfg
+        if c.confidence_eos_eot_inf and c.remasking != "random":
+            proposal.confidence = eos_eot_confidence(proposal.logits, proposal.x0, c.confidence, plan.softmax_dtype,
+                                                     c.temperature, canvas.eos_id, canvas.eot_id)
         i = min(cur.step, self.steps_per_block - 1)
         k = cur.schedule[:, i] if cur.step < self.steps_per_block else torch.ones_like(cur.schedule[:, 0])
         commit = topk_commit(proposal.confidence, cand, k)
@@ -94,4 +115,6 @@ class LowConfidence(Strategy):
             cur.block, cur.step = cur.block + 1, 0
         delta = self.delta(canvas, proposal, commit, events=events,
                            scalars={"block": cur.block if not done else cur.block - 1, "committed": commit.sum(-1)})
+        if c.stop_at_eos:
+            delta = stop_at_eos(canvas, delta, canvas.eos_id)
         return delta, cur
