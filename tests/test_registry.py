@@ -60,3 +60,9 @@ def test_every_registered_strategy_has_a_preset():
         cfg = _compose([f"strategy={name}"])
         cfgs[name] = cfg
         assert cfg.strategy.name == name
+
+
+def test_cadllm_preset_brings_the_dual_cache_unless_overridden():
+    assert _compose(["strategy=cadllm"]).cache.name == "dual"
+    assert _compose(["strategy=cadllm", "cache=prefix"]).cache.name == "prefix"
+    assert _compose(["strategy=threshold"]).cache.name == "none"
