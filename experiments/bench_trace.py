@@ -283,9 +283,9 @@ def bench_overhead(pairs, gen_length, n_prompts):
     ids = (inputs["ids"] * (1 + n_prompts // max(1, len(inputs["ids"]))))[:n_prompts]
     tmp = tempfile.mkdtemp(prefix="bench-trace-")
 
-    def one(record: bool) -> float:
+    def one(record: bool):
         torch.manual_seed(cfg.seed)
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         if record:
             rec = open_run_recorder(cfg, tmp, lm, ids)
             with rec:
@@ -293,25 +293,28 @@ def bench_overhead(pairs, gen_length, n_prompts):
                             sinks_for_batch=lambda b, rows: [rec.sink(b, rows)], warmup=False)
         else:
             run_prompts(lm, ids, ms, mc, cfg.gen_length, cfg.batch_size, warmup=False)
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.process_time() - c0
 
     one(True), one(False)   # warm-up (imports, git provenance, allocator)
-    ratios, ons, offs = [], [], []
+    ratios, cpu_ratios, ons, offs = [], [], [], []
     for i in range(pairs):
         if i % 2 == 0:
             on, off = one(True), one(False)
         else:
             off, on = one(False), one(True)
-        ons.append(on)
-        offs.append(off)
-        ratios.append(on / off)
-    med = statistics.median(ratios)
-    steps = None
+        ons.append(on[0])
+        offs.append(off[0])
+        ratios.append(on[0] / off[0])
+        cpu_ratios.append(on[1] / off[1])
+    med, cmed = statistics.median(ratios), statistics.median(cpu_ratios)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"\n== recording overhead: {lm.name}, {len(ids)} prompts, gen_length {gen_length}, batch 8, "
-          f"{cfg.strategy.name}; {pairs} alternated pairs ==")
-    print(f"median off {statistics.median(offs) * 1e3:.1f} ms, median on {statistics.median(ons) * 1e3:.1f} ms, "
-          f"median ratio on/off {med:.4f} (overhead {100 * (med - 1):+.2f}%, target <= +1%)  "
-          f"[pair ratios min {min(ratios):.4f} max {max(ratios):.4f}]")
+          f"{cfg.strategy.name}; {pairs} alternated pairs; load average {load:.1f} on {os.cpu_count()} CPUs ==")
+    print(f"wall: median off {statistics.median(offs) * 1e3:.1f} ms, on {statistics.median(ons) * 1e3:.1f} ms, "
+          f"median pair ratio on/off {med:.4f} (overhead {100 * (med - 1):+.2f}%, target <= +1%)  "
+          f"[pair ratios {min(ratios):.3f}..{max(ratios):.3f}]")
+    print(f"CPU time of the process (all threads, writer included): median pair ratio {cmed:.4f} "
+          f"(overhead {100 * (cmed - 1):+.2f}%)  [pair ratios {min(cpu_ratios):.3f}..{max(cpu_ratios):.3f}]")
     return med
 
 
@@ -320,7 +323,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--pairs", type=int, default=12)
     ap.add_argument("--gen-length", type=int, default=64)
-    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--skip", default="", help="comma list of sections to skip: sizes,replay,real,overhead")
     a = ap.parse_args()
     skip = set(filter(None, a.skip.split(",")))

@@ -140,13 +140,13 @@ def test_reordered_records_are_detected(trace_bytes):
 
 
 def test_full_queue_blocks_and_loses_nothing(lm, tmp_path, monkeypatch):
-    orig = _Rec._on_delta
+    orig = _Rec._handle
 
-    def slow(self, st, delta):
+    def slow(self, item):
         time.sleep(0.003)
-        return orig(self, st, delta)
+        return orig(self, item)
 
-    monkeypatch.setattr(_Rec, "_on_delta", slow)
+    monkeypatch.setattr(_Rec, "_handle", slow)
     counts = {}
 
     class Count(Sink):
@@ -165,10 +165,14 @@ def test_full_queue_blocks_and_loses_nothing(lm, tmp_path, monkeypatch):
 
 
 def test_writer_failure_is_never_silent(lm, tmp_path, monkeypatch):
-    def broken(self, st, delta):
-        raise OSError("No space left on device")
+    orig = _Rec._write_raw
 
-    monkeypatch.setattr(_Rec, "_on_delta", broken)
+    def broken(self, b):
+        if self.records[fmt.HEADER]:        # the header got out; the disk fills up afterwards
+            raise OSError("No space left on device")
+        return orig(self, b)
+
+    monkeypatch.setattr(_Rec, "_write_raw", broken)
     with pytest.raises(TraceError, match="No space left"):
         record(lm, tmp_path / "f.dlmt")
     assert not (tmp_path / "f.dlmt").exists()

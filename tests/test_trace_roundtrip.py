@@ -251,3 +251,32 @@ def test_remask_and_edit_events_round_trip(tmp_path):
     assert [(e[0], e[1], e[5]) for e in st.events] == [(1, "opened", -1), (4, "completed", 1)]
     assert [e[1] for e in s0.steps.events] == ["opened"]
     assert s0.commits_per_step().tolist() == [0, 1, 2, 3, 2]
+
+
+def test_overwrite_inside_a_run_of_same_window_steps(tmp_path):
+    """The writer applies same-window steps together; an overwrite among them must still be an edit."""
+    mask = 3
+    canvas = Canvas.from_prompts([[10], [11]], gen_length=4, mask_id=mask, pad_id=0)
+    g = canvas.gen_start
+    rec = TraceRecorder(str(tmp_path / "o.dlmt"), HEADER)
+    states = StateSink()
+    sinks = [rec.sink(0, [0, 1]), states]
+    for s in sinks:
+        s.on_start(canvas, {})
+    T, F = True, False
+    plan = [([[T, F, F, F], [T, F, F, F]], [[20, 0, 0, 0], [21, 0, 0, 0]]),
+            ([[F, T, F, F], [T, F, F, F]], [[0, 22, 0, 0], [23, 0, 0, 0]]),    # row 1 overwrites column g
+            ([[F, F, T, T], [F, T, T, T]], [[0, 0, 24, 25], [0, 26, 27, 28]])]
+    for step, (c, t) in enumerate(plan, 1):
+        _apply_and_emit(canvas, sinks, FrameDelta(step=step, nfe=1, start=g, commit=torch.tensor(c), tokens=torch.tensor(t),
+                                                  active=torch.ones(2, dtype=torch.bool),
+                                                  finished=torch.tensor([step == 3, step == 3])))
+    for s in sinks:
+        s.on_end(canvas)
+    rec.close()
+    tr = open_trace(tmp_path / "o.dlmt", recover=False)
+    for i, s in enumerate(tr):
+        for (tokens, _), d in zip(states.states, states.deltas):
+            assert np.array_equal(s.canvas_at(d.step), tokens[i].numpy())
+    assert tr[0].edits is None
+    assert tr[1].edits["token"].tolist() == [21] and tr[1].edits["end"].tolist() == [2]
