@@ -30,10 +30,23 @@ def _hydra_main(cfg: DictConfig) -> None:
     from .app import run
     from .errors import UserError
 
+    from .sweep import JobRecord
+
     out_dir = Path(HydraConfig.get().runtime.output_dir)
+    job = JobRecord(cfg, out_dir)  # multirun: resume check, result.json / error.json
+    if job.should_skip():
+        return
+    job.start()
     try:
-        run(cfg, out_dir)
-    except UserError as exc:
+        job.finish(run(cfg, out_dir))
+    except Exception as exc:  # in a multirun, a failed job must not end the other jobs of the sweep
+        if job.multirun:
+            job.fail(exc)  # error.json + one line; the sweep callback lists it and exits non-zero
+            if isinstance(exc, UserError):
+                return
+            raise
+        if not isinstance(exc, UserError):
+            raise
         _fail(str(exc), out_dir)
     except KeyboardInterrupt:
         partial = sorted(out_dir.glob("*.partial"))  # a flushed trace of what was decoded: keep the run dir

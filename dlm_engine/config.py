@@ -59,9 +59,29 @@ class RunConfig:
     batch_size: int = 8
     progress: bool = True
     print_outputs: bool = True
+    resume: bool = True                      # multirun: skip a job whose result.json exists (same config)
 
 
 _registered = False
+
+
+def register_resolvers() -> None:
+    """OmegaConf resolvers used in conf/; idempotent. Runs on ``import dlm_engine`` so that launcher
+    workers (joblib, submitit) have them before they resolve a job's config."""
+    from omegaconf import OmegaConf
+
+    from .checkpoints import embedded_path
+
+    if not OmegaConf.has_resolver("dlm_embedded"):
+        OmegaConf.register_new_resolver("dlm_embedded", lambda name: embedded_path(name) or f"<missing embedded checkpoint '{name}'>")
+    if not OmegaConf.has_resolver("dlm_job_dir"):  # hydra.sweep.subdir (conf/hydra/output/dlm.yaml)
+        OmegaConf.register_new_resolver("dlm_job_dir", _job_dir)
+
+
+def _job_dir(overrides=()) -> str:
+    from .sweep import job_dirname
+
+    return job_dirname(overrides)
 
 
 def register_configs() -> None:
@@ -70,12 +90,8 @@ def register_configs() -> None:
         return
     _registered = True
     from hydra.core.config_store import ConfigStore
-    from omegaconf import OmegaConf
 
-    from .checkpoints import embedded_path
-
-    if not OmegaConf.has_resolver("dlm_embedded"):
-        OmegaConf.register_new_resolver("dlm_embedded", lambda name: embedded_path(name) or f"<missing embedded checkpoint '{name}'>")
+    register_resolvers()
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
     cs.store(group="model", name="model_schema", node=ModelConfig)

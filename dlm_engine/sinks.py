@@ -1,7 +1,9 @@
 """Sinks of the FrameDelta stream that ship with the core: a progress bar and metrics."""
 from __future__ import annotations
 
+import logging
 import sys
+import time
 from typing import Optional
 
 from .canvas import Canvas, FrameDelta
@@ -9,13 +11,28 @@ from .loop import Sink
 
 
 class ProgressSink(Sink):
-    """tqdm bar over prompts, with the current step; silent when stderr is not a terminal."""
+    """tqdm bar over prompts, with the current step; silent when stderr is not a terminal.
 
-    def __init__(self, total: int, enabled: Optional[bool] = None, desc: str = "decode"):
+    ``enabled=None`` (auto): a bar only on a terminal and never in a parallel/remote Hydra launcher worker;
+    a multirun job without a bar logs a line per batch instead (at most every ``log_interval`` seconds, and
+    the last one), through ``logging`` (Hydra sends it to the job's log file and stdout).
+    """
+
+    def __init__(self, total: int, enabled: Optional[bool] = None, desc: str = "decode",
+                 log_lines: Optional[bool] = None, log_interval: float = 5.0):
         from tqdm.auto import tqdm
 
+        auto = enabled is None
         if enabled is None:
-            enabled = sys.stderr.isatty()
+            from .sweep import in_launcher_worker
+
+            enabled = sys.stderr.isatty() and not in_launcher_worker()
+        if log_lines is None:
+            from .sweep import in_multirun
+
+            log_lines = auto and not enabled and in_multirun()
+        self.log_lines, self.log_interval, self.total, self.done = log_lines, log_interval, total, 0
+        self.t0 = self.last_log = time.perf_counter()
         self.bar = tqdm(total=total, desc=desc, unit="prompt", disable=not enabled, leave=False, file=sys.stderr)
 
     def on_delta(self, delta: FrameDelta, canvas: Canvas) -> None:
@@ -24,6 +41,13 @@ class ProgressSink(Sink):
 
     def on_end(self, canvas: Canvas) -> None:
         self.bar.update(canvas.batch_size)
+        if self.log_lines:
+            self.done += canvas.batch_size
+            now = time.perf_counter()
+            if self.done >= self.total or now - self.last_log >= self.log_interval:
+                self.last_log = now
+                logging.getLogger("dlm_engine.progress").info(
+                    "decoded %d/%d prompts (%.1f s)", self.done, self.total, now - self.t0)
 
     def close(self) -> None:
         self.bar.close()
