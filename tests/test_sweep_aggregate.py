@@ -1,0 +1,223 @@
+"""Sweep pieces that need no full sweep: job directory names, resume decisions, the aggregation table,
+Pareto front and plots (from result files written here), the `dlm-sweep` command without matplotlib,
+the sweep presets; plus one real sweep with glob() and failing jobs."""
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import run_dlm
+from dlm_engine import sweep
+from dlm_engine.sweep import JobRecord, aggregate, job_dirname
+
+
+# ------------------------------------------------------------------------------------------- job dirs
+def test_job_dirname_is_sorted_safe_and_ignores_neutral_keys():
+    a = job_dirname(["strategy=threshold", "+sweep=threshold_grid", "model.path=/a/b c", "strategy.threshold=0.5",
+                     "resume=false", "print_outputs=false", "progress=false"])
+    b = job_dirname(["strategy.threshold=0.5", "model.path=/a/b c", "strategy=threshold"])
+    assert a == b == "model.path=_a_b_c,strategy.threshold=0.5,strategy=threshold"
+    assert job_dirname([]) == "default"
+    long1 = job_dirname([f"prompts=[{'x' * 300}]"])
+    long2 = job_dirname([f"prompts=[{'x' * 299}y]"])
+    assert len(long1) == 120 and long1 != long2 and "/" not in long1
+
+
+def test_resolver_is_registered_on_import():
+    from omegaconf import OmegaConf
+
+    c = OmegaConf.create({"o": ["b=1", "a=/x"], "d": "${dlm_job_dir:${o}}"})
+    assert c.d == "a=_x,b=1"
+
+
+# ------------------------------------------------------------------------------------------- resume
+def _cfg(**kw):
+    from omegaconf import OmegaConf
+
+    base = {"strategy": {"name": "threshold", "threshold": 0.9}, "cache": {"name": "none"},
+            "task": {"name": "prompts"}, "gen_length": 16, "resume": True, "print_outputs": True}
+    base.update(kw)
+    return OmegaConf.create(base)
+
+
+SUMMARY = {"strategy": {"name": "threshold", "threshold": 0.9}, "cache": {"name": "none"}, "model": "m",
+           "model_digest": "sha256:0", "nfe": 4, "nfe_per_prompt": 2.0, "tpf": 4.0, "tps": 10.0, "wall_time": 1.0,
+           "generated_tokens": 16, "prompts": 2, "versions": {"dlm_engine": "0"}, "trace": "trace.dlmt",
+           "trace_digest": "sha256:abc"}
+
+
+def test_resume_decisions(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sweep, "in_multirun", lambda: True)
+    job = JobRecord(_cfg(), tmp_path)
+    assert not job.should_skip()  # nothing there yet
+    job.start()
+    res = job.finish(dict(SUMMARY))
+    assert res["trace"] == {"path": "trace.dlmt", "digest": "sha256:abc"}
+    assert res["metrics"]["tps"] == 10.0 and "resume" not in res["config"]
+    assert JobRecord(_cfg(print_outputs=False), tmp_path).should_skip()  # neutral keys do not matter
+    assert "skipped, result.json exists" in capsys.readouterr().out
+    assert not JobRecord(_cfg(resume=False), tmp_path).should_skip()
+    assert "resume=false, re-running" in capsys.readouterr().out
+    assert not JobRecord(_cfg(gen_length=32), tmp_path).should_skip()
+    assert "config changed" in capsys.readouterr().out
+    monkeypatch.setattr(sweep, "in_multirun", lambda: False)
+    assert not JobRecord(_cfg(), tmp_path).should_skip()  # a single run is never skipped
+    # a new attempt first removes the old outcome; a failure leaves error.json, not result.json
+    monkeypatch.setattr(sweep, "in_multirun", lambda: True)
+    job = JobRecord(_cfg(gen_length=32), tmp_path)
+    job.start()
+    assert not (tmp_path / "result.json").exists()
+    job.fail(ValueError("boom"))
+    err = json.loads((tmp_path / "error.json").read_text())
+    assert err["status"] == "failed" and err["error"] == "boom" and err["strategy"]["name"] == "threshold"
+
+
+# ------------------------------------------------------------------------------------------- aggregation
+def _write_result(d, name, threshold, block, acc, nfe, tps):
+    job = d / name
+    job.mkdir(parents=True)
+    ov = ["strategy=threshold", f"strategy.threshold={threshold}", f"strategy.block_length={block}"]
+    (job / "result.json").write_text(json.dumps({
+        "status": "ok", "overrides": ov, "strategy": {"name": "threshold", "threshold": threshold, "block_length": block},
+        "cache": {"name": "none"}, "model": "tiny", "task": "tiny_mix",
+        "metrics": {"accuracy": acc, "nfe_per_prompt": nfe, "nfe": nfe * 4, "tpf": 16 / nfe, "tps": tps,
+                    "wall_time": 1.0, "job_time": 2.0, "generated_tokens": 64, "prompts": 4,
+                    "accuracy_by_task": {"add": acc, "pick": acc / 2}},
+        "trace": {"path": "trace.dlmt", "digest": f"sha256:{name}"},
+        "config": {"strategy": {"name": "threshold"}, "gen_length": 16}}))
+
+
+@pytest.fixture
+def fake_sweep(tmp_path):
+    d = tmp_path / "sw"
+    _write_result(d, "a", 0.5, 8, 0.50, 2.0, 300.0)   # front
+    _write_result(d, "b", 0.9, 8, 0.80, 4.0, 200.0)   # front
+    _write_result(d, "c", 0.5, 16, 0.40, 3.0, 250.0)  # dominated by a
+    _write_result(d, "d", 0.9, 16, 0.80, 5.0, 150.0)  # dominated by b (same accuracy, more NFE)
+    e = d / "e"
+    e.mkdir()
+    (e / "error.json").write_text(json.dumps({"status": "failed", "error": "strategy.block_length=5 bad",
+                                              "overrides": ["strategy=threshold", "strategy.block_length=5"],
+                                              "strategy": {"name": "threshold", "block_length": 5}}))
+    f = d / "f" / ".hydra"
+    f.mkdir(parents=True)
+    (f / "overrides.yaml").write_text("- strategy=threshold\n- strategy.threshold=0.7\n- strategy.block_length=8\n")
+    (f / "config.yaml").write_text("strategy:\n  name: threshold\n  threshold: 0.7\n  block_length: 8\n")
+    (d / ".submitit" / "x").mkdir(parents=True)  # launcher internals are not scanned
+    return d
+
+
+def test_aggregate_table_pareto_and_plots(fake_sweep, capsys):
+    report = aggregate(fake_sweep)
+    assert report["counts"] == {"ok": 4, "failed": 1, "incomplete": 1}
+    with open(fake_sweep / "sweep.csv") as f:
+        rows = {r["job"]: r for r in csv.DictReader(f)}
+    assert set(rows) == set("abcdef")
+    assert {k for k, r in rows.items() if r["pareto"] == "True"} == {"a", "b"}
+    assert rows["c"]["pareto"] == rows["d"]["pareto"] == "False" and rows["e"]["pareto"] == ""
+    assert rows["a"]["strategy.threshold"] == "0.5" and rows["a"]["strategy.block_length"] == "8"
+    assert rows["a"]["accuracy.pick"] == "0.25" and rows["a"]["trace_digest"] == "sha256:a"
+    assert rows["e"]["status"] == "failed" and "block_length=5 bad" in rows["e"]["error"]
+    assert rows["f"]["status"] == "incomplete" and rows["f"]["strategy.threshold"] == "0.7"
+    header = next(csv.reader(open(fake_sweep / "sweep.csv")))
+    assert header[:5] == ["job", "status", "strategy", "strategy.threshold", "strategy.block_length"]
+    md = (fake_sweep / "sweep.md").read_text().splitlines()
+    assert md[0] == "| status | strategy.threshold | strategy.block_length | accuracy | NFE/prompt | TPF | TPS | Pareto |"
+    assert len(md) == 2 + 6
+    for png in ("accuracy_vs_nfe.png", "tps.png"):
+        assert (fake_sweep / png).read_bytes()[:4] == b"\x89PNG"
+    out = capsys.readouterr().out
+    assert "6 jobs" in out and "failed: e: strategy.block_length=5 bad" in out and "hydra.sweep.dir=" in out
+
+
+def test_dlm_sweep_command(fake_sweep, tmp_path, capsys):
+    assert sweep.main([str(fake_sweep), "--no-plots"]) == 0
+    assert not (fake_sweep / "tps.png").exists() and (fake_sweep / "sweep.csv").is_file()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert sweep.main([str(empty)]) == 1
+    assert "no jobs under" in capsys.readouterr().out
+    assert sweep.main([str(tmp_path / "missing")]) == 2
+
+
+def test_without_matplotlib_the_table_is_written_and_the_hint_given(fake_sweep):
+    code = ("import sys; sys.modules['matplotlib'] = None\n"
+            "from dlm_engine.sweep import main\n"
+            f"sys.exit(main([{str(fake_sweep)!r}]))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert (fake_sweep / "sweep.csv").is_file() and not list(fake_sweep.glob("*.png"))
+    assert 'pip install "dlm-engine[viz]"' in proc.stdout
+
+
+# ------------------------------------------------------------------------------------------- presets
+def _sweeper_params(overrides):
+    from hydra import compose, initialize_config_module
+
+    from dlm_engine.config import register_configs
+    from dlm_engine.registry import load_plugins
+
+    load_plugins()
+    register_configs()
+    with initialize_config_module(config_module="dlm_engine.conf", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
+        params = [f"{k}={v}" for k, v in cfg.hydra.sweeper.params.items()]
+        from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        parsed = OverridesParser.create().parse_overrides(params)
+        jobs = BasicSweeper.split_arguments(parsed, None)[0]
+        configs = [compose(config_name="config", overrides=overrides + job) for job in jobs]
+    return jobs, configs
+
+
+@pytest.mark.parametrize("preset, n, keys", [
+    ("threshold_grid", 12, {"strategy", "strategy.threshold", "strategy.block_length"}),
+    ("all_strategies", 6, {"strategy"}),
+    ("block_buffer_sizes", 8, {"strategy", "strategy.block_length", "strategy.buffer_size", "strategy.accept_threshold"}),
+])
+def test_presets_expand_to_valid_jobs(preset, n, keys):
+    from dlm_engine.app import validate
+
+    jobs, configs = _sweeper_params([f"+sweep={preset}"])
+    assert len(jobs) == n
+    assert {o.split("=")[0] for job in jobs for o in job} == keys
+    for cfg in configs:
+        validate(cfg)  # every job of a preset passes the pre-model checks at the default gen_length
+    if preset == "all_strategies":
+        from dlm_engine.registry import STRATEGIES
+
+        core = {"low_confidence", "threshold", "factor", "early_exit", "cadllm", "block_buffer"}
+        assert {c.strategy.name for c in configs} == core and core <= set(STRATEGIES)
+
+
+def test_slurm_preset_composes():
+    from hydra import compose, initialize_config_module
+
+    from dlm_engine.config import register_configs
+
+    register_configs()
+    with initialize_config_module(config_module="dlm_engine.conf", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["hydra/launcher=slurm_gpu", "hydra.launcher.partition=p1"],
+                      return_hydra_config=True)
+    la = cfg.hydra.launcher
+    assert la._target_.endswith("SlurmLauncher") and la.partition == "p1" and la.gpus_per_node == 1
+    assert la.timeout_min > 0 and la.submitit_folder.endswith(".submitit/%j")
+
+
+# ------------------------------------------------------------------------------------------- a real failing sweep
+def test_glob_sweep_with_failing_jobs_still_aggregates_and_exits_nonzero(tmp_path):
+    d = tmp_path / "sw"
+    proc = run_dlm(["-m", f"hydra.sweep.dir={d}", "strategy=threshold", "strategy.block_length=5,8",
+                    "cache=glob([n*,p*],exclude=*_schema)", 'prompts=["12+34="]', "gen_length=16", "device=cpu",
+                    "trace.record=false"], cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    with open(d / "sweep.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {(r["cache"], r["strategy.block_length"], r["status"]) for r in rows} == {
+        ("none", "5", "failed"), ("prefix", "5", "failed"), ("none", "8", "ok"), ("prefix", "8", "ok")}
+    assert all("not divisible by strategy.block_length=5" in r["error"] for r in rows if r["status"] == "failed")
+    assert "dlm: error: 2 job(s) of the sweep failed" in proc.stderr
+    assert "Traceback" not in proc.stderr
