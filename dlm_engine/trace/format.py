@@ -219,8 +219,9 @@ def unplanes(buf, n: int, nb: int, offset: int = 0) -> np.ndarray:
 def bitpack(v: np.ndarray, width: int) -> bytes:
     if width == 0 or v.size == 0:
         return b""
-    bits = ((v.astype(np.uint64)[:, None] >> np.arange(width, dtype=np.uint64)) & np.uint64(1)).astype(np.uint8)
-    return np.packbits(bits.ravel(), bitorder="little").tobytes()
+    b8 = np.ascontiguousarray(v, dtype="<u8").view(np.uint8).reshape(-1, 8)
+    bits = np.unpackbits(b8, axis=1, bitorder="little")[:, :width]
+    return np.packbits(bits, bitorder="little").tobytes()
 
 
 def bitunpack(buf, n: int, width: int, offset: int = 0) -> np.ndarray:

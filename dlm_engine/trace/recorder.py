@@ -27,7 +27,7 @@ from .format import SeqData, TraceError
 
 STEP_CHUNK = 64          # steps per STEPS record
 HOLD = 32                # same-window deltas applied together by the writer
-FLUSH_SECONDS = 1.0      # a STEPS record at least this often during a long batch
+FLUSH_SECONDS = 1.0      # a STEPS record at least every second of decoding (long batches)
 FSYNC_SECONDS = 5.0      # fsync at most this often before the final one
 
 
@@ -93,7 +93,7 @@ class _BatchState:
         self.pending: List[tuple] = []    # per-step metadata not yet written
         self.held: List[Any] = []         # deltas of one window not applied yet (applied together)
         self.first_pending = 0
-        self.last_flush = time.perf_counter()
+        self.last_flush = 0.0             # decode wall time (s) of the last flushed step
         self.n_steps = 0
         self.nfe = 0
         self.wall = 0.0
@@ -314,7 +314,7 @@ class TraceRecorder:
             st.nfe += int(d.nfe)
         st.n_steps += len(ds)
         st.wall = float(ds[-1].wall_time)
-        if len(st.pending) >= STEP_CHUNK or time.perf_counter() - st.last_flush >= FLUSH_SECONDS:
+        if len(st.pending) >= STEP_CHUNK or st.wall - st.last_flush >= FLUSH_SECONDS:
             self._flush_steps(st)
 
     def _on_begin(self, batch, rows, tokens, step_of, attn, gen_start, mask_id, info, rng, event) -> None:
@@ -373,7 +373,7 @@ class TraceRecorder:
         st.n_steps += 1
         st.nfe += int(delta.nfe)
         st.wall = float(delta.wall_time)
-        if len(st.pending) >= STEP_CHUNK or time.perf_counter() - st.last_flush >= FLUSH_SECONDS:
+        if len(st.pending) >= STEP_CHUNK or st.wall - st.last_flush >= FLUSH_SECONDS:
             self._flush_steps(st)
 
     @staticmethod
@@ -446,7 +446,7 @@ class TraceRecorder:
         self._write(fmt.STEPS, fmt.encode_bundle(meta, arrays, self.level))
         st.first_pending += n
         st.pending = []
-        st.last_flush = time.perf_counter()
+        st.last_flush = st.wall
 
     def _on_end(self, batch, tokens, step_of, row_nfe, event) -> None:
         if event is not None:
