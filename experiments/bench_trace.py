@@ -152,7 +152,11 @@ def timeit(fn, n):
 def bench_replay():
     rng = np.random.default_rng(1)
     draw = zipf_sampler(rng)
+    a = np.arange(128)
+    ref = timeit(lambda: np.cumsum(a), 5000)
     print("\n== replay and random access (best of 5 x n calls; wall / CPU time of the calling thread) ==")
+    print(f"calibration: one np.cumsum over 128 int64 takes {ref[0] * 1e6:.2f} / {ref[1] * 1e6:.2f} us here "
+          f"(about 0.5-1 us on an idle core); load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     print(f"{'L':>5} {'T':>4} | {'replay from record bytes':>26} {'target':>6} | {'state_at(t)':>18} {'target':>6} | "
           f"{'whole 1-seq file':>20}")
     out = {}

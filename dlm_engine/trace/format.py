@@ -193,7 +193,8 @@ def zigzag(d: np.ndarray) -> np.ndarray:
 
 
 def unzigzag(z: np.ndarray) -> np.ndarray:
-    z = z.astype(np.int64)
+    if z.dtype != np.int64:
+        z = z.astype(np.int64)
     return (z >> 1) ^ -(z & 1)
 
 
@@ -224,18 +225,22 @@ def bitpack(v: np.ndarray, width: int) -> bytes:
     return np.packbits(bits, bitorder="little").tobytes()
 
 
+_UINT = {1: "<u1", 2: "<u2", 4: "<u4", 8: "<u8"}
+
+
 def bitunpack(buf, n: int, width: int, offset: int = 0) -> np.ndarray:
     if width == 0 or n == 0:
         return np.zeros(n, dtype=np.int64)
     nbytes = (n * width + 7) // 8
     raw = np.frombuffer(buf, dtype=np.uint8, count=nbytes, offset=offset)
     bits = np.unpackbits(raw, count=n * width, bitorder="little").reshape(n, width)
-    if width != 8:
-        wide = np.zeros((n, 64 if width > 8 else 8), dtype=np.uint8)
-        wide[:, :width] = bits
-        bits = wide
-    packed = np.packbits(bits, axis=1, bitorder="little")
-    return packed[:, 0].astype(np.int64) if width <= 8 else packed.view("<i8").reshape(n)
+    packed = np.packbits(bits, axis=1, bitorder="little")      # rows padded to whole bytes
+    nb = packed.shape[1]
+    if nb not in _UINT:
+        wide = np.zeros((n, 8), dtype=np.uint8)
+        wide[:, :nb] = packed
+        packed, nb = wide, 8
+    return packed.view(_UINT[nb]).reshape(n).astype(np.int64)
 
 
 # stream methods
