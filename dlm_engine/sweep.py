@@ -17,21 +17,19 @@ import csv
 import hashlib
 import io
 import json
-import logging
 import math
 import os
 import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 try:  # Hydra is a dependency; the fallback keeps this module importable without it
     from hydra.experimental.callback import Callback as _HydraCallback
 except Exception:  # pragma: no cover
     _HydraCallback = object
 
-log = logging.getLogger(__name__)
 
 RESULT = "result.json"
 ERROR = "error.json"
@@ -43,6 +41,7 @@ NEUTRAL_KEYS = ("resume", "progress", "print_outputs")
 DIRNAME_EXCLUDE = NEUTRAL_KEYS + ("sweep",)
 _UNSAFE = re.compile(r"[^A-Za-z0-9._,=+\-\[\]@:%]")
 _MAX_DIRNAME = 120
+MAX_PRINTED_ROWS = 40
 
 
 # --------------------------------------------------------------------------------------- job directories
@@ -611,7 +610,10 @@ def aggregate(root: Path, plots: bool = True, out=None) -> Dict[str, Any]:
             report["notes"].append(f"plots skipped: matplotlib is not installed ({VIZ_HINT})")
     summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
     print(f"sweep {root}: {len(rows)} jobs ({summary})", file=out)
-    print(table, end="", file=out)
+    lines = table.splitlines()
+    if len(lines) > 2 + MAX_PRINTED_ROWS:  # large sweeps: the files have every row
+        lines = lines[:2 + MAX_PRINTED_ROWS] + [f"... {len(lines) - 2 - MAX_PRINTED_ROWS} more rows in sweep.md"]
+    print("\n".join(lines), file=out)
     for f in report["files"]:
         print(f"wrote {f}", file=out)
     for n in report["notes"]:
@@ -677,7 +679,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not root.is_dir():
         print(f"dlm-sweep: error: {root} is not a directory", file=sys.stderr)
         return 2
-    report = aggregate(root, plots=not args.no_plots)
+    try:
+        report = aggregate(root, plots=not args.no_plots)
+    except BrokenPipeError:  # `dlm-sweep DIR | head`: the files are written before the table is printed
+        return 0
     return 0 if report["jobs"] else 1
 
 

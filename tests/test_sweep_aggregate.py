@@ -221,3 +221,36 @@ def test_glob_sweep_with_failing_jobs_still_aggregates_and_exits_nonzero(tmp_pat
     assert all("not divisible by strategy.block_length=5" in r["error"] for r in rows if r["status"] == "failed")
     assert "dlm: error: 2 job(s) of the sweep failed" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# ------------------------------------------------------------------------------------------- progress
+def test_progress_bar_only_on_a_terminal_and_log_lines_in_multirun_jobs(monkeypatch, caplog):
+    import logging
+    from types import SimpleNamespace
+
+    from dlm_engine.sinks import ProgressSink
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    monkeypatch.setattr(sweep, "in_multirun", lambda: True)
+    monkeypatch.setattr(sweep, "in_launcher_worker", lambda: False)
+    p = ProgressSink(8)
+    assert not p.bar.disable and not p.log_lines  # basic launcher on a terminal: a bar
+    monkeypatch.setattr(sweep, "in_launcher_worker", lambda: True)
+    p = ProgressSink(8, log_interval=3600)
+    assert p.bar.disable and p.log_lines  # joblib / submitit worker: no bar, log lines
+    with caplog.at_level(logging.INFO, logger="dlm_engine.progress"):
+        p.on_end(SimpleNamespace(batch_size=4))  # throttled
+        p.on_end(SimpleNamespace(batch_size=4))  # the last batch is always logged
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == ["decoded 8/8 prompts"]
+    assert not ProgressSink(8, enabled=False).log_lines  # progress=false: silent
+    monkeypatch.setattr(sweep, "in_multirun", lambda: False)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    p = ProgressSink(8)
+    assert p.bar.disable and not p.log_lines  # a single run without a terminal stays quiet
+
+
+def test_long_tables_are_cut_on_screen_only(fake_sweep, monkeypatch, capsys):
+    monkeypatch.setattr(sweep, "MAX_PRINTED_ROWS", 2)
+    aggregate(fake_sweep, plots=False)
+    assert "... 4 more rows in sweep.md" in capsys.readouterr().out
+    assert len((fake_sweep / "sweep.md").read_text().splitlines()) == 8
