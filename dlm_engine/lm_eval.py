@@ -1,0 +1,179 @@
+"""lm-evaluation-harness adapter (optional extra ``eval``): ``--model dlm_engine``.
+
+``model_args`` are ``dlm`` config overrides, so every strategy, cache and model preset is available::
+
+    python -m dlm_engine.lm_eval --model dlm_engine \\
+        --model_args model=llada_8b_instruct,model.path=DIR,strategy=threshold,strategy.threshold=0.9,gen_length=256,strategy.block_length=32 \\
+        --tasks gsm8k --batch_size 8
+
+lm-eval only knows the models it ships or that were imported before it parses its arguments, so the
+``dlm_engine`` name is registered when this module is imported: run lm-eval through
+``python -m dlm_engine.lm_eval ...`` (same arguments as ``lm_eval``), or ``import dlm_engine.lm_eval``
+before calling ``lm_eval.simple_evaluate(model="dlm_engine", ...)``.
+
+Only ``generate_until`` is supported: a diffusion LM has no left-to-right likelihood, so
+``loglikelihood`` tasks raise. The generation length is the config's ``gen_length`` (a diffusion
+canvas has a fixed size; ``max_gen_toks`` of a task can only shorten the returned text), and the text
+is cut at the first of the task's ``until`` strings. The chat template follows ``model.chat_template``
+(auto: on for instruct presets) unless lm-eval applies its own (``--apply_chat_template``).
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from typing import Any, Dict, List, Optional  # noqa: E402
+
+from lm_eval.api.model import LM  # noqa: E402
+
+ALIASES = ("dlm_engine", "dlm-engine")
+
+
+def _override(key: str, value: Any) -> str:
+    if isinstance(value, bool):
+        text = "true" if value else "false"
+    elif value is None:
+        text = "null"
+    else:
+        text = str(value)
+    return f"{key}={text}"
+
+
+def compose_config(overrides: List[str]):
+    """The ``dlm`` run config for a list of Hydra overrides (same schemas, presets and checks)."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    from .config import register_configs
+    from .registry import load_plugins
+
+    load_plugins()
+    register_configs()
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    with initialize_config_module("dlm_engine.conf", version_base="1.3"):
+        return compose("config", overrides=overrides)
+
+
+class DLMEngineLM(LM):
+    """dlm_engine behind lm-eval's ``LM`` interface (``generate_until`` only)."""
+
+    def __init__(self, batch_size: Any = 1, max_batch_size: Optional[int] = None, device: Optional[str] = None,
+                 **model_args: Any):
+        super().__init__()
+        import torch
+
+        from .app import validate
+        from .generate import load_model
+
+        overrides = [_override(k, v) for k, v in model_args.items()]
+        if device is not None and "device" not in model_args:
+            overrides.append(_override("device", device))
+        bs = batch_size if isinstance(batch_size, int) or str(batch_size).isdigit() else None
+        if bs is not None and "batch_size" not in model_args:
+            overrides.append(_override("batch_size", int(bs)))
+        self.cfg = compose_config(overrides)
+        self.make_strategy, self.make_cache = validate(self.cfg)
+        torch.manual_seed(int(self.cfg.seed))
+        self.lm = load_model(self.cfg.model, self.cfg.device, self.cfg.dtype)
+        self._external_template = False
+
+    # -- lm-eval interface --------------------------------------------------------------------------
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict, additional_config=None):
+        """``model_args`` win over lm-eval's own ``--device``/``--batch_size`` (no duplicate-argument error)."""
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
+        return cls(**dict(arg_dict), **extra)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string, additional_config=None):
+        from lm_eval.utils import simple_parse_args_string
+
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+    @property
+    def tokenizer_name(self) -> str:
+        tok = self.lm.tokenizer
+        return str(getattr(tok, "name_or_path", None) or self.lm.name).replace("/", "__")
+
+    def chat_template(self, chat_template: Any = False) -> Optional[str]:
+        return getattr(self.lm.tokenizer, "chat_template", None) or ""
+
+    def apply_chat_template(self, chat_history: List[Dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """lm-eval renders the prompt itself (``--apply_chat_template``): then ours is not applied again."""
+        self._external_template = True
+        return self.lm.tokenizer.apply_chat_template(chat_history, add_generation_prompt=add_generation_prompt,
+                                                     tokenize=False)
+
+    def loglikelihood(self, requests):
+        raise NotImplementedError("dlm_engine: diffusion LMs have no left-to-right likelihood; "
+                                  "use generate_until tasks")
+
+    def loglikelihood_rolling(self, requests):
+        raise NotImplementedError("dlm_engine: diffusion LMs have no left-to-right likelihood; "
+                                  "use generate_until tasks")
+
+    def generate_until(self, requests) -> List[str]:
+        import torch
+
+        from .generate import run_prompts
+
+        contexts = [r.args[0] for r in requests]
+        kwargs = [dict(r.args[1] or {}) for r in requests]
+        if self._external_template:
+            tok = self.lm.tokenizer
+            ids = [list(tok(c, add_special_tokens=False)["input_ids"]) for c in contexts]
+        else:
+            ids = [self.lm.encode(c) for c in contexts]
+        cfg = self.cfg
+        torch.manual_seed(int(cfg.seed))
+        stats = run_prompts(self.lm, ids, self.make_strategy, self.make_cache, int(cfg.gen_length),
+                            int(cfg.batch_size), prompts=contexts, warmup=False)
+        out = []
+        for row, kw in zip(stats.rows, kwargs):
+            text = cut(row.text, kw.get("until"), kw.get("max_gen_toks"), self.lm)
+            out.append(text)
+            self.cache_hook.add_partial("generate_until", (row.prompt, kw), text)
+        return out
+
+
+def cut(text: str, until, max_gen_toks: Optional[int] = None, lm=None) -> str:
+    """The text up to the first stop string (and at most ``max_gen_toks`` tokens)."""
+    if isinstance(until, str):
+        until = [until]
+    for stop in until or []:
+        if stop:
+            text = text.split(stop)[0]
+    if max_gen_toks is not None and lm is not None and lm.tokenizer is not None:
+        toks = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(toks) > int(max_gen_toks):
+            text = lm.tokenizer.decode(toks[:int(max_gen_toks)])
+    return text
+
+
+def _register() -> None:
+    """Register the model names with lm-eval: the class from the importable module, a lazy placeholder when
+    this file runs as ``__main__`` (so the two copies never collide)."""
+    from lm_eval.api.registry import model_registry
+
+    target = DLMEngineLM if __name__ == "dlm_engine.lm_eval" else "dlm_engine.lm_eval:DLMEngineLM"
+    for alias in ALIASES:
+        try:
+            model_registry.register(alias, target=target)
+        except ValueError:  # already holds the class (imported before as dlm_engine.lm_eval)
+            pass
+
+
+_register()
+
+
+def main() -> None:
+    """``python -m dlm_engine.lm_eval``: lm-eval's own command line with ``--model dlm_engine`` known."""
+    from lm_eval.__main__ import cli_evaluate
+
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()
