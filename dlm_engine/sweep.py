@@ -69,11 +69,15 @@ def job_dirname(overrides: Any = ()) -> str:
 
 
 # --------------------------------------------------------------------------------------- per-job records
-def config_digest(cfg) -> str:
-    """sha256 of the resolved job config, without the keys in :data:`NEUTRAL_KEYS`."""
+def config_digest(cfg) -> Optional[str]:
+    """sha256 of the resolved job config, without the keys in :data:`NEUTRAL_KEYS` (None if it does not
+    resolve: the run itself then reports the problem)."""
     from omegaconf import OmegaConf
 
-    c = OmegaConf.to_container(cfg, resolve=True)
+    try:
+        c = OmegaConf.to_container(cfg, resolve=True)
+    except Exception:
+        return None
     for k in NEUTRAL_KEYS:
         c.pop(k, None)
     return "sha256:" + hashlib.sha256(json.dumps(c, sort_keys=True, default=str).encode()).hexdigest()
@@ -143,7 +147,7 @@ class JobRecord:
             old = json.loads(path.read_text())
         except (OSError, ValueError):
             old = {}
-        if old.get("config_digest") == self.digest:
+        if self.digest is not None and old.get("config_digest") == self.digest:
             print(f"dlm: {self.label}: skipped, result.json exists (resume=false re-runs it)", flush=True)
             return True
         print(f"dlm: {self.label}: the config changed since {path} was written, re-running", flush=True)
