@@ -86,6 +86,13 @@ def test_show_html_and_diff(run, capsys, tmp_path):
     assert trace_cli("html", t, "-o", str(html)) == 0
     page = html.read_text()
     assert "<input id=\"t\" type=\"range\"" in page and "const D = " in page and "http" not in page.split("<script>")[1]
+    data = json.loads(page.split("const D = ")[1].split(";\nconst T")[0])
+    from dlm_engine.trace import open_trace
+
+    tr = open_trace(t)
+    assert [x["tok"] for x in data["seqs"]] == [s.tokens.tolist() for s in tr]
+    assert [x["so"] for x in data["seqs"]] == [s.step_of.tolist() for s in tr]
+    assert data["tmax"] == max(s.n_steps for s in tr) and all(x["conf"] is not None for x in data["seqs"])
     assert trace_cli("diff", t, t) == 0
     assert "no divergence" in capsys.readouterr().out
 

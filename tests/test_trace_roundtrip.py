@@ -66,8 +66,8 @@ def make_strategy(name, gen_length=16):
     raise AssertionError(f"cannot build strategy {name} for gen_length={gen_length}: {last}")
 
 
-def record_run(lm, path, name, prompts, batch_size=2, capture="tokens", gen_length=16, **rec_kw):
-    make = make_strategy(name, gen_length)
+def record_run(lm, path, name, prompts, batch_size=2, capture="tokens", gen_length=16, make=None, **rec_kw):
+    make = make or make_strategy(name, gen_length)
     state_sinks = {}
 
     def sinks(b, rows):
@@ -280,3 +280,29 @@ def test_overwrite_inside_a_run_of_same_window_steps(tmp_path):
             assert np.array_equal(s.canvas_at(d.step), tokens[i].numpy())
     assert tr[0].edits is None
     assert tr[1].edits["token"].tolist() == [21] and tr[1].edits["end"].tolist() == [2]
+
+
+def test_diff_finds_the_first_divergence(lm, tmp_path):
+    from dlm_engine.trace.tools import diff, first_divergence
+
+    record_run(lm, tmp_path / "a.dlmt", "low_confidence", PROMPTS, batch_size=3)
+    cls = STRATEGIES["low_confidence"]
+    two_per_step = cls.Config(steps=8)
+    record_run(lm, tmp_path / "b.dlmt", "low_confidence", PROMPTS, batch_size=3, make=lambda: cls(two_per_step, 16))
+    a, b = open_trace(tmp_path / "a.dlmt"), open_trace(tmp_path / "b.dlmt")
+    assert diff(a, a)["first"] is None and diff(a, a)["rows_identical"] == 3
+    d = diff(a, b)
+    assert d["first"] is not None and d["rows_compared"] == 3
+    for sa, sb in zip(a, b):
+        # brute force: the first step whose states differ, and the first differing position there
+        expect = None
+        for t in range(0, max(sa.n_steps, sb.n_steps) + 1):
+            diffpos = np.flatnonzero(sa.state_at(t) != sb.state_at(t))
+            if diffpos.size:
+                expect = (t, int(diffpos[0]))
+                break
+        got = first_divergence(sa, sb)
+        assert (None if got is None else (got["step"], got["position"])) == expect
+        if got is not None:
+            assert got["token_a"] == sa.state_at(got["step"])[got["position"]]
+            assert got["token_b"] == sb.state_at(got["step"])[got["position"]]

@@ -504,17 +504,17 @@ def load_tokenizer(spec: Optional[dict]):
         return build_char_tokenizer()
     if kind == "hf":
         p = Path(str(spec.get("path", ""))).expanduser()
-        f = p / "tokenizer.json"
-        if not f.is_file():
-            return None
-        if spec.get("digest") and "sha256:" + hashlib.sha256(f.read_bytes()).hexdigest() != spec["digest"]:
+        if not p.is_dir():
             return None
         try:
-            from transformers import AutoTokenizer
+            from ..chat import load_tokenizer as load_checkpoint_tokenizer   # the same loader dlm uses
 
-            return AutoTokenizer.from_pretrained(str(p), trust_remote_code=False)
+            tok, digest = load_checkpoint_tokenizer(p)
         except Exception:
             return None
+        if tok is None or (spec.get("digest") and digest != spec["digest"]):
+            return None          # gone or changed since recording: ids are shown instead of text
+        return tok
     return None
 
 
