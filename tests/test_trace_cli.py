@@ -152,3 +152,39 @@ def test_record_false_writes_no_trace(tmp_path):
 def test_bad_trace_config_names_the_key(tmp_path):
     proc = run_dlm([f"hydra.run.dir={tmp_path / 'r'}", "device=cpu", "trace.capture=everything"], cwd=tmp_path)
     assert proc.returncode == 2 and "trace.capture=everything" in proc.stderr
+
+
+def test_ctrl_c_keeps_a_flushed_partial_trace(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import BIN
+    from dlm_engine.trace import open_trace
+
+    out = tmp_path / "run"
+    prompts = "prompts=[" + ",".join(f"p{i}" for i in range(60)) + "]"
+    env = dict(os.environ, HYDRA_FULL_ERROR="0")
+    proc = subprocess.Popen([str(BIN / "dlm"), f"hydra.run.dir={out}", "device=cpu", prompts, "batch_size=1",
+                             "gen_length=64"], cwd=str(tmp_path), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    partial = out / "trace.dlmt.partial"
+    deadline = time.time() + 120
+    try:
+        while time.time() < deadline:
+            if partial.exists() and len(open_trace(partial)) >= 2:
+                break
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "partial trace kept" in err and not (out / "trace.dlmt").exists()
+    tr = open_trace(partial)
+    assert tr.status == "interrupted" and 2 <= len(tr) < 60
+    assert any("lost" in p for p in tr.problems)
+    assert [s.row for s in tr] == list(range(len(tr)))

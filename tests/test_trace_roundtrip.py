@@ -306,3 +306,25 @@ def test_diff_finds_the_first_divergence(lm, tmp_path):
         if got is not None:
             assert got["token_a"] == sa.state_at(got["step"])[got["position"]]
             assert got["token_b"] == sb.state_at(got["step"])[got["position"]]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_confidence_of_any_float_dtype(tmp_path, dtype):
+    canvas = Canvas.from_prompts([[10], [11]], gen_length=3, mask_id=3, pad_id=0)
+    g = canvas.gen_start
+    rec = TraceRecorder(str(tmp_path / "c.dlmt"), HEADER, capture="confidence")
+    sinks = [rec.sink(0, [0, 1])]
+    for s in sinks:
+        s.on_start(canvas, {})
+    conf = torch.tensor([[0.25, 0.5, 0.75], [1.0, 0.125, 0.375]], dtype=dtype)
+    for step, cols in enumerate(([True, False, False], [False, True, True]), 1):
+        c = torch.tensor([cols, cols])
+        _apply_and_emit(canvas, sinks, FrameDelta(step=step, nfe=1, start=g, commit=c, tokens=torch.full((2, 3), 40 + step),
+                                                  active=torch.ones(2, dtype=torch.bool), finished=torch.tensor([step == 2] * 2),
+                                                  confidence=conf, scalars={"gap": conf.max(-1).values}))
+    for s in sinks:
+        s.on_end(canvas)
+    rec.close()
+    tr = open_trace(tmp_path / "c.dlmt", recover=False)
+    assert tr[0].confidence.tolist() == [0.25, 0.5, 0.75] and tr[1].confidence.tolist() == [1.0, 0.125, 0.375]
+    assert tr.batches[0].steps.scalars["gap"].tolist() == [[0.75, 1.0], [0.75, 1.0]]

@@ -73,6 +73,8 @@ class _Channel:
 def _np(t) -> Any:
     """A host numpy view of a tensor (already on the host: see ``_host``)."""
     if isinstance(t, torch.Tensor):
+        if t.dtype == torch.bfloat16:      # numpy has no bfloat16
+            t = t.float()
         return t.detach().numpy()
     return t
 
@@ -244,8 +246,8 @@ class TraceRecorder:
             if self._side_stream is None:
                 self._side_stream = torch.cuda.Stream(device=tensors[0].device)
             with torch.cuda.stream(self._side_stream):
-                return torch.stack(tensors).to("cpu").numpy()
-        return torch.stack(tensors).numpy()
+                return _np(torch.stack(tensors).to("cpu"))
+        return _np(torch.stack(tensors))
 
     def _handle(self, item) -> None:
         kind = item[0]
@@ -293,9 +295,16 @@ class TraceRecorder:
         idx = C.argmax(0)[None]
         tok[hit] = np.take_along_axis(self._stack([d.tokens for d in ds]), idx, 0)[0][hit]
         so[hit] = steps[idx[0]][hit]
-        if st.conf is not None and all(d.confidence is not None for d in ds):
-            conf = self._stack([d.confidence.float() for d in ds])
-            st.conf[:, s:s + W][hit] = np.take_along_axis(conf, idx, 0)[0][hit]
+        if st.conf is not None:
+            confs = [d.confidence for d in ds]
+            if all(c is not None and c.dtype == confs[0].dtype and c.shape == confs[0].shape for c in confs):
+                conf = self._stack(confs).astype(np.float32)     # stacked on the copy stream, cast on the host
+                st.conf[:, s:s + W][hit] = np.take_along_axis(conf, idx, 0)[0][hit]
+            else:
+                for d, c in zip(ds, confs):
+                    if c is not None:
+                        m = _np(self._host(d.commit))
+                        np.copyto(st.conf[:, s:s + W], _np(self._host(c)).astype(np.float32), where=m)
         F = self._stack([d.finished for d in ds])
         A = self._stack([d.active for d in ds])
         newly = F.any(0) & (st.finish_step < 0)
