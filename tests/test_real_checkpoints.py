@@ -162,3 +162,33 @@ def test_cli_decodes_dream_through_its_preset(ckpts, tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["model"] == "dream_7b_instruct" and summary["chat_template"] is True
     assert summary["dtype"] == "float32" and summary["device"] == "cpu" and summary["nfe"] == 8
+
+
+def test_dream_tokenizer_from_vocab_and_merges_without_remote_code(ckpts, tmp_path):
+    """Dream's hub files have a remote-code DreamTokenizer over vocab.json + merges.txt (Qwen2 BPE):
+    loaded with the built-in Qwen2 tokenizer, chat template and special tokens from tokenizer_config.json."""
+    import shutil
+
+    from tokenizers import ByteLevelBPETokenizer
+
+    from official_ckpt import DREAM_SPECIALS
+    from dlm_engine.chat import encode_chat, end_of_turn_id, load_tokenizer
+
+    d = tmp_path / "dream_bpe"
+    shutil.copytree(ckpts["dream"][0], d)
+    (d / "tokenizer.json").unlink()
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(["hello world what is two plus two", "system you are a helpful assistant user"],
+                            vocab_size=300, min_frequency=1)
+    bpe.save_model(str(d))
+    n = len(json.loads((d / "vocab.json").read_text()))
+    tc = json.loads((d / "tokenizer_config.json").read_text())
+    tc["added_tokens_decoder"] = {str(n + i): {"content": s, "lstrip": False, "normalized": False, "rstrip": False,
+                                               "single_word": False, "special": True}
+                                  for i, s in enumerate(DREAM_SPECIALS)}
+    (d / "tokenizer_config.json").write_text(json.dumps(tc))
+    tok, digest = load_tokenizer(d)
+    assert digest.startswith("sha256:")
+    ids = encode_chat(tok, "hello world")
+    assert tok.decode(ids).endswith("<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n")
+    assert end_of_turn_id({}, tok) == n + DREAM_SPECIALS.index("<|im_end|>")
