@@ -120,7 +120,10 @@ class BatchInfo:
     @property
     def steps(self) -> StepTable:
         if self._steps is None:
-            self._steps = _merge_steps(self._chunks, len(self.rows))
+            try:
+                self._steps = _merge_steps(self._chunks, len(self.rows))
+            except (KeyError, ValueError, TypeError, IndexError) as exc:
+                raise TraceError(f"batch {self.index}: malformed step records ({type(exc).__name__}: {exc})") from None
         return self._steps
 
 
@@ -187,7 +190,7 @@ class Sequence:
         if self._data is None:
             try:
                 self._data = fmt.decode_seq(bytes(self._payload))
-            except TraceError as exc:
+            except (TraceError, ValueError, IndexError, OverflowError) as exc:
                 raise TraceError(f"{self.trace.name}: sequence record of batch {self.batch.index}: {exc}") from None
             if self._data.tokens.shape[0] != self.batch.length - self.batch.gen_start:
                 raise TraceError(f"{self.trace.name}: sequence record of row {self._data.row} has the wrong length")
@@ -526,7 +529,13 @@ def open_trace(path: Union[str, Path], recover: bool = True) -> Trace:
     """
     p = Path(path)
     try:
-        data = p.read_bytes()
+        if p.is_file() and p.stat().st_size > (64 << 20):   # large (logits) traces: map, do not copy
+            import mmap
+
+            with open(p, "rb") as f:
+                data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        else:
+            data = p.read_bytes()
     except FileNotFoundError:
         raise TraceError(f"{p}: no such file") from None
     except IsADirectoryError:
