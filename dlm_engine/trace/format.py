@@ -198,6 +198,16 @@ def unzigzag(z: np.ndarray) -> np.ndarray:
     return (z >> 1) ^ -(z & 1)
 
 
+def delta0(x: np.ndarray) -> np.ndarray:
+    """``x[i] - x[i-1]`` with ``x[-1] = 0`` (np.diff with prepend=0, without its overhead)."""
+    x = x.astype(np.int64, copy=False)
+    d = np.empty_like(x)
+    if x.size:
+        d[0] = x[0]
+        np.subtract(x[1:], x[:-1], out=d[1:])
+    return d
+
+
 def nbytes_for(vmax: int) -> int:
     return max(1, (int(vmax).bit_length() + 7) // 8)
 
@@ -339,7 +349,7 @@ def encode_seq(s: SeqData, level: int = ZSTD_LEVEL) -> bytes:
     tok = s.tokens.astype(np.int64)
     if L and int(tok.min()) < 0:
         raise ValueError("negative token id")
-    zs = zigzag(np.diff(s.step_of.astype(np.int64), prepend=0))
+    zs = zigzag(delta0(s.step_of))
     # joint frame (token planes + step planes) or two separate streams, whichever is smaller
     tb, sb = nbytes_for(int(tok.max()) if L else 0), nbytes_for(int(zs.max()) if L else 0)
     steps = encode_ints(zs, level)
@@ -353,7 +363,7 @@ def encode_seq(s: SeqData, level: int = ZSTD_LEVEL) -> bytes:
         uniq, idx = np.unique(tok, return_inverse=True)
         head = bytearray((2,))
         put_varint(head, len(uniq))
-        cands.append(bytes(head) + encode_ints(np.diff(uniq, prepend=0), level) + encode_ints(idx.ravel(), level) + steps)
+        cands.append(bytes(head) + encode_ints(delta0(uniq), level) + encode_ints(idx.ravel(), level) + steps)
     out += min(cands, key=len)
     if flags & F_CONF:
         committed = s.step_of >= 1
