@@ -526,7 +526,7 @@ def write_plots(rows: Sequence[Dict[str, Any]], settings: Sequence[str], out_dir
         ax.set_title("accuracy vs NFE")
         ax.grid(alpha=0.3)
         if group or front:
-            ax.legend(fontsize=8, loc="lower right")
+            ax.legend(fontsize=8, loc="best")
         fig.tight_layout()
         p = Path(out_dir) / "accuracy_vs_nfe.png"
         fig.savefig(p)
