@@ -289,6 +289,9 @@ def bench_overhead(pairs, gen_length, n_prompts):
 
     from dlm_engine.trace import recorder as R
 
+    chan = R._Channel(1 << 30)   # the bare hand-over, measured before the sink methods are instrumented
+    probe = R.BatchSink(type("R", (), {"wants_logits": False, "_put": lambda self, item: chan.put(item)})(), 0, [0])
+    bare = timeit(lambda: probe.on_delta(None, None), 20000)[1]
     acc = {"handover": 0.0, "open_close": 0.0, "writer": 0.0, "steps": 0, "runs": 0}
     for name in ("on_start", "on_delta", "on_end"):
         orig = getattr(R.BatchSink, name)
@@ -343,11 +346,6 @@ def bench_overhead(pairs, gen_length, n_prompts):
     n, st = max(1, acc["runs"]), max(1, acc["steps"])
     off_ms = statistics.median(offs) * 1e3
     cost_ms = (acc["handover"] + acc["open_close"] + acc["writer"]) / n * 1e3
-    from dlm_engine.trace.recorder import BatchSink, _Channel
-
-    chan = _Channel(1 << 30)
-    probe = BatchSink(type("R", (), {"wants_logits": False, "_put": lambda self, item: chan.put(item)})(), 0, [0])
-    bare = timeit(lambda: probe.on_delta(None, None), 20000)[1]
     print(f"bare hand-over of one delta (queue put): {bare * 1e6:.2f} us CPU")
     print(f"CPU spent on recording per run (thread clocks, insensitive to other load): hand-over in the step loop "
           f"(incl. per-batch snapshots and this probe's clock calls) {acc['handover'] / st * 1e6:.1f} us/step, writer thread {acc['writer'] / st * 1e6:.1f} us/step, "

@@ -15,7 +15,7 @@ import json
 import os
 import threading
 import time
-from queue import SimpleQueue
+from collections import deque
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -32,19 +32,27 @@ FSYNC_SECONDS = 5.0      # fsync at most this often before the final one
 
 
 class _Channel:
-    """Bounded hand-over: a C-level SimpleQueue plus counters; ``put`` blocks when ``maxsize`` items wait."""
+    """Bounded hand-over from the step loop to the writer thread.
 
-    def __init__(self, maxsize: int):
-        self._q: SimpleQueue = SimpleQueue()
+    ``put`` appends to a deque (no system call) and wakes the writer only every ``wake_every`` items or
+    for an urgent item; the writer also looks every ``poll`` seconds. When ``maxsize`` items wait, ``put``
+    blocks until the writer catches up (backpressure: nothing is ever dropped).
+    """
+
+    def __init__(self, maxsize: int, wake_every: int = 32, poll: float = 0.1):
+        self._q: deque = deque()
         self.maxsize = max(1, int(maxsize))
+        self.wake_every, self.poll = max(1, int(wake_every)), float(poll)
         self.put_count = 0
         self.done_count = 0
+        self._signalled = 0
         self.blocked = 0                  # times the producer had to wait (backpressure)
+        self._wake = threading.Event()
         self._space = threading.Event()
         self._waiting = False
         self.error: Optional[BaseException] = None
 
-    def put(self, item, force: bool = False) -> None:
+    def put(self, item, force: bool = False, urgent: bool = False) -> None:
         if self.error is not None:
             raise TraceError(f"trace writer failed: {self.error}")
         if not force and self.put_count - self.done_count >= self.maxsize:
@@ -54,15 +62,24 @@ class _Channel:
                 self._space.clear()
                 if self.put_count - self.done_count < self.maxsize:
                     break
+                self._wake.set()
                 self._space.wait(0.05)
                 if self.error is not None:
                     raise TraceError(f"trace writer failed: {self.error}")
             self._waiting = False
+        self._q.append(item)
         self.put_count += 1
-        self._q.put(item)
+        if urgent or self.put_count - self._signalled >= self.wake_every:
+            self._signalled = self.put_count
+            self._wake.set()
 
     def get(self):
-        return self._q.get()
+        while True:
+            try:
+                return self._q.popleft()
+            except IndexError:
+                self._wake.wait(self.poll)
+                self._wake.clear()
 
     def done(self) -> None:
         self.done_count += 1
@@ -154,10 +171,10 @@ class TraceRecorder:
     def sink(self, batch: int, rows: Sequence[int]) -> "BatchSink":
         return BatchSink(self, int(batch), [int(r) for r in rows])
 
-    def _put(self, item) -> None:
+    def _put(self, item, urgent: bool = False) -> None:
         if self._closed:
             raise TraceError("trace recorder is closed")
-        self._chan.put(item)
+        self._chan.put(item, urgent=urgent)
 
     @property
     def blocked_puts(self) -> int:
@@ -171,7 +188,7 @@ class TraceRecorder:
         if self._closed:
             return self.digest
         self._closed = True
-        self._chan.put(("close", status), force=True)
+        self._chan.put(("close", status), force=True, urgent=True)
         self._thread.join()
         if self._chan.error is not None:
             try:
@@ -555,4 +572,4 @@ class BatchSink(Sink):
 
     def on_end(self, canvas) -> None:
         self.rec._put(("end", self.batch, canvas.tokens.clone(), canvas.step_of.clone(), canvas.row_nfe.clone(),
-                       self._event()))
+                       self._event()), urgent=True)
