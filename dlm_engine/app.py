@@ -156,11 +156,11 @@ def versions() -> Dict[str, str]:
 
 def report(cfg: DictConfig, rows: List[dict], summary: Dict[str, Any]) -> None:
     if cfg.print_outputs:
-        for r in rows[:20]:
+        for r in rows[:200]:
             mark = "" if "correct" not in r else ("  ok" if r["correct"] else "  WRONG")
             print(f"[{r['index']}] {r['prompt']!r} -> {r['text']!r}  (nfe {r['nfe']}){mark}")
-        if len(rows) > 20:
-            print(f"... {len(rows) - 20} more rows in results.jsonl")
+        if len(rows) > 200:
+            print(f"... {len(rows) - 200} more rows in results.jsonl")
     line = (f"prompts {summary['prompts']}  NFE {summary['nfe']} (per prompt {summary['nfe_per_prompt']:.2f})  "
             f"TPF {summary['tpf']:.2f}  TPS {summary['tps']:.1f}  wall {summary['wall_time']:.2f}s")
     if "accuracy" in summary:
