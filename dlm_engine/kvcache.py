@@ -38,6 +38,11 @@ class StoredKVCache(Cache):
     on), and whenever :meth:`wants_refresh` says so. Subclasses only choose spans and refresh points.
     K/V are stored after RoPE, which is applied from absolute position ids, so this equals caching them
     before RoPE and re-rotating at every call.
+
+    Finished rows: when a call runs only some rows of the batch (``call.extras["rows"]``, ascending
+    indices into a batch of ``call.extras["full_batch"]`` rows; see :mod:`dlm_engine.rows`), the stored
+    keys/values of the rows that left are dropped (:meth:`keep_rows`) and the others stay valid: rows never
+    come back, so the store shrinks with the active batch and no refresh is needed.
     """
 
     def __init__(self, config: Any = None):
@@ -52,12 +57,14 @@ class StoredKVCache(Cache):
     def begin(self, canvas) -> None:
         self.k: dict = {}
         self.v: dict = {}
-        self.shape = None            # (batch, length) of the stored tensors; None = nothing stored
+        self.shape = None            # (full batch, length) the stored rows belong to; None = nothing stored
+        self.rows = None             # rows of the full batch held in the store, ascending; None = all of them
+        self.held = 0                # number of rows held in the store
         self.since_refresh = 0       # cached calls since the last refresh
         self._span = None            # (a, b, key_end) of the call in flight; None = pass-through
 
     def end(self, canvas) -> None:
-        self.k, self.v, self.shape, self._span = {}, {}, None, None
+        self.k, self.v, self.shape, self._span, self.rows = {}, {}, None, None, None
 
     # -- policy (override these) ----------------------------------------------------------------------
     def compute_span(self, call, directive, refresh: bool) -> Tuple[int, int, int]:
@@ -81,6 +88,13 @@ class StoredKVCache(Cache):
     def after_call(self, call, directive, refresh: bool) -> None:
         """Runs after the model filled ``call.logits`` (e.g. to set ``call.extras['discard_draws']``)."""
 
+    def keep_rows(self, index: torch.Tensor) -> None:
+        """Keep only the stored rows at positions ``index`` (rows finished since the last call are dropped).
+        Subclasses that keep per-row state of their own extend this."""
+        for store in (self.k, self.v):
+            for layer, t in store.items():
+                store[layer] = t.index_select(0, index)
+
     # -- hooks ----------------------------------------------------------------------------------------
     @contextmanager
     def forward(self, call):
@@ -90,10 +104,16 @@ class StoredKVCache(Cache):
             yield call
             return
         B, L = call.input_ids.shape
-        fresh = self.shape != (B, L)
+        rows = call.extras.get("rows")
+        full = B if rows is None else int(call.extras["full_batch"])
+        fresh = self.shape != (full, L) or (rows is None and self.held != B)
         if fresh:
-            self.shape, self.since_refresh = (B, L), 0
+            self.shape, self.since_refresh, self.rows, self.held = (full, L), 0, rows, B
             self.on_reset()
+        elif B != self.held:         # some rows finished since the last call: drop their keys/values
+            held = self.rows if self.rows is not None else torch.arange(self.held, device=rows.device)
+            self.keep_rows(torch.searchsorted(held, rows))
+            self.rows, self.held = rows, B
         refresh = fresh or self.wants_refresh(call, d)
         a, b, key_end = self.compute_span(call, d, refresh)
         if call.extras.get("logits_shift") and 0 <= call.logits_range[0] < a:

@@ -7,6 +7,7 @@ from typing import Any, Iterable, Optional, Tuple
 import torch
 
 from .canvas import Canvas, FrameDelta
+from .rows import ActiveRows, call_extras, expand_proposal, idle_proposal
 from .sampler import propose
 from .strategy import StepPlan, Strategy
 
@@ -33,15 +34,26 @@ class StalledDecode(RuntimeError):
     pass
 
 
-def forward(model, canvas: Canvas, plan: StepPlan, cache) -> Tuple[torch.Tensor, Any]:
-    """One model call for a plan (CFG doubles the batch; it still counts as one forward)."""
+def forward(model, canvas: Canvas, plan: StepPlan, cache,
+            rows: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Any]:
+    """One model call for a plan (CFG doubles the batch; it still counts as one forward).
+
+    ``rows``: run only these canvas rows (the active ones, ascending); the logits then have ``len(rows)``
+    rows and the cache gets ``extras["rows"]`` / ``extras["full_batch"]`` (see :mod:`dlm_engine.rows`).
+    """
     ids, attn = canvas.tokens, canvas.attention_mask
     pos = canvas.position_ids
     cfg = plan.cfg_scale > 0
+    given = canvas.given() if cfg else None
+    if rows is not None:
+        ids, attn, pos = ids[rows], attn[rows], pos[rows]
+        given = given[rows] if cfg else None
     if cfg:
-        un = ids.masked_fill(canvas.given(), canvas.mask_id)
+        un = ids.masked_fill(given, canvas.mask_id)
         ids, attn, pos = torch.cat([ids, un]), torch.cat([attn, attn]), torch.cat([pos, pos])
     extras = {"gen_start": canvas.gen_start}
+    if rows is not None:
+        extras.update(call_extras(rows, canvas.batch_size, cfg))
     call = model(ids, attention_mask=attn if canvas.is_padded else None, position_ids=pos, hooks=cache,
                  logits_range=plan.window, directive=plan.cache, extras=extras)
     if tuple(call.logits_range) != tuple(plan.window):
@@ -57,8 +69,12 @@ def forward(model, canvas: Canvas, plan: StepPlan, cache) -> Tuple[torch.Tensor,
 
 
 def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterable[Sink] = (),
-           max_steps: Optional[int] = None) -> Canvas:
-    """Decode ``canvas`` in place with ``strategy``; every step's delta goes to ``sinks``."""
+           max_steps: Optional[int] = None, compact: bool = True) -> Canvas:
+    """Decode ``canvas`` in place with ``strategy``; every step's delta goes to ``sinks``.
+
+    ``compact``: once rows are finished, run the model on the active rows only (:mod:`dlm_engine.rows`);
+    a step in which every row is finished calls no model (its NFE is still the strategy's count).
+    """
     from .registry import cache_class
 
     if cache is None:
@@ -70,6 +86,7 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
     for s in sinks:
         s.on_start(canvas, {"strategy": strategy.name})
     limit = max_steps if max_steps is not None else 4 * canvas.gen_length + 64
+    active = ActiveRows(canvas) if compact else None
     t0 = time.perf_counter()
     with torch.inference_mode():
         while True:
@@ -79,12 +96,21 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
             if canvas.step >= limit:
                 raise StalledDecode(f"strategy '{strategy.name}' did not finish within {limit} steps "
                                     "(did the model propose the mask token?)")
-            logits, call = forward(model, canvas, plan, cache)
-            proposal = propose(
-                logits, plan.window[0], temperature=plan.temperature, confidence=plan.confidence,
-                softmax_dtype=plan.softmax_dtype, call_len=call.compute[1] - call.compute[0],
-                call_start=call.compute[0], top_v=plan.top_v, discard_draws=call.extras.get("discard_draws", 0),
-            )
+            rows = None if active is None else active.update(canvas)
+            idle = active is not None and active.none_active
+            if idle:     # every row is finished but the strategy still steps: no model call
+                proposal = idle_proposal(canvas, plan.window, active.vocab)
+            else:
+                logits, call = forward(model, canvas, plan, cache, rows=rows)
+                proposal = propose(
+                    logits, plan.window[0], temperature=plan.temperature, confidence=plan.confidence,
+                    softmax_dtype=plan.softmax_dtype, call_len=call.compute[1] - call.compute[0],
+                    call_start=call.compute[0], top_v=plan.top_v, discard_draws=call.extras.get("discard_draws", 0),
+                )
+                if active is not None:
+                    active.seen(logits)
+                    if rows is not None:
+                        proposal = expand_proposal(proposal, rows, canvas)
             delta, state = strategy.select(canvas, plan, proposal, state)
             delta.wall_time = time.perf_counter() - t0
             if want_logits:

@@ -32,8 +32,9 @@ class Scripted:
         B, L = ids.shape
         lo, hi = logits_range or (0, L)
         logits = torch.full((B, hi - lo, V), -8.0)
-        for b in range(B):
-            top, conf, second = self.scripts[min(b, len(self.scripts) - 1)]
+        rows = (extras or {}).get("rows")          # canvas rows of this call once some rows finished
+        for b, r in enumerate(range(B) if rows is None else rows.tolist()):
+            top, conf, second = self.scripts[min(r, len(self.scripts) - 1)]
             for j in range(lo, hi):
                 g = j - P
                 if 0 <= g < len(top):

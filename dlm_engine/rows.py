@@ -1,0 +1,90 @@
+"""Finished rows stop costing work: the step loop runs the model on the active rows only.
+
+Once some rows of a batch are finished (``Canvas.finished``: early exit, stop at EOS, or nothing left to
+decode) the loop gathers the still-active rows of tokens / attention mask / position ids, runs the model
+and the sampler on that smaller batch, and scatters the proposal back to the full batch, so strategies
+keep seeing ``[B, ...]`` tensors. A finished row gets a proposal that can never be committed: ``x0`` is its
+current token, its confidence ``-inf`` and its logits zero. When every row is finished but the strategy
+still steps (e.g. LLaDA's zero-transfer steps at the end of a schedule) the model is not called at all.
+
+NFE accounting is unchanged: ``Canvas.nfe`` counts the forwards the strategy's schedule runs (as the
+reference implementations count them, so a fixed schedule keeps its reference NFE even when its last
+steps had no active row left), and ``Canvas.row_nfe`` counts, per row, the forwards the row took part in
+(a finished row takes part in none). The work actually done is therefore ``sum(row_nfe)`` row-forwards
+(times two with CFG), not ``nfe * batch``.
+
+Row indices reach the cache as ``call.extras["rows"]`` (a ``LongTensor`` of rows of the full model batch,
+ascending; with CFG the unconditional copies are rows ``B + r``) together with
+``call.extras["full_batch"]`` (the size of that full batch). Both are absent while every row is active, so
+the common case costs nothing but one host read of the number of finished rows per step. Rows never come
+back once finished, so a cache may drop the stored keys/values of rows that left the active set
+(:class:`dlm_engine.kvcache.StoredKVCache` does).
+
+Random draws of the sampler (Gumbel noise, random confidences, the prefix cache's discarded draw) have
+the shape of the active batch. A batched run at ``T > 0`` in which some rows finish early therefore uses
+a different random stream from then on than a run that keeps every row in the batch (``decode(...,
+compact=False)``); at ``T = 0``, and for every batch-1 run, the results are identical.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from .canvas import Canvas
+from .sampler import Proposal
+
+
+class ActiveRows:
+    """Tracks which rows the next model call runs; ``rows`` is None while every row is active."""
+
+    def __init__(self, canvas: Canvas):
+        self.batch = canvas.batch_size
+        self.n_finished = 0
+        self.rows: Optional[torch.Tensor] = None
+        self.vocab: Optional[Tuple[int, torch.dtype]] = None   # logits' last dim and dtype, once seen
+
+    def update(self, canvas: Canvas) -> Optional[torch.Tensor]:
+        """Re-read the finished rows (one host sync); returns the active row indices or None (= all)."""
+        n = int(canvas.finished.sum())
+        if n == self.batch and self.vocab is None:
+            return None          # nothing was run yet (never happens with the bundled strategies): run all
+        if n != self.n_finished:
+            self.n_finished = n
+            self.rows = None if n == 0 else (~canvas.finished).nonzero().squeeze(1)
+        return self.rows
+
+    @property
+    def none_active(self) -> bool:
+        return self.n_finished == self.batch and self.vocab is not None
+
+    def seen(self, logits: torch.Tensor) -> None:
+        if self.vocab is None:
+            self.vocab = (int(logits.shape[-1]), logits.dtype)
+
+
+def call_extras(rows: torch.Tensor, batch: int, cfg: bool) -> dict:
+    """The ``extras`` that tell caches which rows of the full batch a call runs."""
+    if cfg:
+        return {"rows": torch.cat([rows, rows + batch]), "full_batch": 2 * batch}
+    return {"rows": rows, "full_batch": batch}
+
+
+def expand_proposal(p: Proposal, rows: torch.Tensor, canvas: Canvas) -> Proposal:
+    """A full-batch proposal from one over ``rows``; the other rows get uncommittable proposals."""
+    B, (_, W) = canvas.batch_size, p.x0.shape
+    s = p.start
+    x0 = canvas.tokens[:, s:s + W].index_copy(0, rows, p.x0)
+    conf = p.confidence.new_full((B, W), float("-inf")).index_copy_(0, rows, p.confidence)
+    logits = p.logits.new_zeros((B,) + tuple(p.logits.shape[1:])).index_copy_(0, rows, p.logits)
+    return Proposal(start=s, x0=x0, confidence=conf, logits=logits, call_len=p.call_len, call_start=p.call_start)
+
+
+def idle_proposal(canvas: Canvas, window: Tuple[int, int], vocab: Tuple[int, torch.dtype]) -> Proposal:
+    """The proposal of a step in which every row is finished (no model call)."""
+    s, e = window
+    B, W = canvas.batch_size, e - s
+    V, dtype = vocab
+    return Proposal(start=s, x0=canvas.tokens[:, s:e].clone(),
+                    confidence=torch.full((B, W), float("-inf"), device=canvas.device),
+                    logits=torch.zeros((B, W, V), dtype=dtype, device=canvas.device), call_len=W, call_start=s)
