@@ -3,7 +3,9 @@
 Each step queries the current block, lets a *commit rule* (threshold, factor, ...) pick which
 candidates to commit, and moves to the next block as soon as the current one has no mask left
 (Fast-dLLM v2 loop control: a full block never costs another forward). Subclasses only provide
-:meth:`FillBlocks.rule` and, if they like, extra validation and scalars.
+:meth:`FillBlocks.rule` and, if they like, extra validation and scalars. Every such strategy has the EOS
+options of :class:`dlm_engine.eos.EosOptions` (``logits_eos_inf``, ``confidence_eos_eot_inf``,
+``stop_at_eos``).
 """
 from __future__ import annotations
 
@@ -13,13 +15,15 @@ from typing import Optional
 import torch
 
 from .canvas import BlockEvent
+from .eos import EosOptions, check_eos_options, eos_confidence, eos_stop, eos_suppress
 from .errors import ConfigError
 from .strategy import BlockCursor, CacheDirective, StepPlan, Strategy, block_range, candidates
 
 
 @dataclass
-class FillBlocksConfig:
-    """Fields every block-filling strategy has (subclass it and add ``name`` plus the rule's knobs)."""
+class FillBlocksConfig(EosOptions):
+    """Fields every block-filling strategy has (subclass it and add ``name`` plus the rule's knobs);
+    the EOS options come from :class:`EosOptions`."""
 
     steps: Optional[int] = None          # only checked: divisible by the number of blocks (as the reference)
     block_length: Optional[int] = None   # null = gen_length (a single block)
@@ -52,6 +56,7 @@ class FillBlocks(Strategy):
         raise NotImplementedError
 
     def init_state(self, canvas):
+        check_eos_options(self.cfg, canvas)
         return BlockCursor()
 
     def plan(self, canvas, cur: BlockCursor) -> Optional[StepPlan]:
@@ -69,21 +74,26 @@ class FillBlocks(Strategy):
             window=(s, e), temperature=c.temperature,
             confidence="random" if c.remasking == "random" else "prob", softmax_dtype="float64",
             cache=CacheDirective(block=(s, e), block_start=cur.step == 0, step_in_block=cur.step),
+            suppress=eos_suppress(c, canvas),
         )
 
     def select(self, canvas, plan, proposal, cur: BlockCursor):
         s, e = plan.window
         cand = candidates(canvas, proposal, e)
+        eos_confidence(self.cfg, canvas, plan, proposal)
         commit = self.rule(proposal.confidence, cand, cur) & cand
+        delta = eos_stop(self.cfg, canvas, self.delta(canvas, proposal, commit))
         events = [BlockEvent("opened", cur.block, s, e)] if cur.step == 0 else []
         block = cur.block
         cur.step += 1
-        if not bool((cand & ~commit).any()):
+        # rows finished by this step (stop_at_eos fills their remaining masks) leave nothing in the block
+        if not bool((cand & ~commit & ~delta.finished[:, None]).any()):
             events.append(BlockEvent("completed", cur.block, s, e))
             cur.block, cur.step = cur.block + 1, 0
-        scalars = {"block": block, "committed": commit.sum(-1)}
-        scalars.update(self.step_scalars(proposal, cand, commit))
-        return self.delta(canvas, proposal, commit, events=events, scalars=scalars), cur
+        delta.block_events = events
+        delta.scalars.update({"block": block, "committed": commit.sum(-1)})
+        delta.scalars.update(self.step_scalars(proposal, cand, commit))
+        return delta, cur
 
     def step_scalars(self, proposal, cand: torch.Tensor, commit: torch.Tensor) -> dict:
         """Extra per-step scalars of a subclass (empty by default)."""

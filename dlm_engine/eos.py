@@ -10,16 +10,55 @@
   padding) in the same delta, and the row is marked finished.
 
 The ids come from the model config (``Canvas.eos_id`` / ``Canvas.eot_id``), never hard-coded.
+
+Strategies offer the three options by mixing :class:`EosOptions` into their config dataclass and calling
+:func:`check_eos_options` (``init_state``), :func:`eos_suppress` (``plan``), :func:`eos_confidence` and
+:func:`eos_stop` (``select``).
 """
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Tuple
 
 import torch
 
 from .canvas import Canvas, FrameDelta
 from .errors import ConfigError
 from .sampler import confidence_of
+
+
+@dataclass
+class EosOptions:
+    """The EOS options of a strategy config (a mixin for config dataclasses)."""
+
+    logits_eos_inf: bool = False          # EOS logit -> -inf before sampling (EOS is never proposed)
+    confidence_eos_eot_inf: bool = False  # EoT (and EOS at T = 0) proposals get confidence 0 (LLaDA quirk)
+    stop_at_eos: bool = False             # end a row once EOS is committed and everything before it is decoded
+
+
+def check_eos_options(cfg, canvas: Canvas) -> None:
+    """Raise :class:`ConfigError` naming the option when the model lacks the id an enabled option needs."""
+    if cfg.logits_eos_inf or cfg.stop_at_eos:
+        require_id(canvas, "eos", "strategy.logits_eos_inf" if cfg.logits_eos_inf else "strategy.stop_at_eos")
+    if cfg.confidence_eos_eot_inf and canvas.eos_id is None and canvas.eot_id is None:
+        require_id(canvas, "eos", "strategy.confidence_eos_eot_inf")
+
+
+def eos_suppress(cfg, canvas: Canvas) -> Tuple[int, ...]:
+    """``StepPlan.suppress`` for ``logits_eos_inf``."""
+    return (canvas.eos_id,) if cfg.logits_eos_inf else ()
+
+
+def eos_confidence(cfg, canvas: Canvas, plan, proposal) -> None:
+    """``confidence_eos_eot_inf``: recompute ``proposal.confidence`` in place (not for random ranking)."""
+    if cfg.confidence_eos_eot_inf and plan.confidence != "random":
+        proposal.confidence = eos_eot_confidence(proposal.logits, proposal.x0, plan.confidence, plan.softmax_dtype,
+                                                 plan.temperature, canvas.eos_id, canvas.eot_id)
+
+
+def eos_stop(cfg, canvas: Canvas, delta: FrameDelta) -> FrameDelta:
+    """``stop_at_eos``: :func:`stop_at_eos` when enabled, else ``delta`` unchanged."""
+    return stop_at_eos(canvas, delta, canvas.eos_id) if cfg.stop_at_eos else delta
 
 
 def require_id(canvas: Canvas, which: str, key: str) -> int:

@@ -8,6 +8,8 @@ first of the buffer or its predecessor is semi-complete (committed fraction >=
 ``semi_complete_threshold``). After a step, complete blocks leave the buffer in order and, if there is
 room and the newest buffered block's progress is >= ``add_block_threshold``, the next block is
 admitted (one per step). State is per row and vectorised; ``buffer_size=1`` is exactly ``threshold``.
+EOS options as ``threshold`` (:class:`dlm_engine.eos.EosOptions`); a row ended by ``stop_at_eos`` has every
+block complete (its remaining blocks get ``completed`` events) and leaves the buffer.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from dlm_engine.canvas import BlockEvent
+from dlm_engine.eos import EosOptions, check_eos_options, eos_confidence, eos_stop, eos_suppress
 from dlm_engine.errors import ConfigError
 from dlm_engine.registry import register_strategy
 from dlm_engine.selection import masked_conf
@@ -25,7 +28,7 @@ from dlm_engine.strategy import CacheDirective, StepPlan, Strategy
 
 
 @dataclass
-class BlockBufferConfig:
+class BlockBufferConfig(EosOptions):
     name: str = "block_buffer"
     block_length: int = 32                 # the last block may be shorter when gen_length is not a multiple
     buffer_size: int = 4                   # blocks decoded concurrently; 1 = single-block (threshold) decoding
@@ -89,6 +92,7 @@ class BlockBuffer(Strategy):
 
     # -- policy ------------------------------------------------------------------------------------
     def init_state(self, canvas):
+        check_eos_options(self.cfg, canvas)
         self.sizes = self.sizes.to(canvas.device)
         first = self.first_incomplete(self.blocks(canvas.masked()[:, canvas.gen_start:]))
         count = (first < self.nb).long()
@@ -115,6 +119,7 @@ class BlockBuffer(Strategy):
             confidence="random" if c.remasking == "random" else "prob", softmax_dtype="float64",
             cache=CacheDirective(block=window, block_start=st.step_in_window == 0,
                                  step_in_block=st.step_in_window, store=store),
+            suppress=eos_suppress(c, canvas),
         )
 
     def select(self, canvas, plan, proposal, st: BufferState):
@@ -126,6 +131,7 @@ class BlockBuffer(Strategy):
         blk = b0 + torch.arange(nwb, device=canvas.device)                               # [nwb]
         in_buf = (blk >= st.first[:, None]) & (blk < (st.first + st.count)[:, None])      # [B, nwb]
         cand = F.pad(canvas.masked()[:, s:e], (0, pad)).view(B, nwb, self.bl) & in_buf[..., None]
+        eos_confidence(c, canvas, plan, proposal)
         conf = F.pad(proposal.confidence, (0, pad), value=float("-inf")).view(B, nwb, self.bl)
         accept = cand & (conf >= c.accept_threshold)
         masked_gen = canvas.masked()[:, g:]
@@ -137,9 +143,12 @@ class BlockBuffer(Strategy):
         top = masked_conf(conf, cand).argmax(-1)
         forced = F.one_hot(top, self.bl).bool() & need[..., None]
         commit = (accept | forced).view(B, -1)[:, :W]
+        delta = eos_stop(c, canvas, self.delta(canvas, proposal, commit))
 
         after = masked_gen.clone()
         after[:, s - g:e - g] &= ~commit
+        if c.stop_at_eos:
+            after &= ~delta.finished[:, None]          # rows ended at EOS have the rest filled
         blocks_after = self.blocks(after)
         prog_after = self.progress(blocks_after)
         new_first = self.first_incomplete(blocks_after)
@@ -157,6 +166,7 @@ class BlockBuffer(Strategy):
             rows = admit.nonzero().squeeze(1).tolist()
             events += self.event_list("admitted", rows, (new_first + new_count)[rows].tolist(), B, g)
         st.first, st.count = new_first, new_count + admit.long()
-        scalars = {"committed": commit.sum(-1), "block_progress": prog_after,
-                   "buffer_first": st.first.clone(), "buffer_count": st.count.clone()}
-        return self.delta(canvas, proposal, commit, events=events, scalars=scalars), st
+        delta.block_events = events
+        delta.scalars.update({"committed": commit.sum(-1), "block_progress": prog_after,
+                              "buffer_first": st.first.clone(), "buffer_count": st.count.clone()})
+        return delta, st

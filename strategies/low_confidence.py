@@ -25,11 +25,11 @@ from dlm_engine.registry import register_strategy
 from dlm_engine.selection import topk_commit, transfer_schedule
 from dlm_engine.strategy import BlockCursor, CacheDirective, StepPlan, Strategy, block_range, candidates
 from dlm_engine.canvas import BlockEvent
-from dlm_engine.eos import eos_eot_confidence, require_id, stop_at_eos
+from dlm_engine.eos import EosOptions, check_eos_options, eos_confidence, eos_stop, eos_suppress
 
 
 @dataclass
-class LowConfidenceConfig:
+class LowConfidenceConfig(EosOptions):            # + logits_eos_inf, confidence_eos_eot_inf, stop_at_eos
     name: str = "low_confidence"
     steps: Optional[int] = None          # total over all blocks; null = gen_length (one token per step)
     block_length: Optional[int] = None   # null = gen_length (a single block)
@@ -38,9 +38,6 @@ class LowConfidenceConfig:
     confidence: str = "prob"             # prob | margin | entropy (used by low_confidence remasking)
     cfg_scale: float = 0.0               # classifier-free guidance (prompt replaced by masks)
     loop: str = "llada"                  # llada | fastdllm
-    logits_eos_inf: bool = False         # EOS logit -> -inf before sampling (EOS is never proposed)
-    confidence_eos_eot_inf: bool = False # EoT (and EOS at T = 0) proposals get confidence 0 (LLaDA quirk)
-    stop_at_eos: bool = False            # end a row once EOS is committed and everything before it is decoded
 
 
 @register_strategy("low_confidence", LowConfidenceConfig)
@@ -70,11 +67,7 @@ class LowConfidence(Strategy):
             raise ConfigError(f"strategy.cfg_scale={c.cfg_scale} must be >= 0")
 
     def init_state(self, canvas):
-        c = self.cfg
-        if c.logits_eos_inf or c.stop_at_eos:
-            require_id(canvas, "eos", "strategy.logits_eos_inf" if c.logits_eos_inf else "strategy.stop_at_eos")
-        if c.confidence_eos_eot_inf and canvas.eos_id is None and canvas.eot_id is None:
-            require_id(canvas, "eos", "strategy.confidence_eos_eot_inf")
+        check_eos_options(self.cfg, canvas)
         return BlockCursor()
 
     def plan(self, canvas, cur: BlockCursor) -> Optional[StepPlan]:
@@ -91,16 +84,14 @@ class LowConfidence(Strategy):
             confidence="random" if c.remasking == "random" else c.confidence,
             softmax_dtype="float64" if c.loop == "fastdllm" else "model", cfg_scale=c.cfg_scale,
             cache=CacheDirective(block=(s, e), block_start=cur.step == 0, step_in_block=cur.step),
-            suppress=(canvas.eos_id,) if c.logits_eos_inf else (),
+            suppress=eos_suppress(c, canvas),
         )
 
     def select(self, canvas, plan, proposal, cur: BlockCursor):
         s, e = plan.window
         cand = candidates(canvas, proposal, e)
         c = self.cfg
-        if c.confidence_eos_eot_inf and c.remasking != "random":
-            proposal.confidence = eos_eot_confidence(proposal.logits, proposal.x0, c.confidence, plan.softmax_dtype,
-                                                     c.temperature, canvas.eos_id, canvas.eot_id)
+        eos_confidence(c, canvas, plan, proposal)
         i = min(cur.step, self.steps_per_block - 1)
         k = cur.schedule[:, i] if cur.step < self.steps_per_block else torch.ones_like(cur.schedule[:, 0])
         commit = topk_commit(proposal.confidence, cand, k)
@@ -115,6 +106,4 @@ class LowConfidence(Strategy):
             cur.block, cur.step = cur.block + 1, 0
         delta = self.delta(canvas, proposal, commit, events=events,
                            scalars={"block": cur.block if not done else cur.block - 1, "committed": commit.sum(-1)})
-        if c.stop_at_eos:
-            delta = stop_at_eos(canvas, delta, canvas.eos_id)
-        return delta, cur
+        return eos_stop(c, canvas, delta), cur
