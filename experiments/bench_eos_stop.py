@@ -6,7 +6,8 @@
 
 MODEL_DIR: a trained tiny checkpoint (default: the embedded ``model=tiny``). Prints one line per setting
 and the ratios. With batch 1 every row that ends early saves forwards; in larger batches a batch stops
-when its last row ends (finished rows still ride along in the batched forward until then).
+when its last row ends, and until then the model runs on the unfinished rows only (see
+experiments/bench_finished_rows.py for that saving).
 """
 from __future__ import annotations
 
