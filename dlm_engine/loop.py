@@ -73,7 +73,8 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
     """Decode ``canvas`` in place with ``strategy``; every step's delta goes to ``sinks``.
 
     ``compact``: once rows are finished, run the model on the active rows only (:mod:`dlm_engine.rows`);
-    a step in which every row is finished calls no model (its NFE is still the strategy's count).
+    a step the strategy schedules after every row finished still runs one (discarded) forward, so
+    ``canvas.nfe`` always equals the number of model calls.
     """
     from .registry import cache_class
 
@@ -98,7 +99,11 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
                                     "(did the model propose the mask token?)")
             rows = None if active is None else active.update(canvas)
             idle = active is not None and active.none_active
-            if idle:     # every row is finished but the strategy still steps: no model call
+            if idle:
+                # Every row is finished but the strategy still schedules a step (LLaDA's zero-transfer
+                # steps): the reference runs that forward, and NFE counts model calls, so run it (uncached:
+                # caches may have dropped finished rows) and discard it; nothing can be committed.
+                forward(model, canvas, plan, None)
                 proposal = idle_proposal(canvas, plan.window, active.vocab)
             else:
                 logits, call = forward(model, canvas, plan, cache, rows=rows)

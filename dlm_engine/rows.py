@@ -5,12 +5,10 @@ decode) the loop gathers the still-active rows of tokens / attention mask / posi
 and the sampler on that smaller batch, and scatters the proposal back to the full batch, so strategies
 keep seeing ``[B, ...]`` tensors. A finished row gets a proposal that can never be committed: ``x0`` is its
 current token, its confidence ``-inf`` and its logits zero. When every row is finished but the strategy
-still steps (e.g. LLaDA's zero-transfer steps at the end of a schedule) the model is not called at all.
+still steps (e.g. LLaDA's zero-transfer steps at the end of a schedule) the loop runs that forward
+uncached and discards it, as the reference does, so ``Canvas.nfe`` always equals the number of model calls.
 
-NFE accounting is unchanged: ``Canvas.nfe`` counts the forwards the strategy's schedule runs (as the
-reference implementations count them, so a fixed schedule keeps its reference NFE even when its last
-steps had no active row left), and ``Canvas.row_nfe`` counts, per row, the forwards the row took part in
-(a finished row takes part in none). The work actually done is therefore ``sum(row_nfe)`` row-forwards
+``Canvas.row_nfe`` counts, per row, the forwards the row took part in (a finished row takes part in none). The work actually done is therefore ``sum(row_nfe)`` row-forwards
 (times two with CFG), not ``nfe * batch``.
 
 Row indices reach the cache as ``call.extras["rows"]`` (a ``LongTensor`` of rows of the full model batch,
