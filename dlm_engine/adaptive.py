@@ -6,7 +6,7 @@ budget, a float64 numpy mean of ``H[-5:]`` for the vocabulary size, ``int()`` tr
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Sequence
 
 import numpy as np
 import torch

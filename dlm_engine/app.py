@@ -2,17 +2,13 @@
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import platform
-import sys
-import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 from omegaconf import DictConfig, OmegaConf
 
-from .errors import ConfigError, UserError
+from .errors import ConfigError
 
 DEMO_PROMPTS = ["347+085=", "901-256=", "name a fruit:", "sum 9:"]
 

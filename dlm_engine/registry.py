@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 from dataclasses import is_dataclass
-from typing import Callable, Dict, Type
+from typing import Callable, Dict
 
 from .errors import UserError
 

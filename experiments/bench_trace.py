@@ -17,13 +17,10 @@
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
-import sys
 import tempfile
 import time
-import zlib
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

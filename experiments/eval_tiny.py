@@ -88,7 +88,6 @@ def main(argv=None) -> int:
     examples = tasks.held_out(args.n)
     names = sorted({e.task for e in examples})
     head = ["setting", "accuracy", *names, "NFE/prompt", "TPS"]
-    sep = " | " if args.markdown else "  "
     print(f"model {path}; {len(examples)} held-out prompts; batch {args.batch}")
     if args.markdown:
         print("| " + " | ".join(head) + " |")

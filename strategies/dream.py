@@ -247,7 +247,6 @@ class Dream(Strategy):
         mask_logits = proposal.logits[mask]                       # [M, V] row-major, as logits[mask_index]
         i, mid = st.i, canvas.mask_id
         commit = torch.zeros_like(mask)
-        remask = None
         if c.alg == "origin":
             p_transfer = (1 - self.ts[i + 1] / self.ts[i]) if i < self.steps - 1 else 1
             sel = torch.rand(mask_logits.shape[0], device=mask_logits.device) < p_transfer

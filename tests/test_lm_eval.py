@@ -9,7 +9,6 @@ import pytest
 
 import lm_eval  # noqa: E402,F401  (the 'eval' extra; the 'dev' extra installs it too)
 
-from conftest import ROOT  # noqa: E402
 
 ARGS = "model=tiny_random,strategy=threshold,strategy.block_length=8,gen_length=8,device=cpu,trace.record=false"
 DOCS = [{"prompt": "347+085=", "answer": "0432"}, {"prompt": "901-256=", "answer": "645"},

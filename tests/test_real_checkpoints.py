@@ -4,7 +4,6 @@ presets, path errors, chat templates, and decoding with every registered strateg
 import json
 
 import pytest
-import torch
 
 from conftest import run_dlm
 from official_ckpt import build_dream_instruct, build_llada_instruct

@@ -5,7 +5,6 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
-import pytest
 import torch
 
 from conftest import ROOT, run_dlm

@@ -157,7 +157,6 @@ def test_bad_trace_config_names_the_key(tmp_path):
 def test_ctrl_c_keeps_a_flushed_partial_trace(tmp_path):
     import signal
     import subprocess
-    import sys
     import time
 
     from conftest import BIN

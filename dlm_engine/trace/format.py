@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 import struct
 import zlib
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 import zstandard as zstd

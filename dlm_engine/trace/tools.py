@@ -6,11 +6,10 @@ import html
 import json
 import os
 import tempfile
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 import numpy as np
 
-from . import format as fmt
 from .format import TraceError
 from .reader import Sequence, Trace, open_trace
 
