@@ -59,6 +59,14 @@ class FFNIO:
     out: Optional[torch.Tensor] = None           # [B, T, d] FFN output (before the residual add)
 
 
+def key_padding_mask(attention_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Boolean key mask (False = padding), or None when nothing is padded so attention stays unmasked."""
+    if attention_mask is None:
+        return None
+    mask = attention_mask.to(torch.bool)
+    return None if bool(mask.all()) else mask
+
+
 class NullHooks:
     """No caching: every call computes every column."""
 

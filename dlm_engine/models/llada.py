@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers import PretrainedConfig, PreTrainedModel
 
-from .hooks import NULL_HOOKS, AttentionIO, FFNIO, ForwardCall
+from .hooks import NULL_HOOKS, AttentionIO, FFNIO, ForwardCall, key_padding_mask
 
 
 class LLaDAConfig(PretrainedConfig):
@@ -244,11 +244,7 @@ class LLaDAModelLM(PreTrainedModel):
     ) -> ForwardCall:
         hooks = NULL_HOOKS if hooks is None else hooks
         B, L = input_ids.shape
-        key_mask = None
-        if attention_mask is not None:
-            key_mask = attention_mask.to(torch.bool)
-            if bool(key_mask.all()):
-                key_mask = None
+        key_mask = key_padding_mask(attention_mask)
         if position_ids is None:
             if key_mask is None:
                 position_ids = torch.arange(L, device=input_ids.device).expand(B, L)
