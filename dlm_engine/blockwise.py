@@ -16,7 +16,6 @@ import torch
 
 from .canvas import BlockEvent
 from .eos import EosOptions, check_eos_options, eos_confidence, eos_stop, eos_suppress
-from .errors import ConfigError
 from .strategy import BlockCursor, CacheDirective, StepPlan, Strategy, block_range, candidates
 
 
@@ -41,15 +40,9 @@ class FillBlocks(Strategy):
         self.block_length = self.block_length_or_gen(c.block_length)
         self.num_blocks = self.gen_length // self.block_length
         if c.steps is not None:
-            if int(c.steps) <= 0:
-                raise ConfigError(f"strategy.steps={c.steps} must be a positive integer")
-            if int(c.steps) % self.num_blocks != 0:
-                raise ConfigError(f"strategy.steps={c.steps} is not divisible by the number of blocks "
-                                  f"(gen_length/strategy.block_length = {self.num_blocks})")
-        if c.remasking not in ("low_confidence", "random"):
-            raise ConfigError(f"strategy.remasking='{c.remasking}' (choose low_confidence or random)")
-        if c.temperature < 0:
-            raise ConfigError(f"strategy.temperature={c.temperature} must be >= 0")
+            self.check_steps_per_block(int(c.steps), self.num_blocks)
+        self.check_choice("remasking", c.remasking, ("low_confidence", "random"))
+        self.check_non_negative("temperature", c.temperature)
 
     def rule(self, conf: torch.Tensor, cand: torch.Tensor, cur: BlockCursor) -> torch.Tensor:
         """Which candidates to commit this step (``[B, W]`` bool, a subset of ``cand``)."""

@@ -83,6 +83,24 @@ class Strategy:
         if value is None or int(value) <= 0:
             raise ConfigError(f"strategy.{key}={value} must be a positive integer")
 
+    def check_choice(self, key: str, value: Any, options: Sequence[str]) -> None:
+        if value not in options:
+            choices = ", ".join(options[:-1]) + " or " + options[-1]
+            raise ConfigError(f"strategy.{key}='{value}' (choose {choices})")
+
+    def check_non_negative(self, key: str, value: float) -> None:
+        if value < 0:
+            raise ConfigError(f"strategy.{key}={value} must be >= 0")
+
+    def check_steps_per_block(self, steps: int, num_blocks: int) -> int:
+        """``steps`` is the total over all blocks: a positive multiple of ``num_blocks``; returns steps per block."""
+        if steps <= 0:
+            raise ConfigError(f"strategy.steps={steps} must be a positive integer")
+        if steps % num_blocks != 0:
+            raise ConfigError(f"strategy.steps={steps} is not divisible by the number of blocks "
+                              f"(gen_length/strategy.block_length = {num_blocks})")
+        return steps // num_blocks
+
     def block_length_or_gen(self, value: Optional[int], key: str = "block_length") -> int:
         bl = self.gen_length if value is None else int(value)
         if bl <= 0:

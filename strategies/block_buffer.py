@@ -61,10 +61,8 @@ class BlockBuffer(Strategy):
         for key in ("add_block_threshold", "semi_complete_threshold"):
             if not 0.0 <= float(getattr(c, key)) <= 1.0:
                 raise ConfigError(f"strategy.{key}={getattr(c, key)} is outside [0, 1]")
-        if c.remasking not in ("low_confidence", "random"):
-            raise ConfigError(f"strategy.remasking='{c.remasking}' (choose low_confidence or random)")
-        if c.temperature < 0:
-            raise ConfigError(f"strategy.temperature={c.temperature} must be >= 0")
+        self.check_choice("remasking", c.remasking, ("low_confidence", "random"))
+        self.check_non_negative("temperature", c.temperature)
         self.bl = int(c.block_length)
         self.nb = -(-self.gen_length // self.bl)
         self.sizes = torch.tensor([min(self.bl, self.gen_length - b * self.bl) for b in range(self.nb)])

@@ -82,12 +82,9 @@ class CadLLM(Strategy):
             self.check_unit_interval("threshold", c.threshold)
         if c.factor is not None and not float(c.factor) > 0:
             raise ConfigError(f"strategy.factor={c.factor} must be > 0")
-        if c.remasking not in ("low_confidence", "random"):
-            raise ConfigError(f"strategy.remasking='{c.remasking}' (choose low_confidence or random)")
-        if c.confidence_method not in ("softmax", "entropy"):
-            raise ConfigError(f"strategy.confidence_method='{c.confidence_method}' (choose softmax or entropy)")
-        if c.temperature < 0:
-            raise ConfigError(f"strategy.temperature={c.temperature} must be >= 0")
+        self.check_choice("remasking", c.remasking, ("low_confidence", "random"))
+        self.check_choice("confidence_method", c.confidence_method, ("softmax", "entropy"))
+        self.check_non_negative("temperature", c.temperature)
         self.vocab_bounds = (15, 5, 35) if c.factor is not None else (100, 35, 1000)
 
     def init_state(self, canvas):

@@ -86,8 +86,7 @@ class Dream(Strategy):
             raise ConfigError(f"strategy.steps={c.steps} must be a positive integer")
         if not (0.0 < float(c.eps) < 1.0):
             raise ConfigError(f"strategy.eps={c.eps} is outside (0, 1)")
-        if c.temperature < 0:
-            raise ConfigError(f"strategy.temperature={c.temperature} must be >= 0")
+        self.check_non_negative("temperature", c.temperature)
         if c.top_p is not None and not (0.0 < float(c.top_p) <= 1.0):
             raise ConfigError(f"strategy.top_p={c.top_p} is outside (0, 1]")
         if c.top_k is not None and int(c.top_k) <= 0:
@@ -95,8 +94,7 @@ class Dream(Strategy):
         if c.alg_temp is not None and c.alg_temp < 0:
             raise ConfigError(f"strategy.alg_temp={c.alg_temp} must be >= 0 (null or 0 = top-k positions)")
         self.check_unit_interval("threshold", c.threshold)
-        if c.window not in ("block", "rest"):
-            raise ConfigError(f"strategy.window='{c.window}' (choose block or rest)")
+        self.check_choice("window", c.window, ("block", "rest"))
         if c.block_length is None:
             self.caches = ("none",)          # Dream's loop has no block structure for a cache to use
             self.num_blocks = 0
@@ -106,9 +104,7 @@ class Dream(Strategy):
         else:
             self.block_length = self.block_length_or_gen(c.block_length)
             self.num_blocks = self.gen_length // self.block_length
-            if self.steps % self.num_blocks != 0:
-                raise ConfigError(f"strategy.steps={self.steps} is not divisible by the number of blocks "
-                                  f"(gen_length/strategy.block_length = {self.num_blocks})")
+            self.check_steps_per_block(self.steps, self.num_blocks)
         self.steps_per_block = self.steps // max(self.num_blocks, 1)
         n = self.steps_per_block if c.block_length is not None else self.steps
         # the reference's float32 timesteps (computed on the CPU, where the fixtures were made)

@@ -55,15 +55,10 @@ class EarlyExit(Strategy):
         self.block_length = self.block_length_or_gen(c.block_length)
         self.num_blocks = self.gen_length // self.block_length
         self.steps = self.gen_length if c.steps is None else int(c.steps)
-        if self.steps <= 0 or self.steps % self.num_blocks:
-            raise ConfigError(f"strategy.steps={c.steps} must be a positive multiple of the number of blocks "
-                              f"(gen_length/strategy.block_length = {self.num_blocks})")
-        self.steps_per_block = self.steps // self.num_blocks
-        if c.remasking not in ("low_confidence", "random"):
-            raise ConfigError(f"strategy.remasking='{c.remasking}' (choose low_confidence or random)")
-        for key in ("temperature", "cfg_scale"):
-            if getattr(c, key) < 0:
-                raise ConfigError(f"strategy.{key}={getattr(c, key)} must be >= 0")
+        self.steps_per_block = self.check_steps_per_block(self.steps, self.num_blocks)
+        self.check_choice("remasking", c.remasking, ("low_confidence", "random"))
+        self.check_non_negative("temperature", c.temperature)
+        self.check_non_negative("cfg_scale", c.cfg_scale)
         self.check_positive("answer_length", c.answer_length)
         self.answer_window = None
         if c.answer_start is not None:

@@ -20,7 +20,6 @@ from typing import Optional
 
 import torch
 
-from dlm_engine.errors import ConfigError
 from dlm_engine.registry import register_strategy
 from dlm_engine.selection import topk_commit, transfer_schedule
 from dlm_engine.strategy import BlockCursor, CacheDirective, StepPlan, Strategy, block_range, candidates
@@ -49,22 +48,12 @@ class LowConfidence(Strategy):
         self.block_length = self.block_length_or_gen(c.block_length)
         self.num_blocks = self.gen_length // self.block_length
         steps = self.gen_length if c.steps is None else int(c.steps)
-        if steps <= 0:
-            raise ConfigError(f"strategy.steps={c.steps} must be a positive integer")
-        if steps % self.num_blocks != 0:
-            raise ConfigError(f"strategy.steps={steps} is not divisible by the number of blocks "
-                              f"(gen_length/strategy.block_length = {self.num_blocks})")
-        self.steps_per_block = steps // self.num_blocks
-        if c.remasking not in ("low_confidence", "random"):
-            raise ConfigError(f"strategy.remasking='{c.remasking}' (choose low_confidence or random)")
-        if c.confidence not in ("prob", "margin", "entropy"):
-            raise ConfigError(f"strategy.confidence='{c.confidence}' (choose prob, margin or entropy)")
-        if c.loop not in ("llada", "fastdllm"):
-            raise ConfigError(f"strategy.loop='{c.loop}' (choose llada or fastdllm)")
-        if c.temperature < 0:
-            raise ConfigError(f"strategy.temperature={c.temperature} must be >= 0")
-        if c.cfg_scale < 0:
-            raise ConfigError(f"strategy.cfg_scale={c.cfg_scale} must be >= 0")
+        self.steps_per_block = self.check_steps_per_block(steps, self.num_blocks)
+        self.check_choice("remasking", c.remasking, ("low_confidence", "random"))
+        self.check_choice("confidence", c.confidence, ("prob", "margin", "entropy"))
+        self.check_choice("loop", c.loop, ("llada", "fastdllm"))
+        self.check_non_negative("temperature", c.temperature)
+        self.check_non_negative("cfg_scale", c.cfg_scale)
 
     def init_state(self, canvas):
         check_eos_options(self.cfg, canvas)
