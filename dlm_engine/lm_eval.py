@@ -2,14 +2,13 @@
 
 ``model_args`` are ``dlm`` config overrides, so every strategy, cache and model preset is available::
 
-    python -m dlm_engine.lm_eval --model dlm_engine \\
+    lm_eval --model dlm_engine \\
         --model_args model=llada_8b_instruct,model.path=DIR,strategy=threshold,strategy.threshold=0.9,gen_length=256,strategy.block_length=32 \\
         --tasks gsm8k --batch_size 8
 
-lm-eval only knows the models it ships or that were imported before it parses its arguments, so the
-``dlm_engine`` name is registered when this module is imported: run lm-eval through
-``python -m dlm_engine.lm_eval ...`` (same arguments as ``lm_eval``), or ``import dlm_engine.lm_eval``
-before calling ``lm_eval.simple_evaluate(model="dlm_engine", ...)``.
+``lm_eval --model dlm_engine`` finds the name through the start-up hook the install ships
+(``dlm_engine/lm_eval_hook.py``); importing this module registers it too, and ``python -m dlm_engine.lm_eval``
+(console script ``dlm-lm-eval``) runs lm-eval's command line with the name registered even without the hook.
 
 Only ``generate_until`` is supported: a diffusion LM has no left-to-right likelihood, so
 ``loglikelihood`` tasks raise. The generation length is the config's ``gen_length`` (a diffusion
@@ -19,6 +18,7 @@ is cut at the first of the task's ``until`` strings. The chat template follows `
 """
 from __future__ import annotations
 
+import logging
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional  # noqa: E402
 from lm_eval.api.model import LM  # noqa: E402
 
 ALIASES = ("dlm_engine", "dlm-engine")
+log = logging.getLogger(__name__)
 
 
 def _override(key: str, value: Any) -> str:
@@ -69,7 +70,13 @@ class DLMEngineLM(LM):
 
         overrides = [_override(k, v) for k, v in model_args.items()]
         if device is not None and "device" not in model_args:
-            overrides.append(_override("device", device))
+            if str(device).startswith("cuda") and not torch.cuda.is_available():
+                # lm-eval's command line passes device=cuda:0 even when --device is not given: keep our
+                # default (device=auto) on a machine without CUDA instead of refusing to run
+                log.warning("dlm_engine: lm-eval asked for device %s but CUDA is not available; using the "
+                            "config's device (set model_args device=... to choose)", device)
+            else:
+                overrides.append(_override("device", device))
         bs = batch_size if isinstance(batch_size, int) or str(batch_size).isdigit() else None
         if bs is not None and "batch_size" not in model_args:
             overrides.append(_override("batch_size", int(bs)))

@@ -1,14 +1,14 @@
 """lm-evaluation-harness adapter: ``--model dlm_engine`` on a tiny local generate_until task (a JSONL file
-in the test's folder, no dataset download), in-process and through ``python -m dlm_engine.lm_eval``."""
+in the test's folder, no dataset download): in-process, through lm-eval's own ``lm_eval`` command (found via
+the installed start-up hook) and through ``python -m dlm_engine.lm_eval``."""
 import json
 import os
 import subprocess
 import sys
-
-import pytest
+from pathlib import Path
 
 import lm_eval  # noqa: E402,F401  (the 'eval' extra; the 'dev' extra installs it too)
-
+import pytest
 
 ARGS = "model=tiny_random,strategy=threshold,strategy.block_length=8,gen_length=8,device=cpu,trace.record=false"
 DOCS = [{"prompt": "347+085=", "answer": "0432"}, {"prompt": "901-256=", "answer": "645"},
@@ -45,9 +45,10 @@ def _env():
 
 def test_simple_evaluate_runs_generate_until_with_our_generations(task_dir, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    import dlm_engine.lm_eval as adapter
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
+
+    import dlm_engine.lm_eval as adapter
 
     res = simple_evaluate(model="dlm_engine", model_args=ARGS, tasks=["dlm_tiny"],
                           task_manager=TaskManager(include_path=str(task_dir)), log_samples=True)
@@ -57,8 +58,9 @@ def test_simple_evaluate_runs_generate_until_with_our_generations(task_dir, monk
     assert len(samples) == len(DOCS)
     # the harness received exactly what dlm_engine decodes for these prompts with this config
     lm = adapter.DLMEngineLM(**dict(kv.split("=") for kv in ARGS.split(",")))
-    from dlm_engine.generate import run_prompts
     import torch
+
+    from dlm_engine.generate import run_prompts
 
     torch.manual_seed(0)
     ids = [lm.lm.encode(d["prompt"]) for d in DOCS]
@@ -66,6 +68,62 @@ def test_simple_evaluate_runs_generate_until_with_our_generations(task_dir, monk
     direct = {d["prompt"]: adapter.cut(r.text, ["\n"], 8, lm.lm) for d, r in zip(DOCS, stats.rows)}
     for s in samples:
         assert s["resps"][0][0] == direct[s["doc"]["prompt"]]
+
+
+def _samples(out):
+    files = list(out.rglob("samples_*.jsonl"))
+    assert files, f"no samples under {out}"
+    return [json.loads(line) for line in files[0].read_text().splitlines() if line.strip()]
+
+
+def test_lm_eval_own_command_knows_the_model_name(task_dir, tmp_path):
+    """Plain ``lm_eval --model dlm_engine`` (the installed .pth hook registers the name). No --device: lm-eval
+    then passes cuda:0, which must not stop a CPU-only machine. The embedded model solves add/sub."""
+    out = tmp_path / "out"
+    proc = subprocess.run([str(Path(sys.executable).parent / "lm_eval"), "--model", "dlm_engine",
+                           "--model_args", "strategy=threshold,trace.record=false", "--tasks", "dlm_tiny",
+                           "--include_path", str(task_dir), "--limit", "2", "--log_samples",
+                           "--output_path", str(out)], capture_output=True, text=True, timeout=600, cwd=str(tmp_path),
+                          env=_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "dlm_tiny" in proc.stdout and "exact_match" in proc.stdout
+    got = {s["doc"]["prompt"]: s["resps"][0][0] for s in _samples(out)}
+    assert got == {"347+085=": "0432", "901-256=": "645"}
+
+
+def test_start_up_hook_is_lazy_and_can_be_turned_off(tmp_path):
+    """After start-up nothing of dlm_engine or torch is loaded; importing lm-eval's registry adds a lazy
+    entry next to lm-eval's own models; DLM_ENGINE_LM_EVAL_HOOK=0 leaves lm-eval untouched."""
+    code = ("import sys; assert 'dlm_engine' not in sys.modules and 'torch' not in sys.modules, sorted(sys.modules);"
+            "from lm_eval.api.registry import model_registry as r;"
+            "print('ENTRY', r._objs.get('dlm_engine'), 'hf' in r, 'dlm_engine' in sys.modules)")
+    on = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=str(tmp_path),
+                        env=_env())
+    assert on.returncode == 0, on.stderr[-2000:]
+    assert "ENTRY dlm_engine.lm_eval:DLMEngineLM True False" in on.stdout
+    off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=str(tmp_path),
+                         env=dict(_env(), DLM_ENGINE_LM_EVAL_HOOK="0"))
+    assert off.returncode == 0, off.stderr[-2000:]
+    assert "ENTRY None" in off.stdout
+
+
+def test_hook_registers_into_an_already_loaded_registry_and_upgrades_to_the_class():
+    import lm_eval.api.registry as registry
+
+    from dlm_engine import lm_eval_hook
+
+    saved = dict(registry.model_registry._objs)
+    try:
+        for alias in lm_eval_hook.ALIASES:
+            registry.model_registry._objs.pop(alias, None)
+        lm_eval_hook.install()  # lm-eval is loaded already: registers at once, as a lazy placeholder
+        assert registry.model_registry._objs["dlm-engine"] == lm_eval_hook.ENTRY
+        from dlm_engine.lm_eval import DLMEngineLM
+
+        assert registry.get_model("dlm-engine") is DLMEngineLM
+    finally:
+        registry.model_registry._objs.clear()
+        registry.model_registry._objs.update(saved)
 
 
 def test_wrapper_command_knows_the_model_name(task_dir, tmp_path):
