@@ -91,9 +91,13 @@ def encode_chat(tok, text: str) -> List[int]:
     return list(tok(rendered, add_special_tokens=False)["input_ids"])
 
 
-def end_of_turn_id(raw_config: dict, tok, override: Optional[int] = None) -> Optional[int]:
-    """End-of-turn id: the preset's, else config.json's ``eot_token_id``, else the tokenizer's known EoT token."""
+def end_of_turn_id(raw_config: dict, tok, override: Optional[int] = None, vocab_size: Optional[int] = None
+                   ) -> Optional[int]:
+    """End-of-turn id: ``model.eot_token_id`` if set, else config.json's ``eot_token_id``, else the id the
+    checkpoint's own tokenizer gives its EoT token (``<|eot_id|>``, ``<|im_end|>``)."""
     if override is not None:
+        if vocab_size is not None and not 0 <= int(override) < int(vocab_size):
+            raise UserError(f"model.eot_token_id={override} is outside this model's vocabulary (0..{int(vocab_size) - 1})")
         return int(override)
     if raw_config.get("eot_token_id") is not None:
         return int(raw_config["eot_token_id"])

@@ -76,7 +76,8 @@ def load_model(model_cfg, device: str = "auto", dtype: str = "auto") -> LoadedMo
     cfg = model.config
     eos = getattr(cfg, "eos_token_id", None)
     pad = getattr(cfg, "pad_token_id", None)
-    eot = end_of_turn_id(raw, tok, getattr(model_cfg, "eot_token_id", None))
+    vocab = raw.get("embedding_size") or raw.get("vocab_size")
+    eot = end_of_turn_id(raw, tok, getattr(model_cfg, "eot_token_id", None), vocab)
     chat = use_chat_template(str(getattr(model_cfg, "chat_template", "auto") or "auto"),
                              bool(getattr(model_cfg, "instruct", False)), tok, str(path) if path else "")
     return LoadedModel(model=model, tokenizer=tok, name=str(model_cfg.name), config=raw, digest=digest,

@@ -110,11 +110,17 @@ def test_chat_template_auto_is_off_for_base_presets_and_on_requires_a_template(c
         load("llada_8b_instruct", bare, chat_template="on")
 
 
-def test_end_of_turn_id_from_config_or_tokenizer(ckpts):
+def test_end_of_turn_id_comes_from_the_checkpoints_tokenizer(ckpts):
+    """Presets hard-code no EoT id: the checkpoint's tokenizer gives it (151645 / 126348 in the official ones,
+    other ids in these tiny tokenizers); model.eot_token_id overrides it and is range-checked."""
     path, ids = ckpts["dream"]
-    # dream_7b_instruct's preset sets the real 151645; model=local finds <|im_end|> in the tokenizer
-    assert load("dream_7b_instruct", path).eot_id == 151645
+    assert load("dream_7b_instruct", path).eot_id == ids["<|im_end|>"]
     assert load("local", path).eot_id == ids["<|im_end|>"]
+    assert load("dream_7b_instruct", path, eot_token_id=ids["<|endoftext|>"]).eot_id == ids["<|endoftext|>"]
+    with pytest.raises(UserError, match="model.eot_token_id=151645 is outside"):
+        load("dream_7b_instruct", path, eot_token_id=151645)
+    lpath, lids = ckpts["llada"]
+    assert load("llada_8b_instruct", lpath).eot_id == lids["<|eot_id|>"]
 
 
 def _strategy_configs():
