@@ -10,11 +10,17 @@
 (``dlm_engine/lm_eval_hook.py``); importing this module registers it too, and ``python -m dlm_engine.lm_eval``
 (console script ``dlm-lm-eval``) runs lm-eval's command line with the name registered even without the hook.
 
-Only ``generate_until`` is supported: a diffusion LM has no left-to-right likelihood, so
-``loglikelihood`` tasks raise. The generation length is the config's ``gen_length`` (a diffusion
-canvas has a fixed size; ``max_gen_toks`` of a task can only shorten the returned text), and the text
-is cut at the first of the task's ``until`` strings. The chat template follows ``model.chat_template``
-(auto: on for instruct presets) unless lm-eval applies its own (``--apply_chat_template``).
+``generate_until`` decodes with the configured strategy. The generation length is the config's
+``gen_length`` (a diffusion canvas has a fixed size; ``max_gen_toks`` of a task can only shorten the
+returned text), and the text is cut at the first of the task's ``until`` strings. The chat template follows
+``model.chat_template`` (auto: on for instruct presets) unless lm-eval applies its own
+(``--apply_chat_template``).
+
+``loglikelihood`` (multiple-choice tasks) is the Monte-Carlo ELBO of :mod:`dlm_engine.likelihood`; extra
+``model_args`` that are not ``dlm`` overrides: ``mc_samples`` (default 128), ``mc_batch_size`` (32) and
+``greedy_check`` (true: ``is_greedy`` from a greedy one-token-per-step decode) and ``mc_eos_pad`` (false;
+true scores the continuation followed by EOS up to ``gen_length``, the answer layout SFT models such as
+LLaDA-Instruct and the embedded model are trained on). ``loglikelihood_rolling`` (perplexity tasks) raises.
 """
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from typing import Any, Dict, List, Optional  # noqa: E402
+from typing import Any, Dict, List, Optional, Tuple  # noqa: E402
 
 from lm_eval.api.model import LM  # noqa: E402
 
@@ -39,6 +45,29 @@ def _override(key: str, value: Any) -> str:
     else:
         text = str(value)
     return f"{key}={text}"
+
+
+def _positive_int(value: Any, key: str) -> int:
+    from .errors import ConfigError
+
+    try:
+        n = int(str(value))
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ConfigError(f"{key}={value} must be a positive integer")
+    return n
+
+
+def _flag(value: Any, key: str) -> bool:
+    from .errors import ConfigError
+
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{key}={value} must be true or false")
 
 
 def compose_config(overrides: List[str]):
@@ -58,7 +87,8 @@ def compose_config(overrides: List[str]):
 
 
 class DLMEngineLM(LM):
-    """dlm_engine behind lm-eval's ``LM`` interface (``generate_until`` only)."""
+    """dlm_engine behind lm-eval's ``LM`` interface: ``generate_until`` decodes with the configured
+    strategy, ``loglikelihood`` uses the Monte-Carlo ELBO of :mod:`dlm_engine.likelihood`."""
 
     def __init__(self, batch_size: Any = 1, max_batch_size: Optional[int] = None, device: Optional[str] = None,
                  **model_args: Any):
@@ -68,6 +98,10 @@ class DLMEngineLM(LM):
         from .app import validate
         from .generate import load_model
 
+        self.mc_samples = _positive_int(model_args.pop("mc_samples", 128), "mc_samples")
+        self.mc_batch_size = _positive_int(model_args.pop("mc_batch_size", 32), "mc_batch_size")
+        self.greedy_check = _flag(model_args.pop("greedy_check", True), "greedy_check")
+        self.mc_eos_pad = _flag(model_args.pop("mc_eos_pad", False), "mc_eos_pad")
         overrides = [_override(k, v) for k, v in model_args.items()]
         if device is not None and "device" not in model_args:
             if str(device).startswith("cuda") and not torch.cuda.is_available():
@@ -85,6 +119,10 @@ class DLMEngineLM(LM):
         torch.manual_seed(int(self.cfg.seed))
         self.lm = load_model(self.cfg.model, self.cfg.device, self.cfg.dtype)
         self._external_template = False
+        if self.mc_eos_pad and self.lm.eos_id is None:
+            from .errors import ConfigError
+
+            raise ConfigError(f"mc_eos_pad=true but model '{self.lm.name}' has no eos_token_id")
 
     # -- lm-eval interface --------------------------------------------------------------------------
     @classmethod
@@ -113,13 +151,46 @@ class DLMEngineLM(LM):
         return self.lm.tokenizer.apply_chat_template(chat_history, add_generation_prompt=add_generation_prompt,
                                                      tokenize=False)
 
-    def loglikelihood(self, requests):
-        raise NotImplementedError("dlm_engine: diffusion LMs have no left-to-right likelihood; "
-                                  "use generate_until tasks")
+    def loglikelihood(self, requests) -> List[Tuple[float, bool]]:
+        """Monte-Carlo ELBO of each continuation (:mod:`dlm_engine.likelihood`; ``mc_samples`` masks of
+        ``mc_batch_size`` rows per forward) and, with ``greedy_check``, whether greedy one-token-per-step
+        decoding reproduces it. Contexts are encoded as given (lm-eval's ``--apply_chat_template`` renders a
+        template itself); the model's chat template is not added here."""
+        import torch
+
+        from .likelihood import greedy_matches, mc_loglikelihood
+
+        pairs = [self._encode_pair(*r.args) for r in requests]
+        if self.mc_eos_pad:  # the answer region of an SFT layout: continuation, then EOS up to gen_length
+            size = int(self.cfg.gen_length)
+            pairs = [(c, t + [int(self.lm.eos_id)] * max(0, size - len(t))) for c, t in pairs]
+        gen = torch.Generator().manual_seed(int(self.cfg.seed))
+        out = []
+        for ctx, cont in pairs:
+            out.append(mc_loglikelihood(self.lm, ctx, cont, self.mc_samples, self.mc_batch_size, gen))
+        greedy = (greedy_matches(self.lm, [c for c, _ in pairs], [t for _, t in pairs], int(self.cfg.batch_size))
+                  if self.greedy_check else [False] * len(pairs))
+        results = list(zip(out, greedy))
+        for r, res in zip(requests, results):
+            self.cache_hook.add_partial("loglikelihood", r.args, res)
+        return results
+
+    def _encode_pair(self, context: str, continuation: str) -> Tuple[List[int], List[int]]:
+        """Token ids of context and continuation, split where the joint encoding splits (trailing spaces of
+        the context move to the continuation, as lm-eval's own models do)."""
+        tok = self.lm.tokenizer
+        if tok is None:
+            raise NotImplementedError(f"dlm_engine: model '{self.lm.name}' has no tokenizer")
+        spaces = len(context) - len(context.rstrip())
+        if spaces:
+            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        whole = list(tok(context + continuation, add_special_tokens=False)["input_ids"])
+        ctx = list(tok(context, add_special_tokens=False)["input_ids"])
+        return whole[:len(ctx)], whole[len(ctx):]
 
     def loglikelihood_rolling(self, requests):
-        raise NotImplementedError("dlm_engine: diffusion LMs have no left-to-right likelihood; "
-                                  "use generate_until tasks")
+        raise NotImplementedError("dlm_engine: rolling (perplexity) log-likelihood is not defined for a "
+                                  "diffusion LM here; use loglikelihood (multiple-choice) or generate_until tasks")
 
     def generate_until(self, requests) -> List[str]:
         import torch

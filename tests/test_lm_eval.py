@@ -137,12 +137,12 @@ def test_wrapper_command_knows_the_model_name(task_dir, tmp_path):
     assert list(out.rglob("results*.json"))
 
 
-def test_loglikelihood_is_refused_with_a_clear_message():
+def test_rolling_loglikelihood_is_refused_with_a_clear_message():
     import dlm_engine.lm_eval as adapter
 
     lm = adapter.DLMEngineLM(**dict(kv.split("=") for kv in ARGS.split(",")))
-    with pytest.raises(NotImplementedError, match="generate_until"):
-        lm.loglikelihood([])
+    with pytest.raises(NotImplementedError, match="rolling"):
+        lm.loglikelihood_rolling([])
 
 
 def test_bad_model_args_fail_like_dlm():
