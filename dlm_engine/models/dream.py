@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from transformers import PretrainedConfig, PreTrainedModel
 
 from .hooks import NULL_HOOKS, AttentionIO, FFNIO, ForwardCall, key_padding_mask
-from .llada import RMSNorm, rope_tables
+from .llada import DiffusionLMMixin, RMSNorm, register_auto, rope_tables
 
 
 class DreamConfig(PretrainedConfig):
@@ -179,7 +179,7 @@ def hidden_range(lo: int, hi: int) -> Tuple[int, int]:
     return max(lo - 1, 0), max(hi - 1, 1)
 
 
-class DreamModel(PreTrainedModel):
+class DreamModel(DiffusionLMMixin, PreTrainedModel):
     """Dream masked-diffusion LM. ``forward`` returns the :class:`ForwardCall` with shifted ``logits``."""
 
     config_class = DreamConfig
@@ -193,20 +193,9 @@ class DreamModel(PreTrainedModel):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    def _init_weights(self, module):  # used only for random models (tests)
-        std = self.config.initializer_range
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, std=std)
-            if module.bias is not None:
-                nn.init.normal_(module.bias, std=std)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, std=std)
-        elif isinstance(module, RMSNorm):
-            nn.init.ones_(module.weight)
-
     @property
-    def mask_token_id(self) -> int:
-        return int(self.config.mask_token_id)
+    def init_std(self) -> float:
+        return float(self.config.initializer_range)
 
     @property
     def logits_shift(self) -> int:
@@ -274,18 +263,8 @@ class DreamModel(PreTrainedModel):
 
 
 def register_auto_classes() -> None:
-    """Make ``AutoConfig``/``AutoModel`` resolve ``model_type: "Dream"`` to this code (no remote code)."""
-    from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM
-
-    try:
-        AutoConfig.register("Dream", DreamConfig)
-    except ValueError:
-        pass
-    for auto in (AutoModel, AutoModelForMaskedLM):
-        try:
-            auto.register(DreamConfig, DreamModel)
-        except ValueError:
-            pass
+    """``model_type: "Dream"`` -> this code."""
+    register_auto("Dream", DreamConfig, DreamModel)
 
 
 __all__ = ["DreamConfig", "DreamModel", "register_auto_classes", "hidden_range"]

@@ -201,7 +201,42 @@ class LLaDAInner(nn.Module):
         self.transformer = LLaDATransformer(cfg)
 
 
-class LLaDAModelLM(PreTrainedModel):
+class DiffusionLMMixin:
+    """What LLaDA and Dream share on top of ``PreTrainedModel``: random initialisation (only random models
+    use it: tests, training from scratch) and the mask id the decoding loop needs."""
+
+    init_std: float = 0.02
+
+    def _init_weights(self, module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=self.init_std)
+            if getattr(module, "bias", None) is not None:
+                nn.init.normal_(module.bias, std=self.init_std)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+
+    @property
+    def mask_token_id(self) -> int:
+        return int(self.config.mask_token_id)
+
+
+def register_auto(model_type: str, config_cls, model_cls) -> None:
+    """Make ``AutoConfig``/``AutoModel``/``AutoModelForMaskedLM`` resolve ``model_type`` to our own code
+    (never remote code); registering twice is harmless."""
+    from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM
+
+    try:
+        AutoConfig.register(model_type, config_cls)
+    except ValueError:
+        pass
+    for auto in (AutoModel, AutoModelForMaskedLM):
+        try:
+            auto.register(config_cls, model_cls)
+        except ValueError:
+            pass
+
+
+class LLaDAModelLM(DiffusionLMMixin, PreTrainedModel):
     """LLaDA masked-diffusion LM. ``forward`` returns the :class:`ForwardCall` with ``logits`` set."""
 
     config_class = LLaDAConfig
@@ -214,18 +249,7 @@ class LLaDAModelLM(PreTrainedModel):
         self.model = LLaDAInner(config)
         self.post_init()
 
-    def _init_weights(self, module):  # used only for random models (tests, training from scratch)
-        std = 0.02
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, std=std)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, std=std)
-        elif isinstance(module, RMSNorm):
-            nn.init.ones_(module.weight)
-
-    @property
-    def mask_token_id(self) -> int:
-        return int(self.config.mask_token_id)
+    init_std = 0.02
 
     @property
     def logits_shift(self) -> int:
@@ -273,18 +297,8 @@ class LLaDAModelLM(PreTrainedModel):
 
 
 def register_auto_classes() -> None:
-    """Make ``AutoConfig``/``AutoModel`` resolve ``model_type: llada`` to this code (no remote code)."""
-    from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM
-
-    try:
-        AutoConfig.register("llada", LLaDAConfig)
-    except ValueError:
-        pass
-    for auto in (AutoModel, AutoModelForMaskedLM):
-        try:
-            auto.register(LLaDAConfig, LLaDAModelLM)
-        except ValueError:
-            pass
+    """``model_type: llada`` -> this code."""
+    register_auto("llada", LLaDAConfig, LLaDAModelLM)
 
 
 def count_parameters(model: nn.Module) -> int:
