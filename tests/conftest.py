@@ -65,3 +65,16 @@ def fixture_ids(suite, predicate=lambda case: True):
 
     data = json.loads((REFPARITY / f"{suite}.json").read_text())
     return [c["id"] for c in data["cases"] if "error" not in c and predicate(c)]
+
+
+def write_lm_eval_task(directory, name, docs, spec: str):
+    """A local lm-eval task (no dataset download): ``docs`` as a JSONL file plus ``NAME.yaml`` with the
+    dataset lines and ``spec`` (output type, prompts, metrics); returns ``directory``."""
+    import json
+
+    d = Path(directory)
+    (d / "docs.jsonl").write_text("".join(json.dumps(x) + "\n" for x in docs))
+    header = (f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {d / 'docs.jsonl'}\n"
+              "test_split: test\n")
+    (d / f"{name}.yaml").write_text(header + spec)
+    return d

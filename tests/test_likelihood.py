@@ -2,12 +2,12 @@
 exact for one token, unbiased against the enumerated expectation, correct on Dream's shifted logits, and
 multiple-choice accuracy on the embedded model through simple_evaluate."""
 import itertools
-import json
 import math
 from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import write_lm_eval_task
 
 from dlm_engine.errors import ConfigError, UserError
 from dlm_engine.likelihood import greedy_matches, mc_loglikelihood
@@ -97,17 +97,9 @@ MC_DOCS = [{"q": "347+085=", "choices": ["0433", "0432", "1432"], "gold": 1},
 
 @pytest.fixture(scope="module")
 def mc_task(tmp_path_factory):
-    d = tmp_path_factory.mktemp("lm_eval_mc")
-    (d / "docs.jsonl").write_text("".join(json.dumps(x) + "\n" for x in MC_DOCS))
-    (d / "dlm_mc.yaml").write_text(f"""task: dlm_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {d / 'docs.jsonl'}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{q}}}}"
-doc_to_choice: "{{{{choices}}}}"
+    return write_lm_eval_task(tmp_path_factory.mktemp("lm_eval_mc"), "dlm_mc", MC_DOCS, """output_type: multiple_choice
+doc_to_text: "{{q}}"
+doc_to_choice: "{{choices}}"
 doc_to_target: gold
 target_delimiter: ""
 metric_list:
@@ -115,7 +107,6 @@ metric_list:
     aggregation: mean
     higher_is_better: true
 """)
-    return d
 
 
 def test_lm_eval_multiple_choice_through_the_adapter(mc_task, monkeypatch):

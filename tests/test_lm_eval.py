@@ -9,6 +9,7 @@ from pathlib import Path
 
 import lm_eval  # noqa: E402,F401  (the 'eval' extra; the 'dev' extra installs it too)
 import pytest
+from conftest import write_lm_eval_task
 
 ARGS = "model=tiny_random,strategy=threshold,strategy.block_length=8,gen_length=8,device=cpu,trace.record=false"
 DOCS = [{"prompt": "347+085=", "answer": "0432"}, {"prompt": "901-256=", "answer": "645"},
@@ -17,17 +18,9 @@ DOCS = [{"prompt": "347+085=", "answer": "0432"}, {"prompt": "901-256=", "answer
 
 @pytest.fixture(scope="module")
 def task_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("lm_eval_task")
-    (d / "docs.jsonl").write_text("".join(json.dumps(x) + "\n" for x in DOCS))
-    (d / "dlm_tiny.yaml").write_text(f"""task: dlm_tiny
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {d / 'docs.jsonl'}
-test_split: test
-output_type: generate_until
-doc_to_text: "{{{{prompt}}}}"
-doc_to_target: "{{{{answer}}}}"
+    return write_lm_eval_task(tmp_path_factory.mktemp("lm_eval_task"), "dlm_tiny", DOCS, """output_type: generate_until
+doc_to_text: "{{prompt}}"
+doc_to_target: "{{answer}}"
 generation_kwargs:
   until: ["\\n"]
   max_gen_toks: 8
@@ -36,7 +29,6 @@ metric_list:
     aggregation: mean
     higher_is_better: true
 """)
-    return d
 
 
 def _env():
