@@ -47,7 +47,9 @@ def validate(cfg: DictConfig):
 
     if cfg.model.chat_template not in CHAT_MODES:
         raise ConfigError(f"model.chat_template='{cfg.model.chat_template}' (choose auto, on or off)")
-    check_checkpoint(cfg.model)
+    found = check_checkpoint(cfg.model)
+    if found is not None and str(found) != str(cfg.model.path):  # a Hugging Face cache folder or snapshot
+        cfg.model.path = str(found)
     if cfg.prompts_file and not Path(cfg.prompts_file).is_file():
         raise ConfigError(f"prompts_file: '{cfg.prompts_file}' does not exist")
     from .models.loader import resolve_device, resolve_dtype
@@ -115,7 +117,7 @@ def run(cfg: DictConfig, out_dir: Path) -> Dict[str, Any]:
              "steps": r.steps, "generated_tokens": r.generated_tokens, "step_of": r.step_of, **r.extra}
             for r in stats.rows]
     summary = {
-        "model": lm.name, "model_digest": lm.digest, "chat_template": lm.chat_template,
+        "model": lm.name, "model_path": cfg.model.path or None, "model_digest": lm.digest, "chat_template": lm.chat_template,
         "strategy": OmegaConf.to_container(cfg.strategy),
         "cache": OmegaConf.to_container(cfg.cache), "gen_length": cfg.gen_length, "batch_size": cfg.batch_size,
         "seed": cfg.seed, "device": str(lm.device), "dtype": str(lm.dtype).replace("torch.", ""),

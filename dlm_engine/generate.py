@@ -58,19 +58,17 @@ def load_model(model_cfg, device: str = "auto", dtype: str = "auto") -> LoadedMo
     dev = resolve_device(device)
     tdtype = resolve_dtype(dtype, dev)
     dname = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[tdtype]
-    path = getattr(model_cfg, "path", None)
-    if path:
-        from .chat import load_tokenizer
-        from .models.checkpoint import check_checkpoint
+    from .models.checkpoint import check_checkpoint
 
-        check_checkpoint(model_cfg)
+    path = check_checkpoint(model_cfg)  # None for seeded random models
+    if path is not None:
+        from .chat import load_tokenizer
+
         model, raw, digest = load_pretrained(path, device=str(dev), dtype=dname)
         tok, tok_digest = load_tokenizer(path)
-    elif getattr(model_cfg, "random", None):
+    else:
         model, raw, digest = build_random(dict(model_cfg.random), seed=model_cfg.random_seed, device=str(dev), dtype=dname)
         tok, tok_digest = build_char_tokenizer(), "char-ascii-v1"
-    else:
-        raise UserError(f"model.path: model '{model_cfg.name}' needs model.path=DIR (an official-format checkpoint directory)")
     from .chat import end_of_turn_id, use_chat_template
 
     cfg = model.config

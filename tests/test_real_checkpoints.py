@@ -39,19 +39,62 @@ def load(preset, path, **extra):
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-def test_every_preset_exists_and_needs_a_path(preset, tmp_path):
+def test_every_preset_exists_and_needs_a_path(preset, tmp_path, monkeypatch):
     from dlm_engine.app import validate
 
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))  # an empty Hugging Face cache
     cfg = compose(f"model={preset}")
     assert cfg.model.name == preset and cfg.model.hub_id and cfg.model.model_type in ("llada", "Dream")
     with pytest.raises(UserError) as err:
         validate(cfg)
     msg = str(err.value)
     assert "\n" not in msg and "model.path=DIR" in msg and cfg.model.hub_id in msg
+    assert str(tmp_path / "hub" / ("models--" + cfg.model.hub_id.replace("/", "--"))) in msg  # the folder looked in
     missing = tmp_path / "not-downloaded"
     with pytest.raises(UserError) as err:
         validate(compose(f"model={preset}", f"model.path={missing}"))
     assert str(missing) in str(err.value) and "model.path=DIR" in str(err.value)
+
+
+def _hub_cache(root, hub_id, checkpoint, revision="0123abcd"):
+    """Lay ``checkpoint`` out as the Hugging Face hub cache does: blobs, a snapshot of symlinks, refs/main."""
+    import os
+    import shutil
+
+    repo = root / ("models--" + hub_id.replace("/", "--"))
+    snap = repo / "snapshots" / revision
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for i, f in enumerate(sorted(checkpoint.iterdir())):
+        blob = repo / "blobs" / f"blob{i}"
+        shutil.copy(f, blob)
+        os.symlink(os.path.relpath(blob, snap), snap / f.name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    return repo, snap
+
+
+def test_presets_find_the_local_hugging_face_cache(ckpts, tmp_path, monkeypatch):
+    """No model.path: the preset's hub id is looked up in the local cache (HF_HUB_CACHE), snapshot by refs/main;
+    model.path may also name the cache folder itself. dlm records the snapshot it loaded."""
+    from dlm_engine.app import validate
+
+    path, _ = ckpts["llada"]
+    repo, snap = _hub_cache(tmp_path / "hub", "GSAI-ML/LLaDA-8B-Instruct", path)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    cfg = compose("model=llada_8b_instruct")
+    validate(cfg)
+    assert cfg.model.path == str(snap)
+    from dlm_engine.generate import load_model
+
+    lm = load_model(cfg.model, "cpu", "auto")
+    assert lm.chat_template and lm.eos_id is not None
+    assert load("llada_8b_instruct", repo).digest == lm.digest
+    proc = run_dlm(["model=llada_8b_instruct", "gen_length=8", "task.n=2", "device=cpu", f"hydra.run.dir={tmp_path}/run"],
+                   cwd=tmp_path, env={"HF_HUB_CACHE": str(tmp_path / "hub")})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["model_path"] == str(snap)
 
 
 def test_cli_missing_directory_is_one_line_naming_the_path_tried(tmp_path):
