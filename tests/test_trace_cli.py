@@ -163,7 +163,8 @@ def test_ctrl_c_keeps_a_flushed_partial_trace(tmp_path):
     from dlm_engine.trace import open_trace
 
     out = tmp_path / "run"
-    prompts = "prompts=[" + ",".join(f"p{i}" for i in range(60)) + "]"
+    n = 1000  # far more than can finish before the interrupt, even when this test's polling is starved of CPU
+    prompts = "prompts=[" + ",".join(f"p{i}" for i in range(n)) + "]"
     env = dict(os.environ, HYDRA_FULL_ERROR="0")
     proc = subprocess.Popen([str(BIN / "dlm"), f"hydra.run.dir={out}", "device=cpu", prompts, "batch_size=1",
                              "gen_length=64"], cwd=str(tmp_path), env=env, stdout=subprocess.PIPE,
@@ -184,6 +185,6 @@ def test_ctrl_c_keeps_a_flushed_partial_trace(tmp_path):
     assert proc.returncode == 130, err
     assert "partial trace kept" in err and not (out / "trace.dlmt").exists()
     tr = open_trace(partial)
-    assert tr.status == "interrupted" and 2 <= len(tr) < 60
+    assert tr.status == "interrupted" and 2 <= len(tr) < n
     assert any("lost" in p for p in tr.problems)
     assert [s.row for s in tr] == list(range(len(tr)))
