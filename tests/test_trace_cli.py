@@ -163,12 +163,15 @@ def test_ctrl_c_keeps_a_flushed_partial_trace(tmp_path):
     from dlm_engine.trace import open_trace
 
     out = tmp_path / "run"
-    n = 1000  # far more than can finish before the interrupt, even when this test's polling is starved of CPU
+    n = 200  # several times more than can finish before the interrupt lands
     prompts = "prompts=[" + ",".join(f"p{i}" for i in range(n)) + "]"
     env = dict(os.environ, HYDRA_FULL_ERROR="0")
+    # A shell starts background jobs with SIGINT ignored, and an ignored SIGINT is inherited (Python then keeps
+    # it ignored): give the child the default disposition, as a terminal's Ctrl-C would find it.
     proc = subprocess.Popen([str(BIN / "dlm"), f"hydra.run.dir={out}", "device=cpu", prompts, "batch_size=1",
                              "gen_length=64"], cwd=str(tmp_path), env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     partial = out / "trace.dlmt.partial"
     deadline = time.time() + 120
     try:
