@@ -49,3 +49,41 @@ def test_bfloat16_models_decode(model_dir, mask, strategy, kw):
     decode(model, canvas, cls(cls.Config(**kw), 16), cache_class("none")(cache_class("none").Config()))
     assert not canvas.masked()[:, canvas.gen_start:].any()
     assert int(canvas.tokens.max()) < 1024
+
+
+def test_sharded_bf16_checkpoint_loads_shard_by_shard_onto_the_device(tmp_path, monkeypatch):
+    """An index + two bf16 shards (the released 8B layout) loads as float32 with the exact upcast values; each
+    shard is read straight onto the resolved device, one at a time."""
+    import json
+
+    import safetensors.torch as st
+
+    from dlm_engine.models import loader
+
+    src = FIX / "refparity" / "tiny_llada"
+    full = st.load_file(str(next(src.glob("*.safetensors"))))
+    keys = sorted(full)
+    d = tmp_path / "sharded"
+    d.mkdir()
+    (d / "config.json").write_text((src / "config.json").read_text())
+    weight_map = {}
+    for i, part in enumerate((keys[: len(keys) // 2], keys[len(keys) // 2:])):
+        name = f"model-{i + 1:05d}-of-00002.safetensors"
+        st.save_file({k: full[k].to(torch.bfloat16).contiguous() for k in part}, str(d / name))
+        weight_map.update({k: name for k in part})
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+    calls = []
+    real = st.load_file
+
+    def spy(path, device="cpu"):
+        calls.append((Path(path).name, device))
+        return real(path, device=device)
+
+    monkeypatch.setattr(st, "load_file", spy)
+    model, _, _ = loader.load_pretrained(d, device="cpu", dtype="float32")
+    assert calls == [("model-00001-of-00002.safetensors", "cpu"), ("model-00002-of-00002.safetensors", "cpu")]
+    got = model.state_dict()
+    for k in keys:
+        assert got[k].dtype == torch.float32
+        assert torch.equal(got[k], full[k].to(torch.bfloat16).float()), k

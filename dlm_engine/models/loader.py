@@ -139,14 +139,16 @@ def load_pretrained(path, device: str = "cpu", dtype: str = "float32"):
     except (TypeError, ValueError) as exc:
         raise UserError(f"model.path: '{path / 'config.json'}' is malformed ({exc})") from None
     state = {}
-    for f in files:
+    for f in files:  # shard by shard, straight to the device and dtype: the host never holds every shard at once
         try:
-            state.update(load_file(str(f), device="cpu"))
+            shard = load_file(str(f), device=str(dev))
         except Exception as exc:
             raise UserError(f"model.path: cannot read '{f}' ({exc})") from None
+        for k, v in shard.items():
+            state[k] = v.to(tdtype) if v.is_floating_point() else v
+        del shard
     with torch.device("meta"):
         model = model_cls(config)
-    state = {k: v.to(tdtype) if v.is_floating_point() else v for k, v in state.items()}
     expected = set(model.state_dict().keys())
     missing = sorted(expected - set(state))
     unexpected = sorted(set(state) - expected)
