@@ -35,6 +35,8 @@ from lm_eval.api.model import LM  # noqa: E402
 
 ALIASES = ("dlm_engine", "dlm-engine")
 log = logging.getLogger(__name__)
+# the request's generation kwargs that generate_until applies; sampling settings come from the strategy config
+HONOURED_GEN_KWARGS = {"until", "max_gen_toks"}
 
 
 def _override(key: str, value: Any) -> str:
@@ -119,6 +121,7 @@ class DLMEngineLM(LM):
         torch.manual_seed(int(self.cfg.seed))
         self.lm = load_model(self.cfg.model, self.cfg.device, self.cfg.dtype)
         self._external_template = False
+        self._warned_gen_kwargs = False
         if self.mc_eos_pad and self.lm.eos_id is None:
             from .errors import ConfigError
 
@@ -199,6 +202,11 @@ class DLMEngineLM(LM):
 
         contexts = [r.args[0] for r in requests]
         kwargs = [dict(r.args[1] or {}) for r in requests]
+        ignored = sorted({k for kw in kwargs for k in kw} - HONOURED_GEN_KWARGS)
+        if ignored and not self._warned_gen_kwargs:
+            self._warned_gen_kwargs = True
+            log.warning("dlm_engine: generation kwargs %s are not applied; sampling is the strategy's "
+                        "(e.g. model_args strategy.temperature=0.7, gen_length=256)", ", ".join(ignored))
         if self._external_template:
             tok = self.lm.tokenizer
             ids = [list(tok(c, add_special_tokens=False)["input_ids"]) for c in contexts]

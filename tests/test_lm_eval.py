@@ -151,3 +151,21 @@ def test_cut_at_stop_strings():
     assert cut("12\n34", ["\n"]) == "12"
     assert cut("abcXYZdef", ["Z", "c"]) == "ab"
     assert cut("abc", "b") == "a" and cut("abc", None) == "abc"
+
+
+def test_generation_kwargs_the_strategy_owns_are_reported_once(caplog):
+    import logging
+
+    import dlm_engine.lm_eval as adapter
+
+    class Req:
+        def __init__(self, ctx, kw):
+            self.args = (ctx, kw)
+
+    lm = adapter.DLMEngineLM(**dict(kv.split("=") for kv in ARGS.split(",")))
+    reqs = [Req("347+085=", {"until": ["\n"], "temperature": 0.7, "do_sample": True}), Req("901-256=", {"until": ["\n"]})]
+    with caplog.at_level(logging.WARNING, logger="dlm_engine.lm_eval"):
+        lm.generate_until(reqs)
+        lm.generate_until(reqs)
+    warned = [r.getMessage() for r in caplog.records if "not applied" in r.getMessage()]
+    assert len(warned) == 1 and "do_sample, temperature" in warned[0] and "strategy.temperature" in warned[0]
