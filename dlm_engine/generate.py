@@ -50,6 +50,20 @@ def _file_digest(path: Path) -> str:
     return "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def load_directory(path: Optional[str] = None, device: str = "cpu", dtype: str = "float32",
+                   name: str = "tiny") -> LoadedModel:
+    """A checkpoint directory loaded without a Hydra config (scripts, tests, notebooks); by default the
+    embedded tiny model. Chat template off, no preset checks."""
+    from types import SimpleNamespace
+
+    from .checkpoints import embedded_path
+
+    path = path or embedded_path(name)
+    if not path:
+        raise UserError(f"no checkpoint directory given and no embedded '{name}' checkpoint is installed")
+    return load_model(SimpleNamespace(name=name, path=str(path), random=None, random_seed=0), device, dtype)
+
+
 def load_model(model_cfg, device: str = "auto", dtype: str = "auto") -> LoadedModel:
     """Load the model named by a ``model`` config node (a local directory or a seeded random model)."""
     from .models.loader import build_random, load_pretrained, resolve_device, resolve_dtype

@@ -41,11 +41,9 @@ def main(argv=None) -> int:
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     load_plugins()
 
-    from types import SimpleNamespace
+    from dlm_engine.generate import load_directory
 
-    from dlm_engine.generate import load_model
-
-    lm = load_model(SimpleNamespace(name="tiny", path=str(path), random=None, chat_template="off"), "cpu", "float32")
+    lm = load_directory(str(path))
     examples = held_out(args.n)
     ids = [lm.encode(e.prompt) for e in examples]
     cls = strategy_class("low_confidence")

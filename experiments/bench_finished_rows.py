@@ -36,11 +36,9 @@ class Counting:
 
 
 def main(argv=None) -> int:
-    from types import SimpleNamespace
-
     from dlm_engine.canvas import Canvas
     from dlm_engine.checkpoints import embedded_path
-    from dlm_engine.generate import generated_token_count, load_model
+    from dlm_engine.generate import generated_token_count, load_directory
     from dlm_engine.loop import decode
     from dlm_engine.registry import cache_class, load_plugins, strategy_class
     from dlm_engine.tasks import held_out
@@ -60,7 +58,7 @@ def main(argv=None) -> int:
         return 2
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     load_plugins()
-    lm = load_model(SimpleNamespace(name="tiny", path=str(path), random=None, chat_template="off"), "cpu", "float32")
+    lm = load_directory(str(path))
     ids = [lm.encode(e.prompt) for e in held_out(args.n)]
     batches = [ids[i:i + args.batch] for i in range(0, len(ids), args.batch)]
     ccls = cache_class(args.cache)

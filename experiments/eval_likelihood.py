@@ -22,16 +22,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 from dlm_engine import tasks  # noqa: E402
+from dlm_engine.generate import load_directory  # noqa: E402
 from dlm_engine.likelihood import mc_loglikelihood  # noqa: E402
-
-
-def load_embedded():
-    from types import SimpleNamespace
-
-    from dlm_engine.checkpoints import embedded_path
-    from dlm_engine.generate import load_model
-
-    return load_model(SimpleNamespace(name="tiny", path=embedded_path(), random=None, random_seed=0), "cpu", "float32")
 
 
 def distractors(answer: str, rng: random.Random, k: int = 3):
@@ -51,7 +43,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=8, help="independent estimates for the spread")
     args = ap.parse_args()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
-    lm = load_embedded()
+    lm = load_directory()
     rng = random.Random(0)
     examples = tasks.held_out(args.n, tasks=("add", "sub"))
     items = [(lm.encode(e.prompt), [e.answer] + distractors(e.answer, rng)) for e in examples]

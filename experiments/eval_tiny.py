@@ -41,11 +41,9 @@ SETTINGS = [
 
 
 def load(path: str) -> LoadedModel:
-    from types import SimpleNamespace
+    from dlm_engine.generate import load_directory
 
-    from dlm_engine.generate import load_model
-
-    return load_model(SimpleNamespace(name="tiny", path=path, random=None, random_seed=0), "cpu", "float32")
+    return load_directory(path)
 
 
 def evaluate(lm: LoadedModel, examples, strategy: str, kwargs: dict, batch: int, gen_length: int = tasks.ANSWER_LENGTH):

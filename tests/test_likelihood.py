@@ -3,7 +3,6 @@ exact for one token, unbiased against the enumerated expectation, correct on Dre
 multiple-choice accuracy on the embedded model through simple_evaluate."""
 import itertools
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,10 +14,9 @@ from dlm_engine.likelihood import greedy_matches, mc_loglikelihood
 
 @pytest.fixture(scope="module")
 def tiny():
-    from dlm_engine.checkpoints import embedded_path
-    from dlm_engine.generate import load_model
+    from dlm_engine.generate import load_directory
 
-    return load_model(SimpleNamespace(name="tiny", path=embedded_path(), random=None, random_seed=0), "cpu", "float32")
+    return load_directory()
 
 
 def _logp_masked(lm, ctx, target, subset):
@@ -72,11 +70,11 @@ def test_dream_shifted_logits_are_scored_at_the_right_positions(tmp_path):
     canvas positions. One token: the estimate equals the full forward's log-probability at that column."""
     from official_ckpt import build_dream_instruct
 
-    from dlm_engine.generate import load_model
+    from dlm_engine.generate import load_directory
 
     build_dream_instruct(tmp_path / "dream")
-    lm = load_model(SimpleNamespace(name="local", path=str(tmp_path / "dream"), random=None, random_seed=0,
-                                    chat_template="off", instruct=False, eot_token_id=None), "cpu", "float32")
+    lm = load_directory(str(tmp_path / "dream"), name="local")
+    assert not lm.chat_template
     ctx, target = lm.encode("hello"), lm.encode("w")
     want = _logp_masked(lm, ctx, target, {0})[0]
     assert mc_loglikelihood(lm, ctx, target, 3, 3, torch.Generator().manual_seed(0)) == pytest.approx(want, abs=1e-5)

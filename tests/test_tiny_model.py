@@ -3,7 +3,6 @@ import json
 import os
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import torch
 
@@ -22,10 +21,10 @@ def test_embedded_checkpoint_is_small_and_documented():
 
 
 def test_embedded_model_accuracy_regression_guard():
-    from dlm_engine.generate import load_model, run_prompts
+    from dlm_engine.generate import load_directory, run_prompts
     from dlm_engine.registry import cache_class, strategy_class
 
-    lm = load_model(SimpleNamespace(name="tiny", path=embedded_path("tiny"), random=None, random_seed=0), "cpu", "float32")
+    lm = load_directory(embedded_path("tiny"))
     examples = tasks.held_out(64)
     cls, none = strategy_class("low_confidence"), cache_class("none")
     stats = run_prompts(lm, [lm.encode(e.prompt) for e in examples], lambda: cls(cls.Config(steps=16), 16),
@@ -68,3 +67,15 @@ def test_default_dlm_run_reports_accuracy(tmp_path):
     assert summary["model"] == "tiny" and summary["prompts"] == 50
     assert summary["accuracy"] >= 0.8
     assert "accuracy" in res.stdout and "TPF" in res.stdout
+
+
+def test_load_directory_defaults_to_the_embedded_model_and_names_a_missing_one():
+    import pytest
+
+    from dlm_engine.errors import UserError
+    from dlm_engine.generate import load_directory
+
+    lm = load_directory()
+    assert lm.name == "tiny" and lm.encode("1+1=") and not lm.chat_template
+    with pytest.raises(UserError, match="embedded 'nope'"):
+        load_directory(name="nope")
