@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional, Tuple  # noqa: E402
 
 from lm_eval.api.model import LM  # noqa: E402
 
-ALIASES = ("dlm_engine", "dlm-engine")
+from .lm_eval_hook import ALIASES, ENTRY  # noqa: E402  (the names the start-up hook registers)
 log = logging.getLogger(__name__)
 # the request's generation kwargs that generate_until applies; sampling settings come from the strategy config
 HONOURED_GEN_KWARGS = {"until", "max_gen_toks"}
@@ -243,7 +243,7 @@ def _register() -> None:
     this file runs as ``__main__`` (so the two copies never collide)."""
     from lm_eval.api.registry import model_registry
 
-    target = DLMEngineLM if __name__ == "dlm_engine.lm_eval" else "dlm_engine.lm_eval:DLMEngineLM"
+    target = DLMEngineLM if __name__ == "dlm_engine.lm_eval" else ENTRY
     for alias in ALIASES:
         try:
             model_registry.register(alias, target=target)
