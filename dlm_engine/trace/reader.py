@@ -61,7 +61,8 @@ def scan_records(data, name: str = "trace") -> Tuple[List[Record], Optional[str]
 
 @dataclass
 class StepTable:
-    """Per-step records of one batch (``active``/``finished`` are ``[n_steps, batch_size]``)."""
+    """Per-step records of one batch (``active``/``finished`` are ``[n_steps, batch_size]``), or of one row
+    as ``Sequence.steps`` gives them (``[n_steps]``, per-row scalars sliced to that row)."""
 
     step: np.ndarray
     nfe: np.ndarray
@@ -80,21 +81,6 @@ class StepTable:
     def empty(cls, B: int) -> "StepTable":
         z = np.zeros(0, dtype=np.int32)
         return cls(z, z, np.zeros(0), z, z, np.zeros((0, B), bool), np.zeros((0, B), bool))
-
-
-@dataclass
-class RowSteps:
-    """The step table seen from one row: per-row scalars are sliced to this row."""
-
-    step: np.ndarray
-    nfe: np.ndarray
-    wall_time: np.ndarray
-    start: np.ndarray
-    width: np.ndarray
-    active: np.ndarray
-    finished: np.ndarray
-    scalars: Dict[str, Any]
-    events: List[tuple]
 
 
 class BatchInfo:
@@ -314,7 +300,7 @@ class Sequence:
         return self.trace.decode_text(self.output_ids())
 
     @property
-    def steps(self) -> RowSteps:
+    def steps(self) -> StepTable:
         tab = self.batch.steps
         i = self.slot
         B = len(self.batch.rows)
@@ -325,7 +311,7 @@ class Sequence:
             else:
                 sc[k] = v
         ev = [e for e in tab.events if e[5] in (-1, i)]
-        return RowSteps(tab.step, tab.nfe, tab.wall_time, tab.start, tab.width, tab.active[:, i], tab.finished[:, i], sc, ev)
+        return StepTable(tab.step, tab.nfe, tab.wall_time, tab.start, tab.width, tab.active[:, i], tab.finished[:, i], sc, ev)
 
     def __repr__(self) -> str:
         return f"<Sequence row={self.row} L={self.gen_length} steps={self.n_steps} nfe={self.nfe}>"
