@@ -527,11 +527,7 @@ def write_plots(rows: Sequence[Dict[str, Any]], settings: Sequence[str], out_dir
         ax.grid(alpha=0.3)
         if group or front:
             ax.legend(fontsize=8, loc="best")
-        fig.tight_layout()
-        p = Path(out_dir) / "accuracy_vs_nfe.png"
-        fig.savefig(p)
-        plt.close(fig)
-        written.append(p)
+        written.append(_save_figure(plt, fig, Path(out_dir) / "accuracy_vs_nfe.png"))
     else:
         notes.append("no accuracy in the results (the task has no checker): accuracy_vs_nfe.png not written")
 
@@ -569,12 +565,15 @@ def write_plots(rows: Sequence[Dict[str, Any]], settings: Sequence[str], out_dir
             ax.set_xlabel("TPS (generated tokens / s)")
             ax.invert_yaxis()
             ax.grid(alpha=0.3, axis="x")
-        fig.tight_layout()
-        p = Path(out_dir) / "tps.png"
-        fig.savefig(p)
-        plt.close(fig)
-        written.append(p)
+        written.append(_save_figure(plt, fig, Path(out_dir) / "tps.png"))
     return written, notes
+
+
+def _save_figure(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
 # --------------------------------------------------------------------------------------- aggregate
