@@ -27,6 +27,34 @@ def run_dlm(args, cwd, env=None, timeout=300, exe="dlm"):
 
 
 @pytest.fixture(scope="session")
+def parity():
+    """``experiments/parity.py`` (a script, not a package module) loaded once per session."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("dlm_parity", ROOT / "experiments" / "parity.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def record_calls(cache):
+    """Wrap ``cache.forward`` to record (refresh?, compute span, batch) of every model call."""
+    from contextlib import contextmanager
+
+    calls = []
+    inner = cache.forward
+
+    @contextmanager
+    def forward(call):
+        with inner(call) as c:
+            yield c
+        calls.append((c.extras.get("cache_refresh"), tuple(c.compute), c.batch_size))
+
+    cache.forward = forward
+    return calls
+
+
+@pytest.fixture(scope="session")
 def tiny_llada():
     from dlm_engine.models.loader import load_pretrained
 

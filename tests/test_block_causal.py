@@ -1,11 +1,11 @@
 """Block-causal attention and the block_store cache: the mask, causality of the model, and the stored-KV
 block-buffer run equal to the recompute-everything run (tokens, commit steps, NFE) in block-causal mode."""
 import copy
-from contextlib import contextmanager
 
 import pytest
 import torch
 
+from conftest import record_calls
 from dlm_engine.canvas import Canvas
 from dlm_engine.errors import ConfigError
 from dlm_engine.loop import decode
@@ -60,19 +60,10 @@ def _run(model, name, cache, prompts=PROMPTS, gen=32, **kw):
     cls = strategy_class(name)
     canvas = Canvas.from_prompts(prompts, gen, 1000, 1001)
     c = cache_class(cache)(cache_class(cache).Config())
-    calls = []
-    inner = c.forward
-
-    @contextmanager
-    def forward(call):
-        with inner(call) as cc:
-            yield cc
-        calls.append(tuple(cc.compute))
-
-    c.forward = forward
+    calls = record_calls(c)
     rec = RecordingSink()
     decode(model, canvas, cls(cls.Config(**kw), gen), cache=c, sinks=[rec])
-    return canvas, rec, calls
+    return canvas, rec, [compute for _, compute, _ in calls]
 
 
 @pytest.mark.parametrize("kw", [dict(buffer_size=4, accept_threshold=0.9), dict(buffer_size=2, accept_threshold=0.7),

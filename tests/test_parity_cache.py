@@ -1,14 +1,12 @@
 """prefix and dual KV caches: reference parity (every cached fastdllm_v2.json case: tokens, NFE, unmask
 steps and the shape of every model call), the prefix cache's wasted draw, exactness when every step
 refreshes, refresh intervals, left-padded batches, CFG's doubled batch, validation and the CLI."""
-import importlib.util
 import json
-from contextlib import contextmanager
 
 import pytest
 import torch
 
-from conftest import REFPARITY, ROOT, compare_with_reference, fixture_ids, run_dlm
+from conftest import REFPARITY, compare_with_reference, fixture_ids, record_calls, run_dlm
 from dlm_engine import sampler
 from dlm_engine.canvas import Canvas
 from dlm_engine.errors import ConfigError
@@ -19,32 +17,9 @@ PROMPTS = [[735, 559, 771, 678, 375, 377], [127, 157, 983, 804, 991, 537, 902, 4
 CACHED = ("generate_with_prefix_cache", "generate_with_dual_cache")
 
 
-@pytest.fixture(scope="module")
-def parity():
-    spec = importlib.util.spec_from_file_location("dlm_parity_cache", ROOT / "experiments" / "parity.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def make_cache(name, **kw):
     cls = cache_class(name)
     return cls(cls.Config(**kw))
-
-
-def record_calls(cache):
-    """Wrap ``cache.forward`` to record (refresh?, compute span, batch) of every model call."""
-    calls = []
-    inner = cache.forward
-
-    @contextmanager
-    def forward(call):
-        with inner(call) as c:
-            yield c
-        calls.append((c.extras.get("cache_refresh"), tuple(c.compute), c.batch_size))
-
-    cache.forward = forward
-    return calls
 
 
 def run(model, name, prompts, cache="none", gen=32, seed=None, cache_kw=None, **kw):

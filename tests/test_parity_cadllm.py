@@ -1,14 +1,13 @@
 """cadllm: every cadllm.json case (tokens, NFE, unmask steps, vocab_size_history) with the dual cache,
 the adaptive rules' arithmetic, per-step scalars, the Prophet commit as a real extra forward, defaults
 and validation."""
-import importlib.util
 import json
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import REFPARITY, ROOT, compare_with_reference, fixture_ids
+from conftest import REFPARITY, compare_with_reference, fixture_ids
 from dlm_engine import adaptive
 from dlm_engine.canvas import Canvas
 from dlm_engine.errors import ConfigError
@@ -23,10 +22,7 @@ BASE = dict(initial_steps=8, max_steps=24, initial_block_length=16, max_block=32
 
 
 @pytest.fixture(scope="module")
-def results(tiny_llada):
-    spec = importlib.util.spec_from_file_location("dlm_parity_cad", ROOT / "experiments" / "parity.py")
-    parity = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(parity)
+def results(tiny_llada, parity):
     data = json.loads((REFPARITY / "cadllm.json").read_text())
     return {c["id"]: (c, parity.run_case(c, data["prompts"], tiny_llada, 1000, 1001))
             for c in data["cases"] if "error" not in c}

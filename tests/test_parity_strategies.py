@@ -3,20 +3,11 @@ prophet.json case): tokens, NFE and unmask steps, compared with the fixtures' ow
 
 The parity machinery of ``experiments/parity.py`` runs in-process on the selected cases only.
 """
-import importlib.util
 import json
 
 import pytest
 
-from conftest import REFPARITY, ROOT, compare_with_reference, fixture_ids
-
-
-@pytest.fixture(scope="module")
-def parity():
-    spec = importlib.util.spec_from_file_location("dlm_parity", ROOT / "experiments" / "parity.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from conftest import REFPARITY, compare_with_reference, fixture_ids
 
 
 def _run(parity, model, suite, ids):
