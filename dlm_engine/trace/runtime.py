@@ -9,9 +9,12 @@ import platform
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 from . import format as fmt
+
+if TYPE_CHECKING:  # the recorder (and its numpy/zstd imports) loads only when a run records
+    from .recorder import TraceRecorder
 
 
 def check_config(trace_cfg) -> None:
@@ -116,7 +119,7 @@ def build_header(cfg, lm, rows_expected: Optional[int] = None) -> Dict[str, Any]
     }
 
 
-def open_run_recorder(cfg, out_dir, lm, prompt_ids: Sequence) -> Optional["TraceRecorder"]:
+def open_run_recorder(cfg, out_dir, lm, prompt_ids: Sequence) -> Optional[TraceRecorder]:
     """The recorder of a ``dlm`` run (``None`` when ``trace.record=false``). Call right before decoding."""
     from .recorder import TraceRecorder
 
