@@ -1,6 +1,6 @@
 """The one build step pyproject.toml cannot express: ship the lm-eval start-up hook.
 
-``dlm_engine/lm_eval_hook.py`` is also installed as the top-level module ``dlm_engine_lm_eval_hook`` next
+``dlm_engine/integrations/lm_eval_hook.py`` is also installed as the top-level module ``dlm_engine_lm_eval_hook`` next
 to a one-line ``dlm_engine_lm_eval.pth``, so that ``lm_eval --model dlm_engine`` works from lm-eval's own
 command line (lm-eval has no plug-in discovery; the module's docstring explains the hook). Everything
 else is configured in pyproject.toml.
@@ -10,7 +10,7 @@ import os
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
-HOOK_SOURCE = os.path.join("dlm_engine", "lm_eval_hook.py")
+HOOK_SOURCE = os.path.join("dlm_engine", "integrations", "lm_eval_hook.py")
 HOOK_MODULE = "dlm_engine_lm_eval_hook"
 PTH_NAME = "dlm_engine_lm_eval.pth"
 PTH_LINE = f"import {HOOK_MODULE}; {HOOK_MODULE}.install()\n"

@@ -1,8 +1,8 @@
 """``cache=none``: every step recomputes every column (the reference behaviour)."""
 from dataclasses import dataclass
 
-from dlm_engine.kvcache import Cache
-from dlm_engine.registry import register_cache
+from dlm_engine.core.kvcache import Cache
+from dlm_engine.core.registry import register_cache
 
 
 @dataclass

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dlm_engine.kvcache import StoredKVCache
-from dlm_engine.registry import register_cache
+from dlm_engine.core.kvcache import StoredKVCache
+from dlm_engine.core.registry import register_cache
 
 
 @dataclass

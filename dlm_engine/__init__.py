@@ -9,7 +9,7 @@ _os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 __version__ = "0.1.0"
 
 try:  # OmegaConf resolvers of conf/ (also needed in Hydra launcher workers, which import this package)
-    from .config import register_resolvers as _register_resolvers
+    from dlm_engine.app.config import register_resolvers as _register_resolvers
 
     _register_resolvers()
 except ImportError:  # pragma: no cover - omegaconf missing: only the Hydra app needs the resolvers

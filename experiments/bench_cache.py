@@ -22,10 +22,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from dlm_engine.canvas import Canvas  # noqa: E402
-from dlm_engine.loop import decode  # noqa: E402
+from dlm_engine.core.canvas import Canvas  # noqa: E402
+from dlm_engine.core.loop import decode  # noqa: E402
 from dlm_engine.models.llada import LLaDAConfig, LLaDAModelLM  # noqa: E402
-from dlm_engine.registry import cache_class, strategy_class  # noqa: E402
+from dlm_engine.core.registry import cache_class, strategy_class  # noqa: E402
 
 MASK, PAD = 2000, 2001
 

@@ -18,9 +18,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from dlm_engine.canvas import Canvas  # noqa: E402
-from dlm_engine.loop import decode  # noqa: E402
-from dlm_engine.registry import strategy_class  # noqa: E402
+from dlm_engine.core.canvas import Canvas  # noqa: E402
+from dlm_engine.core.loop import decode  # noqa: E402
+from dlm_engine.core.registry import strategy_class  # noqa: E402
 
 
 def default_model(path):

@@ -23,9 +23,9 @@ import torch  # noqa: E402
 
 def main(argv=None) -> int:
     from dlm_engine.checkpoints import embedded_path
-    from dlm_engine.generate import run_prompts
-    from dlm_engine.registry import cache_class, load_plugins, strategy_class
-    from dlm_engine.tasks import check, held_out
+    from dlm_engine.app.api import run_prompts
+    from dlm_engine.core.registry import cache_class, load_plugins, strategy_class
+    from dlm_engine.app.tasks import check, held_out
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model_dir", nargs="?", default=None)
@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     load_plugins()
 
-    from dlm_engine.generate import load_directory
+    from dlm_engine.app.api import load_directory
 
     lm = load_directory(str(path))
     examples = held_out(args.n)

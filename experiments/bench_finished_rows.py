@@ -36,12 +36,12 @@ class Counting:
 
 
 def main(argv=None) -> int:
-    from dlm_engine.canvas import Canvas
+    from dlm_engine.core.canvas import Canvas
     from dlm_engine.checkpoints import embedded_path
-    from dlm_engine.generate import generated_token_count, load_directory
-    from dlm_engine.loop import decode
-    from dlm_engine.registry import cache_class, load_plugins, strategy_class
-    from dlm_engine.tasks import held_out
+    from dlm_engine.app.api import generated_token_count, load_directory
+    from dlm_engine.core.loop import decode
+    from dlm_engine.core.registry import cache_class, load_plugins, strategy_class
+    from dlm_engine.app.tasks import held_out
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model_dir", nargs="?", default=None)

@@ -26,10 +26,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from dlm_engine import tasks  # noqa: E402
+from dlm_engine.app import tasks  # noqa: E402
 from dlm_engine.errors import UserError  # noqa: E402
-from dlm_engine.generate import decode_batch, load_model, rows_from_canvas, sync  # noqa: E402
-from dlm_engine.registry import cache_class, load_plugins, strategy_class  # noqa: E402
+from dlm_engine.app.api import decode_batch, load_model, rows_from_canvas, sync  # noqa: E402
+from dlm_engine.core.registry import cache_class, load_plugins, strategy_class  # noqa: E402
 
 BASELINE = ("low_confidence", {}, "1 token/step (baseline)")
 
@@ -130,7 +130,7 @@ def summarize(runs, examples):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default=None)
-    ap.add_argument("--n", type=int, default=64, help="held-out prompts (dlm_engine.tasks.held_out)")
+    ap.add_argument("--n", type=int, default=64, help="held-out prompts (dlm_engine.app.tasks.held_out)")
     ap.add_argument("--gen-length", type=int, default=tasks.ANSWER_LENGTH)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)

@@ -219,8 +219,8 @@ def _one_seq_file(s):
 def default_config(overrides):
     from hydra import compose, initialize_config_module
 
-    from dlm_engine.config import register_configs
-    from dlm_engine.registry import load_plugins
+    from dlm_engine.app.config import register_configs
+    from dlm_engine.core.registry import load_plugins
 
     load_plugins()
     register_configs()
@@ -229,8 +229,8 @@ def default_config(overrides):
 
 
 def load_default(extra):
-    from dlm_engine.app import load_inputs, validate
-    from dlm_engine.generate import load_model
+    from dlm_engine.app.run import load_inputs, validate
+    from dlm_engine.app.api import load_model
 
     try:
         cfg = default_config(extra)
@@ -248,7 +248,7 @@ def load_default(extra):
 def bench_real(quick):
     import torch
 
-    from dlm_engine.generate import run_prompts
+    from dlm_engine.app.api import run_prompts
     from dlm_engine.trace import open_trace
     from dlm_engine.trace.runtime import open_run_recorder
 
@@ -277,7 +277,7 @@ def bench_real(quick):
 def bench_overhead(pairs, gen_length, n_prompts):
     import torch
 
-    from dlm_engine.generate import run_prompts
+    from dlm_engine.app.api import run_prompts
     from dlm_engine.trace.runtime import open_run_recorder
 
     cfg, ms, mc, lm, inputs = load_default([f"gen_length={gen_length}", "batch_size=8"])

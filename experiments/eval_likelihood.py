@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Multiple-choice accuracy of the Monte-Carlo ELBO log-likelihood (dlm_engine.likelihood) on the embedded
+"""Multiple-choice accuracy of the Monte-Carlo ELBO log-likelihood (dlm_engine.integrations.likelihood) on the embedded
 tiny model, against the number of samples, with and without the EOS-padded answer layout.
 
     python experiments/eval_likelihood.py [--n 200] [--samples 1,4,16,64] [--batch 64]
@@ -21,9 +21,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from dlm_engine import tasks  # noqa: E402
-from dlm_engine.generate import load_directory  # noqa: E402
-from dlm_engine.likelihood import mc_loglikelihood  # noqa: E402
+from dlm_engine.app import tasks  # noqa: E402
+from dlm_engine.app.api import load_directory  # noqa: E402
+from dlm_engine.integrations.likelihood import mc_loglikelihood  # noqa: E402
 
 
 def distractors(answer: str, rng: random.Random, k: int = 3):

@@ -3,7 +3,7 @@
 
     python experiments/eval_tiny.py [--model-path DIR] [--n 1000] [--batch 64] [--markdown]
 
-Held-out prompts come from ``dlm_engine.tasks.held_out`` (a fixed seed never used in training).
+Held-out prompts come from ``dlm_engine.app.tasks.held_out`` (a fixed seed never used in training).
 Settings whose strategy is not registered are listed as skipped.
 """
 from __future__ import annotations
@@ -16,9 +16,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from dlm_engine import tasks  # noqa: E402
-from dlm_engine.generate import LoadedModel, run_prompts  # noqa: E402
-from dlm_engine.registry import CACHES, STRATEGIES, cache_class, load_plugins  # noqa: E402
+from dlm_engine.app import tasks  # noqa: E402
+from dlm_engine.app.api import LoadedModel, run_prompts  # noqa: E402
+from dlm_engine.core.registry import CACHES, STRATEGIES, cache_class, load_plugins  # noqa: E402
 
 SETTINGS = [
     ("low_confidence 1 tok/step", "low_confidence", {"steps": 16}),
@@ -41,7 +41,7 @@ SETTINGS = [
 
 
 def load(path: str) -> LoadedModel:
-    from dlm_engine.generate import load_directory
+    from dlm_engine.app.api import load_directory
 
     return load_directory(path)
 

@@ -22,10 +22,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from dlm_engine.canvas import Canvas  # noqa: E402
-from dlm_engine.loop import Sink, decode  # noqa: E402
+from dlm_engine.core.canvas import Canvas  # noqa: E402
+from dlm_engine.core.loop import Sink, decode  # noqa: E402
 from dlm_engine.models.loader import load_pretrained  # noqa: E402
-from dlm_engine.registry import cache_class, load_plugins, strategy_class, STRATEGIES, CACHES  # noqa: E402
+from dlm_engine.core.registry import cache_class, load_plugins, strategy_class, STRATEGIES, CACHES  # noqa: E402
 
 SKIP_FILES = {"manifest.json", "model_forward.json"}
 

@@ -26,9 +26,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from dlm_engine import tasks  # noqa: E402
+from dlm_engine.app import tasks  # noqa: E402
 from dlm_engine.models.llada import LLaDAConfig, LLaDAModelLM, count_parameters  # noqa: E402
-from dlm_engine.tokenizer import EOS_ID, MASK_ID, PAD_ID, build_char_tokenizer, vocab_size  # noqa: E402
+from dlm_engine.models.tokenizer import EOS_ID, MASK_ID, PAD_ID, build_char_tokenizer, vocab_size  # noqa: E402
 
 
 def encode(text: str):

@@ -8,7 +8,7 @@ first of the buffer or its predecessor is semi-complete (committed fraction >=
 ``semi_complete_threshold``). After a step, complete blocks leave the buffer in order and, if there is
 room and the newest buffered block's progress is >= ``add_block_threshold``, the next block is
 admitted (one per step). State is per row and vectorised; ``buffer_size=1`` is exactly ``threshold``.
-EOS options as ``threshold`` (:class:`dlm_engine.eos.EosOptions`); a row ended by ``stop_at_eos`` has every
+EOS options as ``threshold`` (:class:`dlm_engine.core.eos.EosOptions`); a row ended by ``stop_at_eos`` has every
 block complete (its remaining blocks get ``completed`` events) and leaves the buffer.
 """
 from __future__ import annotations
@@ -19,12 +19,12 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from dlm_engine.canvas import BlockEvent
-from dlm_engine.eos import EosOptions, check_eos_options, eos_confidence, eos_stop, eos_suppress
+from dlm_engine.core.canvas import BlockEvent
+from dlm_engine.core.eos import EosOptions, check_eos_options, eos_confidence, eos_stop, eos_suppress
 from dlm_engine.errors import ConfigError
-from dlm_engine.registry import register_strategy
-from dlm_engine.selection import masked_conf
-from dlm_engine.strategy import CacheDirective, StepPlan, Strategy
+from dlm_engine.core.registry import register_strategy
+from dlm_engine.core.selection import masked_conf
+from dlm_engine.core.strategy import CacheDirective, StepPlan, Strategy
 
 
 @dataclass

@@ -15,13 +15,13 @@ from typing import List, Optional
 
 import torch
 
-from dlm_engine import adaptive
-from dlm_engine.canvas import BlockEvent
+from dlm_engine.strategies import _cadllm_rules as adaptive
+from dlm_engine.core.canvas import BlockEvent
 from dlm_engine.errors import ConfigError
-from dlm_engine.registry import register_strategy
-from dlm_engine.sampler import confidence_of, gumbel_argmax
-from dlm_engine.selection import factor_commit, threshold_commit, topk_commit, transfer_schedule
-from dlm_engine.strategy import CacheDirective, StepPlan, Strategy, candidates
+from dlm_engine.core.registry import register_strategy
+from dlm_engine.core.sampler import confidence_of, gumbel_argmax
+from dlm_engine.core.selection import factor_commit, threshold_commit, topk_commit, transfer_schedule
+from dlm_engine.core.strategy import CacheDirective, StepPlan, Strategy, candidates
 
 
 @dataclass

@@ -13,7 +13,7 @@ over the whole canvas, every mask decoded (prompt masks too: infilling), timeste
   last step add steps.
 
 Proposals come from Dream's ``sample_tokens``: temperature, top-p, top-k, then a categorical draw
-(``T > 0``) or argmax (:func:`dlm_engine.sampler.filtered_probs`, :func:`~dlm_engine.sampler.draw_tokens`).
+(``T > 0``) or argmax (:func:`dlm_engine.core.sampler.filtered_probs`, :func:`~dlm_engine.core.sampler.draw_tokens`).
 
 With ``block_length`` it is Fast-dLLM's block loop for Dream (§7): per block one full call that
 commits the block's first position unconditionally, then cached calls (use ``cache=prefix`` or
@@ -35,11 +35,11 @@ from typing import List, Optional
 
 import torch
 
-from dlm_engine.canvas import BlockEvent, FrameDelta
+from dlm_engine.core.canvas import BlockEvent, FrameDelta
 from dlm_engine.errors import ConfigError
-from dlm_engine.registry import register_strategy
-from dlm_engine.sampler import draw_tokens, filtered_probs, sample_positions
-from dlm_engine.strategy import CacheDirective, StepPlan, Strategy
+from dlm_engine.core.registry import register_strategy
+from dlm_engine.core.sampler import draw_tokens, filtered_probs, sample_positions
+from dlm_engine.core.strategy import CacheDirective, StepPlan, Strategy
 
 ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy", "confidence_threshold")
 

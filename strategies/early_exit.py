@@ -15,11 +15,11 @@ from typing import Dict, List, Optional
 
 import torch
 
-from dlm_engine.canvas import BlockEvent
+from dlm_engine.core.canvas import BlockEvent
 from dlm_engine.errors import ConfigError
-from dlm_engine.registry import register_strategy
-from dlm_engine.selection import topk_commit, transfer_schedule
-from dlm_engine.strategy import BlockCursor, CacheDirective, StepPlan, Strategy, block_range, candidates
+from dlm_engine.core.registry import register_strategy
+from dlm_engine.core.selection import topk_commit, transfer_schedule
+from dlm_engine.core.strategy import BlockCursor, CacheDirective, StepPlan, Strategy, block_range, candidates
 
 PHASES = ((0.33, "early"), (0.67, "mid"), (float("inf"), "late"))
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dlm_engine.blockwise import FillBlocks, FillBlocksConfig
+from dlm_engine.core.blockwise import FillBlocks, FillBlocksConfig
 from dlm_engine.errors import ConfigError
-from dlm_engine.registry import register_strategy
-from dlm_engine.selection import factor_commit
+from dlm_engine.core.registry import register_strategy
+from dlm_engine.core.selection import factor_commit
 
 
 @dataclass

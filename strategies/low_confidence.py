@@ -10,7 +10,7 @@ ranks by uniform noise instead. ``loop`` picks the reference loop control:
 
 EOS policy (LLaDA ``generate``, ids from the model config): ``logits_eos_inf`` never proposes EOS;
 ``confidence_eos_eot_inf`` ranks EoT (and, at ``T = 0``, EOS) proposals last (reference quirk, see
-:mod:`dlm_engine.eos`); ``stop_at_eos`` ends a row once an EOS is committed with every position before it
+:mod:`dlm_engine.core.eos`); ``stop_at_eos`` ends a row once an EOS is committed with every position before it
 decoded (the rest of the row becomes EOS) and stops decoding when every row has ended.
 """
 from __future__ import annotations
@@ -20,11 +20,11 @@ from typing import Optional
 
 import torch
 
-from dlm_engine.registry import register_strategy
-from dlm_engine.selection import topk_commit, transfer_schedule
-from dlm_engine.strategy import BlockCursor, CacheDirective, StepPlan, Strategy, block_range, candidates
-from dlm_engine.canvas import BlockEvent
-from dlm_engine.eos import EosOptions, check_eos_options, eos_confidence, eos_stop, eos_suppress
+from dlm_engine.core.registry import register_strategy
+from dlm_engine.core.selection import topk_commit, transfer_schedule
+from dlm_engine.core.strategy import BlockCursor, CacheDirective, StepPlan, Strategy, block_range, candidates
+from dlm_engine.core.canvas import BlockEvent
+from dlm_engine.core.eos import EosOptions, check_eos_options, eos_confidence, eos_stop, eos_suppress
 
 
 @dataclass

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from dlm_engine.canvas import Canvas
-from dlm_engine.loop import decode
-from dlm_engine.registry import strategy_class
+from dlm_engine.core.canvas import Canvas
+from dlm_engine.core.loop import decode
+from dlm_engine.core.registry import strategy_class
 
 PROMPTS = [[735, 559, 771, 678, 375, 377], [127, 157, 983, 804, 991, 537, 902, 490, 136, 103, 962], [413, 750, 0]]
 
@@ -32,7 +32,7 @@ def test_batched_rows_equal_rows_alone(tiny_llada, kw):
 
 
 def test_canvas_state_at_reconstructs_every_step(tiny_llada):
-    from dlm_engine.sinks import RecordingSink
+    from dlm_engine.app.sinks import RecordingSink
 
     conf = strategy_class("low_confidence").Config(steps=8, block_length=8)
     strat = strategy_class("low_confidence")(conf, 16)

@@ -3,11 +3,11 @@ with buffer_size=4, block events, per-block progress, cache directives, ragged l
 import pytest
 import torch
 
-from dlm_engine.canvas import Canvas
+from dlm_engine.core.canvas import Canvas
 from dlm_engine.errors import ConfigError
-from dlm_engine.loop import decode
-from dlm_engine.registry import cache_class, strategy_class
-from dlm_engine.sinks import RecordingSink
+from dlm_engine.core.loop import decode
+from dlm_engine.core.registry import cache_class, strategy_class
+from dlm_engine.app.sinks import RecordingSink
 
 PROMPTS = [[735, 559, 771, 678, 375, 377], [127, 157, 983, 804, 991, 537, 902, 490, 136, 103, 962], [413, 750, 0]]
 BB = strategy_class("block_buffer")

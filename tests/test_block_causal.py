@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from conftest import record_calls
-from dlm_engine.canvas import Canvas
+from dlm_engine.core.canvas import Canvas
 from dlm_engine.errors import ConfigError
-from dlm_engine.loop import decode
-from dlm_engine.models.hooks import ForwardCall
+from dlm_engine.core.loop import decode
+from dlm_engine.core.protocol import ForwardCall
 from dlm_engine.models.llada import LLaDAConfig, LLaDAModelLM, attention_bias
-from dlm_engine.registry import cache_class, strategy_class
-from dlm_engine.sinks import RecordingSink
+from dlm_engine.core.registry import cache_class, strategy_class
+from dlm_engine.app.sinks import RecordingSink
 
 PROMPTS = [[735, 559, 771, 678, 375, 377], [127, 157, 983, 804, 991, 537, 902, 490, 136, 103, 962], [413, 750, 0]]
 

@@ -43,7 +43,7 @@ def test_prompts_file_batch_and_strategy_options(tmp_path):
 
 
 def test_local_checkpoint_directory(tmp_path):
-    from dlm_engine.tokenizer import save_char_tokenizer
+    from dlm_engine.models.tokenizer import save_char_tokenizer
 
     ck = tmp_path / "ck"
     shutil.copytree(REFPARITY / "tiny_llada", ck)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from dlm_engine.models.loader import load_pretrained
-from dlm_engine.registry import CACHES, cache_class, load_plugins, STRATEGIES
-from dlm_engine.strategy import CacheDirective
+from dlm_engine.core.registry import CACHES, cache_class, load_plugins, STRATEGIES
+from dlm_engine.core.strategy import CacheDirective
 
 DREAM = Path(__file__).resolve().parent / "fixtures" / "dreamparity" / "tiny_dream"
 
@@ -19,7 +19,7 @@ def model():
 
 def _stored_caches():
     load_plugins()
-    from dlm_engine.kvcache import StoredKVCache
+    from dlm_engine.core.kvcache import StoredKVCache
 
     return sorted(n for n, c in CACHES.items() if issubclass(c, StoredKVCache))
 
@@ -44,8 +44,8 @@ def test_cached_call_on_unchanged_canvas_equals_full_call(model, name):
 
 def test_every_strategy_and_cache_pair_decodes_a_dream_batch(model):
     """Every registered strategy with every cache it accepts runs on a left-padded Dream batch."""
-    from dlm_engine.canvas import Canvas
-    from dlm_engine.loop import decode
+    from dlm_engine.core.canvas import Canvas
+    from dlm_engine.core.loop import decode
 
     load_plugins()
     ran = []

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dlm_engine.models.hooks import NullHooks
+from dlm_engine.core.protocol import NullHooks
 from dlm_engine.models.loader import load_pretrained
 
 DREAM = Path(__file__).resolve().parent / "fixtures" / "dreamparity"

@@ -2,7 +2,7 @@
 import torch
 import torch.distributions as dists
 
-from dlm_engine.sampler import (categorical_draw, draw_tokens, filtered_probs, sample_positions, top_k_filter,
+from dlm_engine.core.sampler import (categorical_draw, draw_tokens, filtered_probs, sample_positions, top_k_filter,
                                 top_p_filter)
 
 MIN = torch.finfo(torch.float32).min

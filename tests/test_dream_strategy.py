@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from dlm_engine.canvas import Canvas
+from dlm_engine.core.canvas import Canvas
 from dlm_engine.errors import ConfigError
-from dlm_engine.loop import Sink, decode
+from dlm_engine.core.loop import Sink, decode
 from dlm_engine.models.loader import load_pretrained
-from dlm_engine.registry import cache_class, strategy_class
+from dlm_engine.core.registry import cache_class, strategy_class
 
 ROOT = Path(__file__).resolve().parents[1]
 DREAM = ROOT / "tests" / "fixtures" / "dreamparity"

@@ -5,11 +5,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from dlm_engine.canvas import Canvas
+from dlm_engine.core.canvas import Canvas
 from dlm_engine.errors import UserError
-from dlm_engine.loop import decode
+from dlm_engine.core.loop import decode
 from dlm_engine.models.loader import load_pretrained, resolve_device, resolve_dtype
-from dlm_engine.registry import cache_class, strategy_class
+from dlm_engine.core.registry import cache_class, strategy_class
 
 FIX = Path(__file__).resolve().parent / "fixtures"
 

@@ -5,12 +5,12 @@ import math
 import pytest
 import torch
 
-from dlm_engine.canvas import Canvas
+from dlm_engine.core.canvas import Canvas
 from dlm_engine.errors import ConfigError
-from dlm_engine.generate import generated_token_count
-from dlm_engine.loop import decode
-from dlm_engine.models.hooks import ForwardCall
-from dlm_engine.registry import strategy_class
+from dlm_engine.app.api import generated_token_count
+from dlm_engine.core.loop import decode
+from dlm_engine.core.protocol import ForwardCall
+from dlm_engine.core.registry import strategy_class
 
 V, MASK, EOS, EOT = 10, 9, 8, 7
 P = 2  # prompt length
@@ -108,8 +108,8 @@ def test_ids_come_from_the_model_config(tmp_path):
     """Through the Python API the canvas carries the loaded model's EOS/EoT ids (no hard-coded 126081)."""
     from official_ckpt import build_llada_instruct
 
-    from dlm_engine.generate import load_model, run_prompts
-    from dlm_engine.registry import cache_class
+    from dlm_engine.app.api import load_model, run_prompts
+    from dlm_engine.core.registry import cache_class
 
     ids = build_llada_instruct(tmp_path / "llada")
 

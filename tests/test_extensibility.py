@@ -11,8 +11,8 @@ PLUGIN = '''
 """A third-party strategy: commit the leftmost masked positions, ``tokens_per_step`` at a time."""
 from dataclasses import dataclass
 
-from dlm_engine.registry import register_strategy
-from dlm_engine.strategy import StepPlan, Strategy, candidates
+from dlm_engine.core.registry import register_strategy
+from dlm_engine.core.strategy import StepPlan, Strategy, candidates
 
 
 @dataclass

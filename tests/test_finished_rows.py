@@ -1,4 +1,4 @@
-"""Finished rows stop costing work (dlm_engine/rows.py): once a row of a batch is finished (stop at EOS,
+"""Finished rows stop costing work (dlm_engine/core/rows.py): once a row of a batch is finished (stop at EOS,
 early exit) the model runs on the active rows only, KV caches drop the finished rows' keys/values, and every
 row still decodes exactly as it does alone at T = 0, with unchanged NFE and per-row NFE. Also: the EOS
 options (logits_eos_inf, confidence_eos_eot_inf, stop_at_eos) of threshold, factor and block_buffer."""
@@ -8,12 +8,12 @@ import math
 import pytest
 import torch
 
-from dlm_engine import sampler
-from dlm_engine.canvas import Canvas
+from dlm_engine.core import sampler
+from dlm_engine.core.canvas import Canvas
 from dlm_engine.errors import ConfigError
-from dlm_engine.loop import decode
-from dlm_engine.models.hooks import ForwardCall
-from dlm_engine.registry import cache_class, strategy_class
+from dlm_engine.core.loop import decode
+from dlm_engine.core.protocol import ForwardCall
+from dlm_engine.core.registry import cache_class, strategy_class
 
 PROMPTS = [[735, 559, 771, 678, 375, 377], [127, 157, 983, 804, 991, 537, 902, 490, 136, 103, 962], [413, 750, 0]]
 GEN = 16
@@ -108,7 +108,7 @@ def test_stop_at_eos_row_stops_costing_work(tiny_llada, name, cache, kw):
 def test_early_exit_per_row_exit(tiny_llada):
     """early_exit: the row with the largest first-step answer gap exits at step 1; the rest keep decoding
     on a smaller batch and equal their decode alone."""
-    from dlm_engine.sinks import RecordingSink
+    from dlm_engine.app.sinks import RecordingSink
 
     base = dict(steps=16, block_length=8, answer_start=0, answer_length=4)
     never = dict(early_threshold=1e9, mid_threshold=1e9, late_threshold=1e9)
@@ -175,8 +175,8 @@ def test_sampler_draws_use_the_active_batch(tiny_llada, monkeypatch):
 
 def test_stored_cache_keeps_the_right_rows():
     """StoredKVCache.keep_rows: dropping rows keeps the others' keys/values (rows of the full batch)."""
-    from dlm_engine.models.hooks import AttentionIO
-    from dlm_engine.strategy import CacheDirective
+    from dlm_engine.core.protocol import AttentionIO
+    from dlm_engine.core.strategy import CacheDirective
 
     cache = make_cache("dual")
     cache.begin(None)
@@ -257,7 +257,7 @@ def run_scripted(name, rows=(ROW_EOS,), eos=EOS, eot=EOT, **kw):
 
 @pytest.mark.parametrize("name", sorted(FILL))
 def test_eos_options_are_shared(name):
-    from dlm_engine.eos import EosOptions
+    from dlm_engine.core.eos import EosOptions
 
     fields = {f.name for f in dataclasses.fields(strategy_class(name).Config)}
     assert {f.name for f in dataclasses.fields(EosOptions)} <= fields

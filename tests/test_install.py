@@ -16,7 +16,7 @@ def test_non_editable_install_finds_configs(tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     code = ("import sys; sys.argv=['dlm', 'hydra.run.dir=out', 'device=cpu', 'trace.record=false', 'print_outputs=false'];"
-            "import dlm_engine; print('PKG', dlm_engine.__file__); from dlm_engine.cli import main; main()")
+            "import dlm_engine; print('PKG', dlm_engine.__file__); from dlm_engine.app.cli import main; main()")
     proc = subprocess.run([sys.executable, "-c", code], cwd=str(elsewhere), env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -32,7 +32,7 @@ def test_non_editable_install_ships_the_lm_eval_start_up_hook(tmp_path):
                     "--target", str(target), str(ROOT)], check=True, capture_output=True, timeout=600)
     pth = target / "dlm_engine_lm_eval.pth"
     assert pth.read_text().strip() == "import dlm_engine_lm_eval_hook; dlm_engine_lm_eval_hook.install()"
-    assert (target / "dlm_engine_lm_eval_hook.py").read_text() == (ROOT / "dlm_engine" / "lm_eval_hook.py").read_text()
+    assert (target / "dlm_engine_lm_eval_hook.py").read_text() == (ROOT / "dlm_engine" / "integrations" / "lm_eval_hook.py").read_text()
     # this interpreter's own environment may carry the hook too: drop it, then process only the target's .pth
     code = ("import sys, site;"
             "sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, 'dlm_engine_lm_eval_hook', False)];"

@@ -1,4 +1,4 @@
-"""Monte-Carlo ELBO log-likelihood (dlm_engine.likelihood) and lm-eval's loglikelihood through the adapter:
+"""Monte-Carlo ELBO log-likelihood (dlm_engine.integrations.likelihood) and lm-eval's loglikelihood through the adapter:
 exact for one token, unbiased against the enumerated expectation, correct on Dream's shifted logits, and
 multiple-choice accuracy on the embedded model through simple_evaluate."""
 import itertools
@@ -9,12 +9,12 @@ import torch
 from conftest import write_lm_eval_task
 
 from dlm_engine.errors import ConfigError, UserError
-from dlm_engine.likelihood import greedy_matches, mc_loglikelihood
+from dlm_engine.integrations.likelihood import greedy_matches, mc_loglikelihood
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    from dlm_engine.generate import load_directory
+    from dlm_engine.app.api import load_directory
 
     return load_directory()
 
@@ -70,7 +70,7 @@ def test_dream_shifted_logits_are_scored_at_the_right_positions(tmp_path):
     canvas positions. One token: the estimate equals the full forward's log-probability at that column."""
     from official_ckpt import build_dream_instruct
 
-    from dlm_engine.generate import load_directory
+    from dlm_engine.app.api import load_directory
 
     build_dream_instruct(tmp_path / "dream")
     lm = load_directory(str(tmp_path / "dream"), name="local")
@@ -112,7 +112,7 @@ def test_lm_eval_multiple_choice_through_the_adapter(mc_task, monkeypatch):
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    import dlm_engine.lm_eval  # noqa: F401  (registers the model name even without the start-up hook)
+    import dlm_engine.integrations.lm_eval  # noqa: F401  (registers the model name even without the start-up hook)
 
     res = simple_evaluate(model="dlm_engine", model_args="mc_samples=32,mc_eos_pad=true,trace.record=false,device=cpu",
                           tasks=["dlm_mc"], task_manager=TaskManager(include_path=str(mc_task)), log_samples=True)
@@ -126,7 +126,7 @@ def test_lm_eval_multiple_choice_through_the_adapter(mc_task, monkeypatch):
 
 
 def test_adapter_options_are_checked():
-    import dlm_engine.lm_eval as adapter
+    import dlm_engine.integrations.lm_eval as adapter
 
     with pytest.raises(ConfigError, match="mc_samples=0"):
         adapter.DLMEngineLM(model="tiny_random", mc_samples=0)

@@ -1,6 +1,6 @@
 """lm-evaluation-harness adapter: ``--model dlm_engine`` on a tiny local generate_until task (a JSONL file
 in the test's folder, no dataset download): in-process, through lm-eval's own ``lm_eval`` command (found via
-the installed start-up hook) and through ``python -m dlm_engine.lm_eval``."""
+the installed start-up hook) and through ``python -m dlm_engine.integrations.lm_eval``."""
 import json
 import os
 import subprocess
@@ -40,7 +40,7 @@ def test_simple_evaluate_runs_generate_until_with_our_generations(task_dir, monk
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    import dlm_engine.lm_eval as adapter
+    import dlm_engine.integrations.lm_eval as adapter
 
     res = simple_evaluate(model="dlm_engine", model_args=ARGS, tasks=["dlm_tiny"],
                           task_manager=TaskManager(include_path=str(task_dir)), log_samples=True)
@@ -52,7 +52,7 @@ def test_simple_evaluate_runs_generate_until_with_our_generations(task_dir, monk
     lm = adapter.DLMEngineLM(**dict(kv.split("=") for kv in ARGS.split(",")))
     import torch
 
-    from dlm_engine.generate import run_prompts
+    from dlm_engine.app.api import run_prompts
 
     torch.manual_seed(0)
     ids = [lm.lm.encode(d["prompt"]) for d in DOCS]
@@ -92,7 +92,7 @@ def test_start_up_hook_is_lazy_and_can_be_turned_off(tmp_path):
     on = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=str(tmp_path),
                         env=_env())
     assert on.returncode == 0, on.stderr[-2000:]
-    assert "ENTRY dlm_engine.lm_eval:DLMEngineLM True False" in on.stdout
+    assert "ENTRY dlm_engine.integrations.lm_eval:DLMEngineLM True False" in on.stdout
     off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=str(tmp_path),
                          env=dict(_env(), DLM_ENGINE_LM_EVAL_HOOK="0"))
     assert off.returncode == 0, off.stderr[-2000:]
@@ -102,7 +102,7 @@ def test_start_up_hook_is_lazy_and_can_be_turned_off(tmp_path):
 def test_hook_registers_into_an_already_loaded_registry_and_upgrades_to_the_class():
     import lm_eval.api.registry as registry
 
-    from dlm_engine import lm_eval_hook
+    from dlm_engine.integrations import lm_eval_hook
 
     saved = dict(registry.model_registry._objs)
     try:
@@ -110,7 +110,7 @@ def test_hook_registers_into_an_already_loaded_registry_and_upgrades_to_the_clas
             registry.model_registry._objs.pop(alias, None)
         lm_eval_hook.install()  # lm-eval is loaded already: registers at once, as a lazy placeholder
         assert registry.model_registry._objs["dlm-engine"] == lm_eval_hook.ENTRY
-        from dlm_engine.lm_eval import DLMEngineLM
+        from dlm_engine.integrations.lm_eval import DLMEngineLM
 
         assert registry.get_model("dlm-engine") is DLMEngineLM
     finally:
@@ -120,7 +120,7 @@ def test_hook_registers_into_an_already_loaded_registry_and_upgrades_to_the_clas
 
 def test_wrapper_command_knows_the_model_name(task_dir, tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "dlm_engine.lm_eval", "--model", "dlm_engine", "--model_args", ARGS,
+    proc = subprocess.run([sys.executable, "-m", "dlm_engine.integrations.lm_eval", "--model", "dlm_engine", "--model_args", ARGS,
                            "--tasks", "dlm_tiny", "--include_path", str(task_dir), "--limit", "2",
                            "--output_path", str(out)], capture_output=True, text=True, timeout=600, cwd=str(tmp_path),
                           env=_env())
@@ -130,7 +130,7 @@ def test_wrapper_command_knows_the_model_name(task_dir, tmp_path):
 
 
 def test_rolling_loglikelihood_is_refused_with_a_clear_message():
-    import dlm_engine.lm_eval as adapter
+    import dlm_engine.integrations.lm_eval as adapter
 
     lm = adapter.DLMEngineLM(**dict(kv.split("=") for kv in ARGS.split(",")))
     with pytest.raises(NotImplementedError, match="rolling"):
@@ -138,7 +138,7 @@ def test_rolling_loglikelihood_is_refused_with_a_clear_message():
 
 
 def test_bad_model_args_fail_like_dlm():
-    import dlm_engine.lm_eval as adapter
+    import dlm_engine.integrations.lm_eval as adapter
     from dlm_engine.errors import ConfigError
 
     with pytest.raises(ConfigError, match="strategy.threshold"):
@@ -146,7 +146,7 @@ def test_bad_model_args_fail_like_dlm():
 
 
 def test_cut_at_stop_strings():
-    from dlm_engine.lm_eval import cut
+    from dlm_engine.integrations.lm_eval import cut
 
     assert cut("12\n34", ["\n"]) == "12"
     assert cut("abcXYZdef", ["Z", "c"]) == "ab"
@@ -156,7 +156,7 @@ def test_cut_at_stop_strings():
 def test_generation_kwargs_the_strategy_owns_are_reported_once(caplog):
     import logging
 
-    import dlm_engine.lm_eval as adapter
+    import dlm_engine.integrations.lm_eval as adapter
 
     class Req:
         def __init__(self, ctx, kw):
@@ -164,7 +164,7 @@ def test_generation_kwargs_the_strategy_owns_are_reported_once(caplog):
 
     lm = adapter.DLMEngineLM(**dict(kv.split("=") for kv in ARGS.split(",")))
     reqs = [Req("347+085=", {"until": ["\n"], "temperature": 0.7, "do_sample": True}), Req("901-256=", {"until": ["\n"]})]
-    with caplog.at_level(logging.WARNING, logger="dlm_engine.lm_eval"):
+    with caplog.at_level(logging.WARNING, logger="dlm_engine.integrations.lm_eval"):
         lm.generate_until(reqs)
         lm.generate_until(reqs)
     warned = [r.getMessage() for r in caplog.records if "not applied" in r.getMessage()]

@@ -3,9 +3,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dlm_engine.canvas import Canvas
-from dlm_engine.loop import decode
-from dlm_engine.registry import strategy_class
+from dlm_engine.core.canvas import Canvas
+from dlm_engine.core.loop import decode
+from dlm_engine.core.registry import strategy_class
 
 MASK = 1000
 
@@ -87,7 +87,7 @@ def test_fastdllm_loop_skips_zero_transfer_steps(tiny_llada):
 
 
 def test_block_events_and_scalars(tiny_llada):
-    from dlm_engine.sinks import RecordingSink
+    from dlm_engine.app.sinks import RecordingSink
 
     cls = strategy_class("low_confidence")
     canvas = Canvas.from_prompts([[735, 559, 771]], 8, MASK, 1001)

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from conftest import REFPARITY, compare_with_reference, fixture_ids, record_calls, run_dlm
-from dlm_engine import sampler
-from dlm_engine.canvas import Canvas
+from dlm_engine.core import sampler
+from dlm_engine.core.canvas import Canvas
 from dlm_engine.errors import ConfigError
-from dlm_engine.loop import decode
-from dlm_engine.registry import cache_class, strategy_class
+from dlm_engine.core.loop import decode
+from dlm_engine.core.registry import cache_class, strategy_class
 
 PROMPTS = [[735, 559, 771, 678, 375, 377], [127, 157, 983, 804, 991, 537, 902, 490, 136, 103, 962], [413, 750, 0]]
 CACHED = ("generate_with_prefix_cache", "generate_with_dual_cache")

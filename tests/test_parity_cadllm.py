@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from conftest import REFPARITY, compare_with_reference, fixture_ids
-from dlm_engine import adaptive
-from dlm_engine.canvas import Canvas
+from dlm_engine.strategies import _cadllm_rules as adaptive
+from dlm_engine.core.canvas import Canvas
 from dlm_engine.errors import ConfigError
-from dlm_engine.loop import decode
-from dlm_engine.registry import cache_class, strategy_class
-from dlm_engine.sampler import confidence_of
-from dlm_engine.sinks import RecordingSink
+from dlm_engine.core.loop import decode
+from dlm_engine.core.registry import cache_class, strategy_class
+from dlm_engine.core.sampler import confidence_of
+from dlm_engine.app.sinks import RecordingSink
 
 CAD = strategy_class("cadllm")
 PROMPT = [735, 559, 771, 678, 375, 377]

@@ -22,8 +22,8 @@ def ckpts(tmp_path_factory):
 def compose(*overrides):
     from hydra import compose as hcompose, initialize_config_module
 
-    from dlm_engine.config import register_configs
-    from dlm_engine.registry import load_plugins
+    from dlm_engine.app.config import register_configs
+    from dlm_engine.core.registry import load_plugins
 
     load_plugins()
     register_configs()
@@ -32,7 +32,7 @@ def compose(*overrides):
 
 
 def load(preset, path, **extra):
-    from dlm_engine.generate import load_model
+    from dlm_engine.app.api import load_model
 
     cfg = compose(f"model={preset}", f"model.path={path}", *[f"model.{k}={v}" for k, v in extra.items()])
     return load_model(cfg.model, "cpu", "auto")
@@ -40,7 +40,7 @@ def load(preset, path, **extra):
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_preset_exists_and_needs_a_path(preset, tmp_path, monkeypatch):
-    from dlm_engine.app import validate
+    from dlm_engine.app.run import validate
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))  # an empty Hugging Face cache
     cfg = compose(f"model={preset}")
@@ -77,7 +77,7 @@ def _hub_cache(root, hub_id, checkpoint, revision="0123abcd"):
 def test_presets_find_the_local_hugging_face_cache(ckpts, tmp_path, monkeypatch):
     """No model.path: the preset's hub id is looked up in the local cache (HF_HUB_CACHE), snapshot by refs/main;
     model.path may also name the cache folder itself. dlm records the snapshot it loaded."""
-    from dlm_engine.app import validate
+    from dlm_engine.app.run import validate
 
     path, _ = ckpts["llada"]
     repo, snap = _hub_cache(tmp_path / "hub", "GSAI-ML/LLaDA-8B-Instruct", path)
@@ -85,7 +85,7 @@ def test_presets_find_the_local_hugging_face_cache(ckpts, tmp_path, monkeypatch)
     cfg = compose("model=llada_8b_instruct")
     validate(cfg)
     assert cfg.model.path == str(snap)
-    from dlm_engine.generate import load_model
+    from dlm_engine.app.api import load_model
 
     lm = load_model(cfg.model, "cpu", "auto")
     assert lm.chat_template and lm.eos_id is not None
@@ -107,7 +107,7 @@ def test_cli_missing_directory_is_one_line_naming_the_path_tried(tmp_path):
 
 
 def test_bad_chat_template_value_names_the_key():
-    from dlm_engine.app import validate
+    from dlm_engine.app.run import validate
 
     with pytest.raises(ConfigError, match="model.chat_template"):
         validate(compose("model=tiny_random", "model.chat_template=maybe"))
@@ -167,7 +167,7 @@ def test_end_of_turn_id_comes_from_the_checkpoints_tokenizer(ckpts):
 
 
 def _strategy_configs():
-    from dlm_engine.registry import STRATEGIES, load_plugins
+    from dlm_engine.core.registry import STRATEGIES, load_plugins
 
     load_plugins()
     return sorted(STRATEGIES)
@@ -178,8 +178,8 @@ def test_every_registered_strategy_decodes_through_the_preset(ckpts, family, pre
     """Every strategy in the registry (including ones added later) decodes both families; none is skipped."""
     from omegaconf import OmegaConf
 
-    from dlm_engine.generate import run_prompts
-    from dlm_engine.registry import cache_class, strategy_class
+    from dlm_engine.app.api import run_prompts
+    from dlm_engine.core.registry import cache_class, strategy_class
 
     path, _ = ckpts[family]
     lm = load(preset, path)
@@ -220,7 +220,7 @@ def test_dream_tokenizer_from_vocab_and_merges_without_remote_code(ckpts, tmp_pa
     from tokenizers import ByteLevelBPETokenizer
 
     from official_ckpt import DREAM_SPECIALS
-    from dlm_engine.chat import encode_chat, end_of_turn_id, load_tokenizer
+    from dlm_engine.models.chat import encode_chat, end_of_turn_id, load_tokenizer
 
     d = tmp_path / "dream_bpe"
     shutil.copytree(ckpts["dream"][0], d)

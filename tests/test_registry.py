@@ -6,8 +6,8 @@ from hydra import compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from dlm_engine.config import register_configs
-from dlm_engine.registry import STRATEGIES, load_plugins, register_strategy, strategy_class
+from dlm_engine.app.config import register_configs
+from dlm_engine.core.registry import STRATEGIES, load_plugins, register_strategy, strategy_class
 
 
 def _compose(overrides):

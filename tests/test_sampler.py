@@ -1,8 +1,8 @@
 """The shared sampler and selection rules, against the spec's formulas."""
 import torch
 
-from dlm_engine.sampler import confidence_of, propose
-from dlm_engine.selection import factor_commit, threshold_commit, topk_commit, transfer_schedule
+from dlm_engine.core.sampler import confidence_of, propose
+from dlm_engine.core.selection import factor_commit, threshold_commit, topk_commit, transfer_schedule
 
 
 def test_temperature_zero_is_argmax_without_rng():

@@ -9,8 +9,10 @@ import sys
 import pytest
 
 from conftest import run_dlm
-from dlm_engine import sweep
-from dlm_engine.sweep import JobRecord, aggregate, job_dirname
+from dlm_engine.sweeps import cli as sweep
+from dlm_engine.sweeps import jobs as sweep_jobs
+from dlm_engine.sweeps.cli import aggregate
+from dlm_engine.sweeps.jobs import JobRecord, job_dirname
 
 
 # ------------------------------------------------------------------------------------------- job dirs
@@ -49,7 +51,7 @@ SUMMARY = {"strategy": {"name": "threshold", "threshold": 0.9}, "cache": {"name"
 
 
 def test_resume_decisions(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(sweep, "in_multirun", lambda: True)
+    monkeypatch.setattr(sweep_jobs, "in_multirun", lambda: True)
     job = JobRecord(_cfg(), tmp_path)
     assert not job.should_skip()  # nothing there yet
     job.start()
@@ -62,10 +64,10 @@ def test_resume_decisions(tmp_path, monkeypatch, capsys):
     assert "resume=false, re-running" in capsys.readouterr().out
     assert not JobRecord(_cfg(gen_length=32), tmp_path).should_skip()
     assert "config changed" in capsys.readouterr().out
-    monkeypatch.setattr(sweep, "in_multirun", lambda: False)
+    monkeypatch.setattr(sweep_jobs, "in_multirun", lambda: False)
     assert not JobRecord(_cfg(), tmp_path).should_skip()  # a single run is never skipped
     # a new attempt first removes the old outcome; a failure leaves error.json, not result.json
-    monkeypatch.setattr(sweep, "in_multirun", lambda: True)
+    monkeypatch.setattr(sweep_jobs, "in_multirun", lambda: True)
     job = JobRecord(_cfg(gen_length=32), tmp_path)
     job.start()
     assert not (tmp_path / "result.json").exists()
@@ -144,7 +146,7 @@ def test_dlm_sweep_command(fake_sweep, tmp_path, capsys):
 
 def test_without_matplotlib_the_table_is_written_and_the_hint_given(fake_sweep):
     code = ("import sys; sys.modules['matplotlib'] = None\n"
-            "from dlm_engine.sweep import main\n"
+            "from dlm_engine.sweeps.cli import main\n"
             f"sys.exit(main([{str(fake_sweep)!r}]))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -156,8 +158,8 @@ def test_without_matplotlib_the_table_is_written_and_the_hint_given(fake_sweep):
 def _sweeper_params(overrides):
     from hydra import compose, initialize_config_module
 
-    from dlm_engine.config import register_configs
-    from dlm_engine.registry import load_plugins
+    from dlm_engine.app.config import register_configs
+    from dlm_engine.core.registry import load_plugins
 
     load_plugins()
     register_configs()
@@ -179,7 +181,7 @@ def _sweeper_params(overrides):
     ("block_buffer_sizes", 8, {"strategy", "strategy.block_length", "strategy.buffer_size", "strategy.accept_threshold"}),
 ])
 def test_presets_expand_to_valid_jobs(preset, n, keys):
-    from dlm_engine.app import validate
+    from dlm_engine.app.run import validate
 
     jobs, configs = _sweeper_params([f"+sweep={preset}"])
     assert len(jobs) == n
@@ -187,7 +189,7 @@ def test_presets_expand_to_valid_jobs(preset, n, keys):
     for cfg in configs:
         validate(cfg)  # every job of a preset passes the pre-model checks at the default gen_length
     if preset == "all_strategies":
-        from dlm_engine.registry import STRATEGIES
+        from dlm_engine.core.registry import STRATEGIES
 
         core = {"low_confidence", "threshold", "factor", "early_exit", "cadllm", "block_buffer"}
         assert {c.strategy.name for c in configs} == core and core <= set(STRATEGIES)
@@ -196,7 +198,7 @@ def test_presets_expand_to_valid_jobs(preset, n, keys):
 def test_slurm_preset_composes():
     from hydra import compose, initialize_config_module
 
-    from dlm_engine.config import register_configs
+    from dlm_engine.app.config import register_configs
 
     register_configs()
     with initialize_config_module(config_module="dlm_engine.conf", version_base="1.3"):
@@ -228,14 +230,14 @@ def test_progress_bar_only_on_a_terminal_and_log_lines_in_multirun_jobs(monkeypa
     import logging
     from types import SimpleNamespace
 
-    from dlm_engine.sinks import ProgressSink
+    from dlm_engine.app.sinks import ProgressSink
 
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
-    monkeypatch.setattr(sweep, "in_multirun", lambda: True)
-    monkeypatch.setattr(sweep, "in_launcher_worker", lambda: False)
+    monkeypatch.setattr(sweep_jobs, "in_multirun", lambda: True)
+    monkeypatch.setattr(sweep_jobs, "in_launcher_worker", lambda: False)
     p = ProgressSink(8)
     assert not p.bar.disable and not p.log_lines  # basic launcher on a terminal: a bar
-    monkeypatch.setattr(sweep, "in_launcher_worker", lambda: True)
+    monkeypatch.setattr(sweep_jobs, "in_launcher_worker", lambda: True)
     p = ProgressSink(8, log_interval=3600)
     assert p.bar.disable and p.log_lines  # joblib / submitit worker: no bar, log lines
     with caplog.at_level(logging.INFO, logger="dlm_engine.progress"):
@@ -243,7 +245,7 @@ def test_progress_bar_only_on_a_terminal_and_log_lines_in_multirun_jobs(monkeypa
         p.on_end(SimpleNamespace(batch_size=4))  # the last batch is always logged
     assert [r.getMessage().split(" (")[0] for r in caplog.records] == ["decoded 8/8 prompts"]
     assert not ProgressSink(8, enabled=False).log_lines  # progress=false: silent
-    monkeypatch.setattr(sweep, "in_multirun", lambda: False)
+    monkeypatch.setattr(sweep_jobs, "in_multirun", lambda: False)
     monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
     p = ProgressSink(8)
     assert p.bar.disable and not p.log_lines  # a single run without a terminal stays quiet

@@ -7,7 +7,7 @@ import sys
 import torch
 
 from conftest import ROOT, run_dlm
-from dlm_engine import tasks
+from dlm_engine.app import tasks
 from dlm_engine.checkpoints import embedded_path
 
 
@@ -21,8 +21,8 @@ def test_embedded_checkpoint_is_small_and_documented():
 
 
 def test_embedded_model_accuracy_regression_guard():
-    from dlm_engine.generate import load_directory, run_prompts
-    from dlm_engine.registry import cache_class, strategy_class
+    from dlm_engine.app.api import load_directory, run_prompts
+    from dlm_engine.core.registry import cache_class, strategy_class
 
     lm = load_directory(embedded_path("tiny"))
     examples = tasks.held_out(64)
@@ -73,7 +73,7 @@ def test_load_directory_defaults_to_the_embedded_model_and_names_a_missing_one()
     import pytest
 
     from dlm_engine.errors import UserError
-    from dlm_engine.generate import load_directory
+    from dlm_engine.app.api import load_directory
 
     lm = load_directory()
     assert lm.name == "tiny" and lm.encode("1+1=") and not lm.chat_template

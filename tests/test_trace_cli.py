@@ -20,7 +20,7 @@ def _checkpoint(directory):
     from safetensors.torch import save_file
 
     from dlm_engine.models.loader import build_random
-    from dlm_engine.tokenizer import save_char_tokenizer
+    from dlm_engine.models.tokenizer import save_char_tokenizer
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     mc = OmegaConf.load(os.path.join(root, "conf", "model", "tiny_random.yaml"))

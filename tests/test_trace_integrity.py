@@ -11,9 +11,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from dlm_engine.generate import load_model, run_prompts  # noqa: E402
-from dlm_engine.loop import Sink  # noqa: E402
-from dlm_engine.registry import STRATEGIES, cache_class, load_plugins  # noqa: E402
+from dlm_engine.app.api import load_model, run_prompts  # noqa: E402
+from dlm_engine.core.loop import Sink  # noqa: E402
+from dlm_engine.core.registry import STRATEGIES, cache_class, load_plugins  # noqa: E402
 from dlm_engine.trace import TraceError, TraceRecorder, loads, open_trace  # noqa: E402
 from dlm_engine.trace import format as fmt  # noqa: E402
 from dlm_engine.trace.reader import scan_records  # noqa: E402

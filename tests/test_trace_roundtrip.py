@@ -10,11 +10,11 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from dlm_engine.canvas import BlockEvent, Canvas, FrameDelta  # noqa: E402
+from dlm_engine.core.canvas import BlockEvent, Canvas, FrameDelta  # noqa: E402
 from dlm_engine.errors import ConfigError  # noqa: E402
-from dlm_engine.generate import load_model, run_prompts  # noqa: E402
-from dlm_engine.loop import Sink  # noqa: E402
-from dlm_engine.registry import STRATEGIES, cache_class, load_plugins  # noqa: E402
+from dlm_engine.app.api import load_model, run_prompts  # noqa: E402
+from dlm_engine.core.loop import Sink  # noqa: E402
+from dlm_engine.core.registry import STRATEGIES, cache_class, load_plugins  # noqa: E402
 from dlm_engine.trace import TraceRecorder, open_trace  # noqa: E402
 from dlm_engine.trace import format as fmt  # noqa: E402
 

@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers import PretrainedConfig, PreTrainedModel
 
-from .hooks import NULL_HOOKS, AttentionIO, FFNIO, ForwardCall, key_padding_mask
+from dlm_engine.core.protocol import NULL_HOOKS, AttentionIO, FFNIO, ForwardCall, key_padding_mask
 from .llada import DiffusionLMMixin, RMSNorm, register_auto, rope_tables
 
 

@@ -3,7 +3,7 @@
 Loads official directories (config.json + safetensors with the official parameter names,
 ``model.transformer.*``) without remote code. Bidirectional attention by default; an optional
 block-causal mode serves block-diffusion variants. Caches plug in through
-:mod:`dlm_engine.models.hooks`; this module knows no concrete cache.
+:mod:`dlm_engine.core.protocol`; this module knows no concrete cache.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers import PretrainedConfig, PreTrainedModel
 
-from .hooks import NULL_HOOKS, AttentionIO, FFNIO, ForwardCall, key_padding_mask
+from dlm_engine.core.protocol import NULL_HOOKS, AttentionIO, FFNIO, ForwardCall, key_padding_mask
 
 
 class LLaDAConfig(PretrainedConfig):

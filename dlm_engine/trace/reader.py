@@ -487,7 +487,7 @@ def load_tokenizer(spec: Optional[dict]):
         return None
     kind = spec.get("kind")
     if kind == "char":
-        from ..tokenizer import build_char_tokenizer
+        from dlm_engine.models.tokenizer import build_char_tokenizer
 
         return build_char_tokenizer()
     if kind == "hf":
@@ -495,7 +495,7 @@ def load_tokenizer(spec: Optional[dict]):
         if not p.is_dir():
             return None
         try:
-            from ..chat import load_tokenizer as load_checkpoint_tokenizer   # the same loader dlm uses
+            from dlm_engine.models.chat import load_tokenizer as load_checkpoint_tokenizer   # the same loader dlm uses
 
             tok, digest = load_checkpoint_tokenizer(p)
         except Exception:

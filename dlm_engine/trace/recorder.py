@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-from ..loop import Sink
+from dlm_engine.core.loop import Sink
 from . import format as fmt
 from .format import SeqData, TraceError
 

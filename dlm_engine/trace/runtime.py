@@ -135,9 +135,9 @@ def config_from_header(header: Dict[str, Any]):
     """Rebuild the typed run config recorded in a header (schemas from the registries, values from the file)."""
     from omegaconf import OmegaConf
 
-    from ..config import ModelConfig, RunConfig, register_configs
+    from dlm_engine.app.config import ModelConfig, RunConfig, register_configs
     from ..errors import UserError
-    from ..registry import cache_class, strategy_class
+    from dlm_engine.core.registry import cache_class, strategy_class
 
     register_configs()
     rec = header.get("config")

@@ -151,9 +151,9 @@ def rerun(tr: Trace, device: Optional[str] = None, model_path: Optional[str] = N
     """
     import torch
 
-    from ..app import validate
-    from ..generate import load_model, run_prompts
-    from ..registry import load_plugins
+    from dlm_engine.app.run import validate
+    from dlm_engine.app.api import load_model, run_prompts
+    from dlm_engine.core.registry import load_plugins
     from .recorder import TraceRecorder
     from .runtime import build_header, config_from_header, restore_rng
 

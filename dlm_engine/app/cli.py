@@ -1,4 +1,4 @@
-"""The ``dlm`` console script: a Hydra app over :mod:`dlm_engine.app`."""
+"""The ``dlm`` console script: a Hydra app over :mod:`dlm_engine.app.run`."""
 from __future__ import annotations
 
 import os
@@ -27,10 +27,10 @@ def _hydra_main(cfg: DictConfig) -> None:
 
     from hydra.core.hydra_config import HydraConfig
 
-    from .app import run
-    from .errors import UserError
+    from dlm_engine.app.run import run
+    from dlm_engine.errors import UserError
 
-    from .sweep import JobRecord
+    from dlm_engine.sweeps.jobs import JobRecord
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     job = JobRecord(cfg, out_dir)  # multirun: resume check, result.json / error.json
@@ -55,9 +55,9 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    from .config import register_configs
-    from .errors import UserError
-    from .registry import load_plugins
+    from dlm_engine.app.config import register_configs
+    from dlm_engine.errors import UserError
+    from dlm_engine.core.registry import load_plugins
 
     try:
         load_plugins()

@@ -1,7 +1,7 @@
 """End-of-sequence policies shared by strategies (specs/strategies.md §2).
 
 * ``suppress_ids``: LLaDA's ``logits_eos_inf`` -- the EOS logit is set to ``-inf`` before sampling (via
-  :attr:`dlm_engine.strategy.StepPlan.suppress`), so EOS is never proposed.
+  :attr:`dlm_engine.core.strategy.StepPlan.suppress`), so EOS is never proposed.
 * :func:`eos_eot_confidence`: LLaDA's ``confidence_eos_eot_inf`` quirk -- after the proposal is drawn, the
   EoT column (and, at ``T = 0`` only, the EOS column) of the clean logits is ``-inf`` when confidences are
   computed, so such proposals get confidence 0 and the others are renormalised without them.
@@ -22,9 +22,9 @@ from typing import Optional, Tuple
 
 import torch
 
-from .canvas import Canvas, FrameDelta
-from .errors import ConfigError
-from .sampler import confidence_of
+from dlm_engine.core.canvas import Canvas, FrameDelta
+from dlm_engine.errors import ConfigError
+from dlm_engine.core.sampler import confidence_of
 
 
 @dataclass

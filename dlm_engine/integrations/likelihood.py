@@ -20,7 +20,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from .errors import UserError
+from dlm_engine.errors import UserError
 
 
 def _check(samples: int, batch_size: int) -> None:
@@ -35,7 +35,7 @@ def mc_loglikelihood(lm, context: Sequence[int], target: Sequence[int], samples:
                      batch_size: int = 32, generator: Optional[torch.Generator] = None) -> float:
     """Monte-Carlo ELBO estimate of ``log p(target | context)`` (see the module docstring).
 
-    ``lm`` is a :class:`dlm_engine.generate.LoadedModel`; ``generator`` (a CPU ``torch.Generator``) makes
+    ``lm`` is a :class:`dlm_engine.app.api.LoadedModel`; ``generator`` (a CPU ``torch.Generator``) makes
     the masks reproducible.
     """
     _check(samples, batch_size)
@@ -71,8 +71,8 @@ def greedy_matches(lm, contexts: Sequence[Sequence[int]], targets: Sequence[Sequ
                    batch_size: int = 8) -> List[bool]:
     """For each pair: does one-token-per-step greedy decoding of ``len(target)`` masks after the context
     reproduce the target exactly? Pairs with the same target length decode together."""
-    from .generate import run_prompts
-    from .registry import cache_class, load_plugins, strategy_class
+    from dlm_engine.app.api import run_prompts
+    from dlm_engine.core.registry import cache_class, load_plugins, strategy_class
 
     load_plugins()
     out = [False] * len(contexts)

@@ -1,6 +1,6 @@
 """What a strategy is: a small policy with ``plan`` (what to query) and ``select`` (what to commit).
 
-The step loop (:mod:`dlm_engine.loop`) owns the forward pass, the cache and the sampler; strategies
+The step loop (:mod:`dlm_engine.core.loop`) owns the forward pass, the cache and the sampler; strategies
 only look at the canvas and the proposal and return a :class:`FrameDelta` plus their new state.
 """
 from __future__ import annotations
@@ -10,9 +10,9 @@ from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .canvas import BlockEvent, Canvas, FrameDelta
-from .errors import ConfigError
-from .sampler import Proposal
+from dlm_engine.core.canvas import BlockEvent, Canvas, FrameDelta
+from dlm_engine.errors import ConfigError
+from dlm_engine.core.sampler import Proposal
 
 
 @dataclass
@@ -46,7 +46,7 @@ class StepPlan:
 
 
 class Strategy:
-    """Base class. Subclasses are registered with :func:`dlm_engine.registry.register_strategy`."""
+    """Base class. Subclasses are registered with :func:`dlm_engine.core.registry.register_strategy`."""
 
     name: ClassVar[str] = ""
     Config: ClassVar[type] = object

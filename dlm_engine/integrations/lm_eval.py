@@ -7,7 +7,7 @@
         --tasks gsm8k --batch_size 8
 
 ``lm_eval --model dlm_engine`` finds the name through the start-up hook the install ships
-(``dlm_engine/lm_eval_hook.py``); importing this module registers it too, and ``python -m dlm_engine.lm_eval``
+(``dlm_engine/integrations/lm_eval_hook.py``); importing this module registers it too, and ``python -m dlm_engine.integrations.lm_eval``
 (console script ``dlm-lm-eval``) runs lm-eval's command line with the name registered even without the hook.
 
 ``generate_until`` decodes with the configured strategy. The generation length is the config's
@@ -16,7 +16,7 @@ returned text), and the text is cut at the first of the task's ``until`` strings
 ``model.chat_template`` (auto: on for instruct presets) unless lm-eval applies its own
 (``--apply_chat_template``).
 
-``loglikelihood`` (multiple-choice tasks) is the Monte-Carlo ELBO of :mod:`dlm_engine.likelihood`; extra
+``loglikelihood`` (multiple-choice tasks) is the Monte-Carlo ELBO of :mod:`dlm_engine.integrations.likelihood`; extra
 ``model_args`` that are not ``dlm`` overrides: ``mc_samples`` (default 128), ``mc_batch_size`` (32) and
 ``greedy_check`` (true: ``is_greedy`` from a greedy one-token-per-step decode) and ``mc_eos_pad`` (false;
 true scores the continuation followed by EOS up to ``gen_length``, the answer layout SFT models such as
@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional, Tuple  # noqa: E402
 
 from lm_eval.api.model import LM  # noqa: E402
 
-from .lm_eval_hook import ALIASES, ENTRY  # noqa: E402  (the names the start-up hook registers)
+from dlm_engine.integrations.lm_eval_hook import ALIASES, ENTRY  # noqa: E402  (the names the start-up hook registers)
 log = logging.getLogger(__name__)
 # the request's generation kwargs that generate_until applies; sampling settings come from the strategy config
 HONOURED_GEN_KWARGS = {"until", "max_gen_toks"}
@@ -50,7 +50,7 @@ def _override(key: str, value: Any) -> str:
 
 
 def _positive_int(value: Any, key: str) -> int:
-    from .errors import ConfigError
+    from dlm_engine.errors import ConfigError
 
     try:
         n = int(str(value))
@@ -62,7 +62,7 @@ def _positive_int(value: Any, key: str) -> int:
 
 
 def _flag(value: Any, key: str) -> bool:
-    from .errors import ConfigError
+    from dlm_engine.errors import ConfigError
 
     text = str(value).strip().lower()
     if text in ("1", "true", "yes", "on"):
@@ -77,8 +77,8 @@ def compose_config(overrides: List[str]):
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
-    from .config import register_configs
-    from .registry import load_plugins
+    from dlm_engine.app.config import register_configs
+    from dlm_engine.core.registry import load_plugins
 
     load_plugins()
     register_configs()
@@ -90,15 +90,15 @@ def compose_config(overrides: List[str]):
 
 class DLMEngineLM(LM):
     """dlm_engine behind lm-eval's ``LM`` interface: ``generate_until`` decodes with the configured
-    strategy, ``loglikelihood`` uses the Monte-Carlo ELBO of :mod:`dlm_engine.likelihood`."""
+    strategy, ``loglikelihood`` uses the Monte-Carlo ELBO of :mod:`dlm_engine.integrations.likelihood`."""
 
     def __init__(self, batch_size: Any = 1, max_batch_size: Optional[int] = None, device: Optional[str] = None,
                  **model_args: Any):
         super().__init__()
         import torch
 
-        from .app import validate
-        from .generate import load_model
+        from dlm_engine.app.run import validate
+        from dlm_engine.app.api import load_model
 
         self.mc_samples = _positive_int(model_args.pop("mc_samples", 128), "mc_samples")
         self.mc_batch_size = _positive_int(model_args.pop("mc_batch_size", 32), "mc_batch_size")
@@ -123,7 +123,7 @@ class DLMEngineLM(LM):
         self._external_template = False
         self._warned_gen_kwargs = False
         if self.mc_eos_pad and self.lm.eos_id is None:
-            from .errors import ConfigError
+            from dlm_engine.errors import ConfigError
 
             raise ConfigError(f"mc_eos_pad=true but model '{self.lm.name}' has no eos_token_id")
 
@@ -155,13 +155,13 @@ class DLMEngineLM(LM):
                                                      tokenize=False)
 
     def loglikelihood(self, requests) -> List[Tuple[float, bool]]:
-        """Monte-Carlo ELBO of each continuation (:mod:`dlm_engine.likelihood`; ``mc_samples`` masks of
+        """Monte-Carlo ELBO of each continuation (:mod:`dlm_engine.integrations.likelihood`; ``mc_samples`` masks of
         ``mc_batch_size`` rows per forward) and, with ``greedy_check``, whether greedy one-token-per-step
         decoding reproduces it. Contexts are encoded as given (lm-eval's ``--apply_chat_template`` renders a
         template itself); the model's chat template is not added here."""
         import torch
 
-        from .likelihood import greedy_matches, mc_loglikelihood
+        from dlm_engine.integrations.likelihood import greedy_matches, mc_loglikelihood
 
         pairs = [self._encode_pair(*r.args) for r in requests]
         if self.mc_eos_pad:  # the answer region of an SFT layout: continuation, then EOS up to gen_length
@@ -198,7 +198,7 @@ class DLMEngineLM(LM):
     def generate_until(self, requests) -> List[str]:
         import torch
 
-        from .generate import run_prompts
+        from dlm_engine.app.api import run_prompts
 
         contexts = [r.args[0] for r in requests]
         kwargs = [dict(r.args[1] or {}) for r in requests]
@@ -243,11 +243,11 @@ def _register() -> None:
     this file runs as ``__main__`` (so the two copies never collide)."""
     from lm_eval.api.registry import model_registry
 
-    target = DLMEngineLM if __name__ == "dlm_engine.lm_eval" else ENTRY
+    target = DLMEngineLM if __name__ == "dlm_engine.integrations.lm_eval" else ENTRY
     for alias in ALIASES:
         try:
             model_registry.register(alias, target=target)
-        except ValueError:  # already holds the class (imported before as dlm_engine.lm_eval)
+        except ValueError:  # already holds the class (imported before as dlm_engine.integrations.lm_eval)
             pass
 
 
@@ -255,7 +255,7 @@ _register()
 
 
 def main() -> None:
-    """``python -m dlm_engine.lm_eval``: lm-eval's own command line with ``--model dlm_engine`` known."""
+    """``python -m dlm_engine.integrations.lm_eval``: lm-eval's own command line with ``--model dlm_engine`` known."""
     from lm_eval.__main__ import cli_evaluate
 
     cli_evaluate()

@@ -1,6 +1,6 @@
-"""Base class of KV caches. A cache is the model's hooks object (see :mod:`dlm_engine.models.hooks`)
+"""Base class of KV caches. A cache is the model's hooks object (see :mod:`dlm_engine.core.protocol`)
 plus ``begin``/``end`` around one decode. Concrete caches live in ``cache/`` and register themselves
-with :func:`dlm_engine.registry.register_cache`.
+with :func:`dlm_engine.core.registry.register_cache`.
 """
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any, ClassVar, Tuple
 
 import torch
 
-from .errors import ConfigError
-from .models.hooks import NullHooks
+from dlm_engine.errors import ConfigError
+from dlm_engine.core.protocol import NullHooks
 
 
 class Cache(NullHooks):
@@ -40,7 +40,7 @@ class StoredKVCache(Cache):
     before RoPE and re-rotating at every call.
 
     Finished rows: when a call runs only some rows of the batch (``call.extras["rows"]``, ascending
-    indices into a batch of ``call.extras["full_batch"]`` rows; see :mod:`dlm_engine.rows`), the stored
+    indices into a batch of ``call.extras["full_batch"]`` rows; see :mod:`dlm_engine.core.rows`), the stored
     keys/values of the rows that left are dropped (:meth:`keep_rows`) and the others stay valid: rows never
     come back, so the store shrinks with the active batch and no refresh is needed.
     """

@@ -16,7 +16,7 @@ ascending; with CFG the unconditional copies are rows ``B + r``) together with
 ``call.extras["full_batch"]`` (the size of that full batch). Both are absent while every row is active, so
 the common case costs nothing but one host read of the number of finished rows per step. Rows never come
 back once finished, so a cache may drop the stored keys/values of rows that left the active set
-(:class:`dlm_engine.kvcache.StoredKVCache` does).
+(:class:`dlm_engine.core.kvcache.StoredKVCache` does).
 
 Random draws of the sampler (Gumbel noise, random confidences, the prefix cache's discarded draw) have
 the shape of the active batch. A batched run at ``T > 0`` in which some rows finish early therefore uses
@@ -29,8 +29,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from .canvas import Canvas
-from .sampler import Proposal
+from dlm_engine.core.canvas import Canvas
+from dlm_engine.core.sampler import Proposal
 
 
 class ActiveRows:

@@ -6,10 +6,10 @@ from typing import Any, Iterable, Optional, Tuple
 
 import torch
 
-from .canvas import Canvas, FrameDelta
-from .rows import ActiveRows, call_extras, expand_proposal, idle_proposal
-from .sampler import propose
-from .strategy import StepPlan, Strategy
+from dlm_engine.core.canvas import Canvas, FrameDelta
+from dlm_engine.core.rows import ActiveRows, call_extras, expand_proposal, idle_proposal
+from dlm_engine.core.sampler import propose
+from dlm_engine.core.strategy import StepPlan, Strategy
 
 
 class Sink:
@@ -39,7 +39,7 @@ def forward(model, canvas: Canvas, plan: StepPlan, cache,
     """One model call for a plan (CFG doubles the batch; it still counts as one forward).
 
     ``rows``: run only these canvas rows (the active ones, ascending); the logits then have ``len(rows)``
-    rows and the cache gets ``extras["rows"]`` / ``extras["full_batch"]`` (see :mod:`dlm_engine.rows`).
+    rows and the cache gets ``extras["rows"]`` / ``extras["full_batch"]`` (see :mod:`dlm_engine.core.rows`).
     """
     ids, attn = canvas.tokens, canvas.attention_mask
     pos = canvas.position_ids
@@ -72,11 +72,11 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
            max_steps: Optional[int] = None, compact: bool = True) -> Canvas:
     """Decode ``canvas`` in place with ``strategy``; every step's delta goes to ``sinks``.
 
-    ``compact``: once rows are finished, run the model on the active rows only (:mod:`dlm_engine.rows`);
+    ``compact``: once rows are finished, run the model on the active rows only (:mod:`dlm_engine.core.rows`);
     a step the strategy schedules after every row finished still runs one (discarded) forward, so
     ``canvas.nfe`` always equals the number of model calls.
     """
-    from .registry import cache_class
+    from dlm_engine.core.registry import cache_class
 
     if cache is None:
         cache = cache_class("none")(cache_class("none").Config())

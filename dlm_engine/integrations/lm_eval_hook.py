@@ -7,7 +7,7 @@ as the top-level module ``dlm_engine_lm_eval_hook`` plus a one-line ``dlm_engine
 
 :func:`install` only puts a watcher on ``sys.meta_path``: nothing is imported, and every other import pays
 one string comparison. When ``lm_eval.api.registry`` is imported, the watcher lets it load normally and
-then adds the lazy entries ``dlm_engine`` / ``dlm-engine`` -> ``dlm_engine.lm_eval:DLMEngineLM``; dlm_engine
+then adds the lazy entries ``dlm_engine`` / ``dlm-engine`` -> ``dlm_engine.integrations.lm_eval:DLMEngineLM``; dlm_engine
 itself (and torch) load only when lm-eval asks for that model. Set ``DLM_ENGINE_LM_EVAL_HOOK=0`` to turn
 the hook off. This file must stay free of dlm_engine imports: it runs in every interpreter of the
 environment.
@@ -16,7 +16,7 @@ import os
 import sys
 
 REGISTRY_MODULE = "lm_eval.api.registry"
-ENTRY = "dlm_engine.lm_eval:DLMEngineLM"
+ENTRY = "dlm_engine.integrations.lm_eval:DLMEngineLM"
 ALIASES = ("dlm_engine", "dlm-engine")
 OFF_SWITCH = "DLM_ENGINE_LM_EVAL_HOOK"
 

@@ -8,13 +8,13 @@ from typing import Any, Dict, List
 
 from omegaconf import DictConfig, OmegaConf
 
-from .errors import ConfigError
+from dlm_engine.errors import ConfigError
 
 DEMO_PROMPTS = ["347+085=", "901-256=", "name a fruit:", "sum 9:"]
 
 
 def build_strategy(cfg: DictConfig):
-    from .registry import strategy_class
+    from dlm_engine.core.registry import strategy_class
 
     cls = strategy_class(cfg.strategy.name)
     conf = OmegaConf.to_object(cfg.strategy)
@@ -22,7 +22,7 @@ def build_strategy(cfg: DictConfig):
 
 
 def build_cache(cfg: DictConfig):
-    from .registry import cache_class
+    from dlm_engine.core.registry import cache_class
 
     cls = cache_class(cfg.cache.name)
     conf = OmegaConf.to_object(cfg.cache)
@@ -42,8 +42,8 @@ def validate(cfg: DictConfig):
                           f"(supported: {', '.join(strategy.caches)})")
     make_cache = build_cache(cfg)
     make_cache()
-    from .chat import CHAT_MODES
-    from .models.checkpoint import check_checkpoint
+    from dlm_engine.models.chat import CHAT_MODES
+    from dlm_engine.models.checkpoint import check_checkpoint
 
     if cfg.model.chat_template not in CHAT_MODES:
         raise ConfigError(f"model.chat_template='{cfg.model.chat_template}' (choose auto, on or off)")
@@ -52,10 +52,10 @@ def validate(cfg: DictConfig):
         cfg.model.path = str(found)
     if cfg.prompts_file and not Path(cfg.prompts_file).is_file():
         raise ConfigError(f"prompts_file: '{cfg.prompts_file}' does not exist")
-    from .models.loader import resolve_device, resolve_dtype
+    from dlm_engine.models.loader import resolve_device, resolve_dtype
 
     resolve_dtype(cfg.dtype, resolve_device(cfg.device))
-    from .trace.runtime import check_config
+    from dlm_engine.trace.runtime import check_config
 
     check_config(cfg.trace)
     return make_strategy, make_cache
@@ -63,7 +63,7 @@ def validate(cfg: DictConfig):
 
 def load_inputs(cfg: DictConfig, lm) -> Dict[str, Any]:
     """Prompts (text and ids) plus the task examples when the task has a checker."""
-    from . import tasks as taskmod
+    from dlm_engine.app import tasks as taskmod
 
     examples = None
     if cfg.prompts is not None:
@@ -84,9 +84,9 @@ def load_inputs(cfg: DictConfig, lm) -> Dict[str, Any]:
 def run(cfg: DictConfig, out_dir: Path) -> Dict[str, Any]:
     import torch
 
-    from .fsutil import atomic_write_json, atomic_write_jsonl
-    from .generate import load_model, run_prompts
-    from .sinks import ProgressSink
+    from dlm_engine.fsutil import atomic_write_json, atomic_write_jsonl
+    from dlm_engine.app.api import load_model, run_prompts
+    from dlm_engine.app.sinks import ProgressSink
 
     make_strategy, make_cache = validate(cfg)
     torch.manual_seed(cfg.seed)
@@ -96,7 +96,7 @@ def run(cfg: DictConfig, out_dir: Path) -> Dict[str, Any]:
     progress = ProgressSink(len(ids), enabled=None if cfg.progress else False)
 
     torch.manual_seed(cfg.seed)
-    from .trace.runtime import open_run_recorder
+    from dlm_engine.trace.runtime import open_run_recorder
 
     recorder = open_run_recorder(cfg, out_dir, lm, ids)  # None when trace.record=false
     with recorder if recorder is not None else contextlib.nullcontext():  # closed (flushed) on errors and Ctrl-C too
@@ -107,7 +107,7 @@ def run(cfg: DictConfig, out_dir: Path) -> Dict[str, Any]:
 
     correct = None
     if examples is not None:
-        from .tasks import check
+        from dlm_engine.app.tasks import check
 
         for row, ex in zip(stats.rows, examples):
             row.extra["task"] = ex.task
@@ -146,7 +146,7 @@ def versions() -> Dict[str, str]:
     import torch
     import transformers
 
-    from . import __version__
+    from dlm_engine import __version__
 
     return {"dlm_engine": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version()}

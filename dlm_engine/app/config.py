@@ -70,7 +70,7 @@ def register_resolvers() -> None:
     workers (joblib, submitit) have them before they resolve a job's config."""
     from omegaconf import OmegaConf
 
-    from .checkpoints import embedded_path
+    from dlm_engine.checkpoints import embedded_path
 
     if not OmegaConf.has_resolver("dlm_embedded"):
         OmegaConf.register_new_resolver("dlm_embedded", lambda name: embedded_path(name) or f"<missing embedded checkpoint '{name}'>")
@@ -79,7 +79,7 @@ def register_resolvers() -> None:
 
 
 def _job_dir(overrides=()) -> str:
-    from .sweep import job_dirname
+    from dlm_engine.sweeps.jobs import job_dirname
 
     return job_dirname(overrides)
 

@@ -110,11 +110,11 @@ def held_out_for(task_cfg) -> List[Example]:
     names = list(task_cfg.tasks) if task_cfg.tasks else None
     unknown = sorted(set(names or []) - set(GENERATORS))
     if unknown:
-        from .errors import ConfigError
+        from dlm_engine.errors import ConfigError
 
         raise ConfigError(f"task.tasks: unknown task(s) {unknown} (available: {', '.join(sorted(GENERATORS))})")
     if task_cfg.n <= 0:
-        from .errors import ConfigError
+        from dlm_engine.errors import ConfigError
 
         raise ConfigError(f"task.n={task_cfg.n} must be a positive integer")
     return held_out(int(task_cfg.n), names, HELD_OUT_SEED if task_cfg.seed is None else int(task_cfg.seed))

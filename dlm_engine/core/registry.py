@@ -14,7 +14,7 @@ import os
 from dataclasses import is_dataclass
 from typing import Callable, Dict
 
-from .errors import UserError
+from dlm_engine.errors import UserError
 
 STRATEGIES: Dict[str, type] = {}
 CACHES: Dict[str, type] = {}

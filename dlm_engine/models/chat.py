@@ -15,7 +15,7 @@ import hashlib
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from .errors import ConfigError, UserError
+from dlm_engine.errors import ConfigError, UserError
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json",
                    "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json")

@@ -6,8 +6,8 @@ import sys
 import time
 from typing import Optional
 
-from .canvas import Canvas, FrameDelta
-from .loop import Sink
+from dlm_engine.core.canvas import Canvas, FrameDelta
+from dlm_engine.core.loop import Sink
 
 
 class ProgressSink(Sink):
@@ -24,11 +24,11 @@ class ProgressSink(Sink):
 
         auto = enabled is None
         if enabled is None:
-            from .sweep import in_launcher_worker
+            from dlm_engine.sweeps.jobs import in_launcher_worker
 
             enabled = sys.stderr.isatty() and not in_launcher_worker()
         if log_lines is None:
-            from .sweep import in_multirun
+            from dlm_engine.sweeps.jobs import in_multirun
 
             log_lines = auto and not enabled and in_multirun()
         self.log_lines, self.log_interval, self.total, self.done = log_lines, log_interval, total, 0

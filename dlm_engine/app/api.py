@@ -8,9 +8,9 @@ from typing import Any, Iterable, List, Optional, Sequence
 
 import torch
 
-from .canvas import Canvas
-from .errors import UserError
-from .loop import Sink, decode
+from dlm_engine.core.canvas import Canvas
+from dlm_engine.errors import UserError
+from dlm_engine.core.loop import Sink, decode
 
 
 @dataclass
@@ -33,7 +33,7 @@ class LoadedModel:
         if self.tokenizer is None:
             raise UserError(f"model '{self.name}' has no tokenizer; pass token ids instead of text")
         if self.chat_template:
-            from .chat import encode_chat
+            from dlm_engine.models.chat import encode_chat
 
             return encode_chat(self.tokenizer, text)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -56,7 +56,7 @@ def load_directory(path: Optional[str] = None, device: str = "cpu", dtype: str =
     embedded tiny model. Chat template off, no preset checks."""
     from types import SimpleNamespace
 
-    from .checkpoints import embedded_path
+    from dlm_engine.checkpoints import embedded_path
 
     path = path or embedded_path(name)
     if not path:
@@ -66,24 +66,24 @@ def load_directory(path: Optional[str] = None, device: str = "cpu", dtype: str =
 
 def load_model(model_cfg, device: str = "auto", dtype: str = "auto") -> LoadedModel:
     """Load the model named by a ``model`` config node (a local directory or a seeded random model)."""
-    from .models.loader import build_random, load_pretrained, resolve_device, resolve_dtype
-    from .tokenizer import build_char_tokenizer
+    from dlm_engine.models.loader import build_random, load_pretrained, resolve_device, resolve_dtype
+    from dlm_engine.models.tokenizer import build_char_tokenizer
 
     dev = resolve_device(device)
     tdtype = resolve_dtype(dtype, dev)
     dname = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[tdtype]
-    from .models.checkpoint import check_checkpoint
+    from dlm_engine.models.checkpoint import check_checkpoint
 
     path = check_checkpoint(model_cfg)  # None for seeded random models
     if path is not None:
-        from .chat import load_tokenizer
+        from dlm_engine.models.chat import load_tokenizer
 
         model, raw, digest = load_pretrained(path, device=str(dev), dtype=dname)
         tok, tok_digest = load_tokenizer(path)
     else:
         model, raw, digest = build_random(dict(model_cfg.random), seed=model_cfg.random_seed, device=str(dev), dtype=dname)
         tok, tok_digest = build_char_tokenizer(), "char-ascii-v1"
-    from .chat import end_of_turn_id, use_chat_template
+    from dlm_engine.models.chat import end_of_turn_id, use_chat_template
 
     cfg = model.config
     eos = getattr(cfg, "eos_token_id", None)

@@ -4,7 +4,7 @@ Each step queries the current block, lets a *commit rule* (threshold, factor, ..
 candidates to commit, and moves to the next block as soon as the current one has no mask left
 (Fast-dLLM v2 loop control: a full block never costs another forward). Subclasses only provide
 :meth:`FillBlocks.rule` and, if they like, extra validation and scalars. Every such strategy has the EOS
-options of :class:`dlm_engine.eos.EosOptions` (``logits_eos_inf``, ``confidence_eos_eot_inf``,
+options of :class:`dlm_engine.core.eos.EosOptions` (``logits_eos_inf``, ``confidence_eos_eot_inf``,
 ``stop_at_eos``).
 """
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Optional
 
 import torch
 
-from .canvas import BlockEvent
-from .eos import EosOptions, check_eos_options, eos_confidence, eos_stop, eos_suppress
-from .strategy import BlockCursor, CacheDirective, StepPlan, Strategy, block_range, candidates
+from dlm_engine.core.canvas import BlockEvent
+from dlm_engine.core.eos import EosOptions, check_eos_options, eos_confidence, eos_stop, eos_suppress
+from dlm_engine.core.strategy import BlockCursor, CacheDirective, StepPlan, Strategy, block_range, candidates
 
 
 @dataclass

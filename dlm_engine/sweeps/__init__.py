@@ -1,0 +1,1 @@
+"""Hydra multirun sweeps: per-job records and resume, scanning a sweep directory, tables and plots."""

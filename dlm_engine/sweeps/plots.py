@@ -1,0 +1,127 @@
+"""Sweep plots (matplotlib, optional): accuracy vs NFE per prompt with the Pareto front, TPS per setting."""
+from __future__ import annotations
+
+from pathlib import Path
+import json
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from dlm_engine.sweeps.tables import format_value, is_number, parse_scalar, sort_key, varying
+
+def _label(row: Dict[str, Any], keys: Sequence[str]) -> str:
+    return ", ".join(f"{k.split('.')[-1]}={format_value(row.get(k))}" for k in keys)
+
+
+def _group_key(rows: Sequence[Dict[str, Any]], vary: Sequence[str]) -> Optional[str]:
+    """Legend grouping: strategy when several are compared, else the varying setting with fewest values."""
+    if "strategy" in vary:
+        return "strategy"
+    best = None
+    for k in vary:
+        n = len({json.dumps(r.get(k), default=str) for r in rows})
+        if n <= 8 and (best is None or n < best[0]):
+            best = (n, k)
+    return best[1] if best else None
+
+
+def _numeric_params(rows: Sequence[Dict[str, Any]], vary: Sequence[str]) -> List[str]:
+    nums = [k for k in vary if all(is_number(r.get(k)) for r in rows)]
+
+    def rank(k: str) -> Tuple[int, str]:
+        for i, word in enumerate(("threshold", "block_length", "buffer_size", "factor", "steps")):
+            if word in k:
+                return (i, k)
+        return (9, k)
+
+    return sorted(nums, key=rank)[:3]
+
+
+def write_plots(rows: Sequence[Dict[str, Any]], settings: Sequence[str], out_dir: Path) -> Tuple[List[Path], List[str]]:
+    """accuracy_vs_nfe.png and tps.png over the ``settings`` that vary; returns (written files, notes).
+    Raises ImportError without matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r.get("status") == "ok"]
+    vary = varying(ok, settings)
+    written, notes = [], []
+    if not ok:
+        return written, ["no finished jobs: nothing to plot"]
+    group = _group_key(ok, vary)
+    groups: Dict[str, List[Dict[str, Any]]] = {}
+    for r in ok:
+        groups.setdefault(format_value(r.get(group)) if group else "", []).append(r)
+    rest = [k for k in vary if k != group]
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+
+    pts = [r for r in ok if is_number(r.get("accuracy")) and is_number(r.get("nfe_per_prompt"))]
+    if pts:
+        fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=100)
+        for i, (g, rs) in enumerate(sorted(groups.items(), key=lambda kv: sort_key(parse_scalar(kv[0])))):
+            rs = [r for r in rs if r in pts]
+            ax.scatter([r["nfe_per_prompt"] for r in rs], [r["accuracy"] for r in rs], s=36, alpha=0.8,
+                       color=colors[i % len(colors)], label=f"{group.split('.')[-1]}={g}" if group else None, zorder=2)
+        front = sorted((r for r in pts if r.get("pareto")), key=lambda r: (r["nfe_per_prompt"], -r["accuracy"]))
+        if front:
+            ax.plot([r["nfe_per_prompt"] for r in front], [r["accuracy"] for r in front], drawstyle="steps-post",
+                    color="black", lw=1.2, zorder=1, label="Pareto front")
+            ax.scatter([r["nfe_per_prompt"] for r in front], [r["accuracy"] for r in front], s=110,
+                       facecolors="none", edgecolors="black", lw=1.4, zorder=3)
+            if len(front) <= 12 and rest:
+                for r in front:
+                    ax.annotate(_label(r, rest), (r["nfe_per_prompt"], r["accuracy"]), textcoords="offset points",
+                                xytext=(5, -11), fontsize=7)
+        ax.set_xlabel("NFE per prompt (mean model forward calls)")
+        ax.set_ylabel("accuracy (exact match)")
+        ax.set_title("accuracy vs NFE")
+        ax.grid(alpha=0.3)
+        if group or front:
+            ax.legend(fontsize=8, loc="best")
+        written.append(_save_figure(plt, fig, Path(out_dir) / "accuracy_vs_nfe.png"))
+    else:
+        notes.append("no accuracy in the results (the task has no checker): accuracy_vs_nfe.png not written")
+
+    tps_rows = [r for r in ok if is_number(r.get("tps"))]
+    if tps_rows:
+        params = _numeric_params(tps_rows, vary)
+        if params:
+            fig, axes = plt.subplots(1, len(params), figsize=(4.6 * len(params), 3.8), dpi=100, squeeze=False)
+            for ax, p in zip(axes[0], params):
+                others = [k for k in vary if k != p]
+                lines: Dict[Tuple, List[Dict[str, Any]]] = {}
+                for r in tps_rows:
+                    lines.setdefault(tuple(sort_key(r.get(k)) for k in others), []).append(r)
+                many = len(lines) > 8
+                for i, (_, rs) in enumerate(sorted(lines.items())):
+                    rs = sorted(rs, key=lambda r: r[p])
+                    lab = _label(rs[0], others)
+                    ax.plot([r[p] for r in rs], [r["tps"] for r in rs], marker="o", ms=4, lw=1,
+                            color=colors[i % len(colors)], label=None if many or not lab else lab)
+                xs = sorted({r[p] for r in tps_rows})
+                if len(xs) <= 8:
+                    ax.set_xticks(xs, [format_value(x) for x in xs])
+                ax.set_ylim(bottom=0)
+                ax.set_xlabel(p)
+                ax.set_ylabel("TPS (generated tokens / s)")
+                ax.grid(alpha=0.3)
+                if not many and others:
+                    ax.legend(fontsize=7)
+            fig.suptitle("tokens per second")
+        else:
+            fig, ax = plt.subplots(figsize=(6.4, 0.35 * len(tps_rows) + 1.2), dpi=100)
+            labels = [(_label(r, vary) or str(r.get("strategy") or r["job"]))[:48] for r in tps_rows]
+            ax.barh(range(len(tps_rows)), [r["tps"] for r in tps_rows], color=colors[0])
+            ax.set_yticks(range(len(tps_rows)), labels, fontsize=7)
+            ax.set_xlabel("TPS (generated tokens / s)")
+            ax.invert_yaxis()
+            ax.grid(alpha=0.3, axis="x")
+        written.append(_save_figure(plt, fig, Path(out_dir) / "tps.png"))
+    return written, notes
+
+
+def _save_figure(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
