@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dlm_engine.errors import ConfigError
+from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.kvcache import StoredKVCache
 from dlm_engine.core.registry import register_cache
 
@@ -32,6 +33,8 @@ class BlockStoreCacheConfig:
 
 @register_cache("block_store", BlockStoreCacheConfig)
 class BlockStoreCache(StoredKVCache):
+    needs = caps(Cap.BLOCKS, Cap.BLOCK_HANDOVER)
+
     def __init__(self, config: BlockStoreCacheConfig = None):
         config = config if config is not None else BlockStoreCacheConfig()
         if config.suffix not in SUFFIX_MODES:
@@ -47,13 +50,13 @@ class BlockStoreCache(StoredKVCache):
     def compute_span(self, call, d, refresh):
         L = call.input_ids.shape[1]
         mode = self.cfg.suffix
-        skip = mode == "skip" or (mode == "auto" and call.extras.get("attention_mode") == "block_causal")
+        skip = mode == "skip" or (mode == "auto" and call.attention_mode == "block_causal")
         end = max(d.block[1], self.frozen) if skip else L
         return self.frozen, end, end
 
     def after_call(self, call, d, refresh):
         a, b = call.compute
-        f = max(self.frozen, min(int(call.extras.get("gen_start", 0)), b))   # the prompt never changes
+        f = max(self.frozen, min(call.gen_start, b))   # the prompt never changes
         for s, e in sorted(d.store):
             if s <= f and f < e <= b:         # contiguous with what is stored, computed in this call
                 f = e

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.kvcache import StoredKVCache
 from dlm_engine.core.registry import register_cache
 
@@ -21,10 +22,12 @@ class PrefixCacheConfig:
 
 @register_cache("prefix", PrefixCacheConfig)
 class PrefixCache(StoredKVCache):
+    offers = caps(Cap.BLOCK_LOGITS, Cap.SUFFIX_LOGITS)
+
     def compute_span(self, call, d, refresh):
         L = call.input_ids.shape[1]
         return (0 if refresh else d.block[0]), L, L
 
     def after_call(self, call, d, refresh):
         if not refresh and self.cfg.wasted_draw:
-            call.extras["discard_draws"] = 1
+            call.discard_draws = 1

@@ -1,4 +1,4 @@
-"""Trace recorder benchmark: size, replay speed and recording overhead against specs/trace.md's targets.
+"""Trace recorder benchmark: size, replay speed and recording overhead against docs/specs/trace.md's targets.
 
     .venv/bin/python experiments/bench_trace.py            # everything (a few minutes on 2 CPU cores)
     .venv/bin/python experiments/bench_trace.py --quick    # fewer sizes and pairs

@@ -3,11 +3,16 @@
 
     python experiments/parity.py FIXTURES_DIR OUT.json [--only SUBSTRING]
 
-FIXTURES_DIR holds suite files (``llada.json``, ``fastdllm_v2.json``, ...) in the reference-parity
-format and a model directory (``tiny_llada/`` or ``tiny_dream/``). Each case runs at float32 on CPU
-with ``torch.manual_seed(seed)`` right before decoding; the model is loaded through the normal
-checkpoint loader. Cases dlm_engine cannot run yet are listed by id (never silently dropped).
-Compare with ``python FIXTURES_DIR/compare.py FIXTURES_DIR OUT.json``.
+FIXTURES_DIR holds suite files (``llada.json``, ``fastdllm_v2.json``, ``dream.json``, ``d2c_*.json``, ...) in
+the reference-parity format and the model directories they name (``tiny_llada/``, ``tiny_dream/``). Each
+case runs at float32 on CPU with ``torch.manual_seed(seed)`` right before decoding; models are loaded
+through the normal checkpoint loader. Cases dlm_engine cannot run are listed by id (never silently
+dropped). Compare with ``python tests/fixtures/compare.py FIXTURES_DIR OUT.json``.
+
+The reference-only knowledge lives here, not in the strategies: each suite has an *adapter* that maps a
+reference call (function + keyword arguments) onto a strategy config and a cache config, and turns the
+decode's per-step scalars into the reference's extra outputs (CadLLM's vocabulary sizes, Prophet's exit
+info).
 """
 from __future__ import annotations
 
@@ -15,17 +20,19 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
 from dlm_engine.core.canvas import Canvas  # noqa: E402
+from dlm_engine.core.capabilities import incompatibility  # noqa: E402
 from dlm_engine.core.loop import Sink, decode  # noqa: E402
+from dlm_engine.core.registry import CACHES, STRATEGIES, cache_class, load_plugins, strategy_class  # noqa: E402
 from dlm_engine.models.loader import load_pretrained  # noqa: E402
-from dlm_engine.core.registry import cache_class, load_plugins, strategy_class, STRATEGIES, CACHES  # noqa: E402
 
 SKIP_FILES = {"manifest.json", "model_forward.json"}
 
@@ -34,50 +41,125 @@ class Unsupported(Exception):
     pass
 
 
-class CallCounter(Sink):
-    """Cumulative forward count after every step (to turn ``step_of`` into the fixtures' unmask_step)."""
+@dataclass
+class Setup:
+    """How one reference case runs in dlm_engine."""
+
+    strategy: str
+    config: Any                                # the strategy's config dataclass
+    cache: str = "none"
+    cache_config: Dict[str, Any] = field(default_factory=dict)
+    gen_length: int = 128
+    ignore_padding: bool = False               # the reference model attends to left padding (Fast-dLLM's copy)
+    extra: Optional[Callable[[List[dict]], dict]] = None   # per-step scalars -> the reference's extra outputs
+
+
+class StepLog(Sink):
+    """Cumulative forward count after every step (to turn ``step_of`` into the fixtures' unmask_step) and
+    the strategy scalars of every decoding step (step 0, the set-up, is not a decoding step)."""
 
     def __init__(self):
-        self.cum = [0]
+        self.cum = {0: 0}
         self.scalars: List[dict] = []
 
     def on_delta(self, delta, canvas):
-        self.cum.append(self.cum[-1] + delta.nfe)
-        self.scalars.append(delta.scalars)
+        self.cum[delta.step] = self.cum.get(delta.step - 1, 0) + delta.nfe if delta.step > 0 else 0
+        if delta.step > 0:
+            self.scalars.append(delta.scalars)
 
 
-def _strategy_and_cache(case: dict) -> Tuple[str, dict, str]:
-    """Map a reference function + kwargs onto (strategy name, strategy config overrides, cache name)."""
-    fn, kw = case["function"], dict(case["kwargs"])
+# -- adapters: reference call -> dlm_engine setup ----------------------------------------------------------
+def _config(name: str, kw: dict):
+    cls = strategy_class(name)
+    unknown = sorted(set(kw) - set(cls.Config.__dataclass_fields__))
+    if unknown:
+        raise Unsupported(f"strategy '{name}' has no options {unknown}")
+    return cls.Config(**kw)
+
+
+def llada_setup(case: dict) -> Setup:
+    kw = dict(case["kwargs"])
     kw.pop("mask_id", None)
-    gen_length = kw.pop("gen_length", 128)
-    suite = case["id"].split("/")[0]
-    if suite in ("llada",):
-        return "low_confidence", kw, "none", gen_length
-    if suite == "fastdllm_v2":
-        cache = {"generate": "none", "generate_with_prefix_cache": "prefix", "generate_with_dual_cache": "dual"}[fn]
-        if kw.get("factor") is not None:
-            kw.pop("threshold", None)
-            return "factor", kw, cache, gen_length
-        if kw.get("threshold") is not None:
-            return "threshold", kw, cache, gen_length
+    gen = kw.pop("gen_length", 128)
+    return Setup("low_confidence", _config("low_confidence", kw), gen_length=gen, ignore_padding=True)
+
+
+def fastdllm_setup(case: dict) -> Setup:
+    kw = dict(case["kwargs"])
+    kw.pop("mask_id", None)
+    gen = kw.pop("gen_length", 128)
+    cache = {"generate": "none", "generate_with_prefix_cache": "prefix", "generate_with_dual_cache": "dual"}[case["function"]]
+    if kw.get("factor") is not None:
+        kw.pop("threshold", None)
+        name = "factor"
+    elif kw.get("threshold") is not None:
+        kw.pop("factor", None)
+        name = "threshold"
+    else:
         kw.pop("threshold", None)
         kw.pop("factor", None)
         kw["loop"] = "fastdllm"
-        return "low_confidence", kw, cache, gen_length
-    if suite == "cadllm":
-        return "cadllm", kw, "dual", gen_length
-    if suite == "prophet":
-        return "early_exit", kw, "none", gen_length
-    if suite.startswith("dream"):
-        # Dream's diffusion_generate: generation length from max_new_tokens / max_length (specs/dream.md §3.1)
-        kw.pop("attention_mask", None)
-        cache = "none"
-        if suite == "dream_block":                 # Fast-dLLM's block loop: block_length defaults to 32
-            kw.setdefault("block_length", 32)
-            cache = "dual" if kw.get("dual_cache") else "prefix"
-        return "dream", dict(kw, function=fn), cache, _dream_gen_length(case)
-    raise Unsupported(f"unknown suite '{suite}'")
+        name = "low_confidence"
+    return Setup(name, _config(name, kw), cache=cache, gen_length=gen, ignore_padding=True)
+
+
+def cadllm_setup(case: dict) -> Setup:
+    kw = dict(case["kwargs"])
+    kw.pop("mask_id", None)
+    gen = kw.pop("gen_length", 128)
+
+    def extra(scalars):
+        return {"vocab_size_history": [int(s["vocab_size"]) for s in scalars if "vocab_size" in s]}
+
+    return Setup("cadllm", _config("cadllm", kw), cache="dual", gen_length=gen, ignore_padding=True, extra=extra)
+
+
+def prophet_setup(case: dict) -> Setup:
+    """Prophet's ``generate``: ``answer_start_pos`` is absolute (prompt + offset), thresholds come as a dict."""
+    kw = dict(case["kwargs"])
+    kw.pop("mask_id", None)
+    gen = kw.pop("gen_length", 128)
+    start = kw.pop("answer_start_pos", None)
+    if not kw.pop("analyze_gap", False) or start is None:
+        start = None
+    else:  # an answer window outside the generation disables the test, as in the reference
+        start = int(start) - int(case.get("prompt_len") or 0)
+        if max(start, 0) >= min(start + kw.get("answer_length", 5), gen):
+            start = None
+    thr = dict(kw.pop("early_exit_thresholds", None) or {})
+    cons = kw.pop("constraints", None)
+    cons = [[int(p), int(t)] for p, t in (cons.items() if isinstance(cons, dict) else cons)] if cons else None
+    conf = _config("early_exit", dict(kw, answer_start=start, constraints=cons, early_threshold=thr.get("early", 7.5),
+                                      mid_threshold=thr.get("mid", 5.0), late_threshold=thr.get("late", 2.5)))
+    steps = conf.steps if conf.steps is not None else gen
+
+    def extra(scalars):
+        fired = [i + 1 for i, sc in enumerate(scalars) if "exit" in sc and bool(sc["exit"][0])]
+        return {"exit_info": {"early_exit_triggered": bool(fired), "exit_decision_step": fired[0] if fired else None,
+                              "total_steps": steps, "actual_steps": len(scalars)}}
+
+    return Setup("early_exit", conf, gen_length=gen, ignore_padding=True, extra=extra)
+
+
+DREAM_IGNORED = ("max_new_tokens", "max_length", "output_history", "return_dict_in_generate", "return_dict",
+                 "num_return_sequences", "mask_token_id", "pad_token_id", "bos_token_id", "eos_token_id",
+                 "attention_mask", "function")
+
+
+def dream_setup(case: dict) -> Setup:
+    """Dream's ``diffusion_generate`` (plus the runner's ``block_length``/``dual_cache`` for Fast-dLLM's loop)."""
+    kw = {k: v for k, v in case["kwargs"].items() if k not in DREAM_IGNORED}
+    block = case["id"].startswith("dream_block")
+    if block:
+        kw.setdefault("block_length", 32)
+    dual = kw.pop("dual_cache", None)
+    conf = _config("dream", dict(
+        alg=kw.pop("alg", "origin"), steps=kw.pop("steps", 512), eps=kw.pop("eps", 1e-3),
+        temperature=kw.pop("temperature", 0.0) or 0.0, top_p=kw.pop("top_p", None), top_k=kw.pop("top_k", None),
+        alg_temp=kw.pop("alg_temp", None), threshold=kw.pop("threshold", 0.9),
+        block_length=kw.pop("block_length", None), window="block" if dual else "rest", **kw))
+    cache = ("dual" if dual else "prefix") if block else "none"
+    return Setup("dream", conf, cache=cache, gen_length=_dream_gen_length(case))
 
 
 def _dream_gen_length(case: dict) -> int:
@@ -89,6 +171,37 @@ def _dream_gen_length(case: dict) -> int:
     if kw.get("max_length") is not None:
         return int(kw["max_length"]) - P
     return min(20 + P, 256) - P   # DreamGenerationConfig's default max_length (tiny model: 256 positions)
+
+
+ADAPTERS: Dict[str, Callable[[dict], Setup]] = {
+    "llada": llada_setup, "fastdllm_v2": fastdllm_setup, "cadllm": cadllm_setup, "prophet": prophet_setup,
+    "dream": dream_setup, "dream_block": dream_setup,
+}
+
+
+def setup_for(case: dict) -> Setup:
+    load_plugins()
+    suite = case["id"].split("/")[0]
+    adapter = ADAPTERS.get(suite)
+    if adapter is None:
+        raise Unsupported(f"unknown suite '{suite}'")
+    return adapter(case)
+
+
+def build(case: dict):
+    """``(strategy, cache, setup)`` of a case (raises :class:`Unsupported` for what dlm_engine cannot run)."""
+    st = setup_for(case)
+    if st.strategy not in STRATEGIES:
+        raise Unsupported(f"strategy '{st.strategy}' is not implemented yet")
+    if st.cache not in CACHES:
+        raise Unsupported(f"cache '{st.cache}' is not implemented yet")
+    strategy = strategy_class(st.strategy)(st.config, st.gen_length)
+    ccls = cache_class(st.cache)
+    cache = ccls(ccls.Config(**st.cache_config))
+    problem = incompatibility(strategy, cache)
+    if problem is not None:
+        raise Unsupported(problem)
+    return strategy, cache, st
 
 
 def _rows(case: dict, prompts: List[List[int]]) -> Tuple[List[List[int]], bool]:
@@ -115,76 +228,52 @@ def _rows(case: dict, prompts: List[List[int]]) -> Tuple[List[List[int]], bool]:
     return [list(r) for r in rows], batched
 
 
-def build(case: dict):
-    load_plugins()
-    name, kw, cache_name, gen_length = _strategy_and_cache(case)
-    if name not in STRATEGIES:
-        raise Unsupported(f"strategy '{name}' is not implemented yet")
-    if cache_name not in CACHES:
-        raise Unsupported(f"cache '{cache_name}' is not implemented yet")
-    cls = strategy_class(name)
-    cfg_cls = cls.Config
-    if hasattr(cls, "config_from_reference"):
-        # optional context for strategies whose reference arguments are absolute canvas positions
-        import inspect
-
-        ctx = {"prompt_len": case.get("prompt_len"), "gen_length": gen_length}
-        params = inspect.signature(cls.config_from_reference).parameters
-        conf = cls.config_from_reference(kw, **{k: v for k, v in ctx.items() if k in params})
-    else:
-        fields = set(cfg_cls.__dataclass_fields__)
-        unknown = sorted(set(kw) - fields)
-        if unknown:
-            raise Unsupported(f"strategy '{name}' has no options {unknown}")
-        conf = cfg_cls(**kw)
-    if cache_name not in cls.caches:
-        raise Unsupported(f"strategy '{name}' does not support cache '{cache_name}'")
-    return cls(conf, gen_length), cache_class(cache_name)(cache_class(cache_name).Config()), gen_length
-
-
 def run_case(case: dict, prompts: List[List[int]], model, mask_id: int, pad_id: int) -> Dict[str, Any]:
-    strategy, cache, gen_length = build(case)
+    strategy, cache, st = build(case)
     rows, batched = _rows(case, prompts)
-    canvas = Canvas.from_prompts(rows, gen_length, mask_id, pad_id)
-    if canvas.is_padded and not getattr(model, "logits_shift", 0):
+    canvas = Canvas.from_prompts(rows, st.gen_length, mask_id, pad_id)
+    if canvas.is_padded and st.ignore_padding:
         # The LLaDA references run Fast-dLLM's copy of the model, which ignores padding masks (spec §1.5):
         # left padding is attended like any token, with plain 0..L-1 positions. Reproduce that here.
         canvas.attention_mask[:] = True
         canvas.position_ids = torch.arange(canvas.length).expand(canvas.batch_size, -1).clone()
         canvas.is_padded = False
-    if hasattr(strategy, "prepare_canvas"):
-        strategy.prepare_canvas(canvas)
-    counter = CallCounter()
+    log = StepLog()
     if case.get("seed") is not None:
         torch.manual_seed(case["seed"])
-    decode(model, canvas, strategy, cache=cache, sinks=[counter])
+    decode(model, canvas, strategy, cache=cache, sinks=[log])
     out = canvas.tokens.tolist()
     g = canvas.gen_start
-    unmask = [[counter.cum[s] if s > 0 else 0 for s in so] for so in canvas.step_of[:, g:].tolist()]
+    unmask = [[log.cum[s] if s > 0 else 0 for s in so] for so in canvas.step_of[:, g:].tolist()]
     if not (batched and case["id"].startswith("dream")):   # the LLaDA suites record row 0 only
         unmask = unmask[0]
-    res = {"id": case["id"], "output": out if batched else out[0], "nfe": canvas.nfe,
-           "unmask_step": unmask}
-    if hasattr(strategy, "reference_extra"):
-        res["extra"] = strategy.reference_extra(counter.scalars, canvas)
+    res = {"id": case["id"], "output": out if batched else out[0], "nfe": canvas.nfe, "unmask_step": unmask}
+    if st.extra is not None:
+        res["extra"] = st.extra(log.scalars)
     return res
 
 
-def find_model_dir(folder: Path) -> Path:
-    for name in ("tiny_llada", "tiny_dream"):
-        if (folder / name / "config.json").is_file():
-            return folder / name
-    for sub in sorted(folder.iterdir()):
-        if sub.is_dir() and (sub / "config.json").is_file():
-            return sub
-    raise SystemExit(f"parity: no model directory (with config.json) in {folder}")
+def model_dirs(folder: Path) -> Dict[str, Path]:
+    """Model directories of a fixtures folder by name (``tiny_llada``, ``tiny_dream``, ...)."""
+    found = {sub.name: sub for sub in sorted(folder.iterdir()) if sub.is_dir() and (sub / "config.json").is_file()}
+    if not found:
+        raise SystemExit(f"parity: no model directory (with config.json) in {folder}")
+    return found
 
 
 def run_folder(folder: Path, only: Optional[str] = None, progress: bool = False) -> Tuple[List[dict], List[Tuple[str, str]]]:
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-    model, raw, _ = load_pretrained(find_model_dir(folder), device="cpu", dtype="float32")
-    mask_id = int(model.config.mask_token_id)
-    pad_id = int(raw.get("pad_token_id") if raw.get("pad_token_id") is not None else raw.get("eos_token_id", 0))
+    dirs = model_dirs(folder)
+    loaded: Dict[str, Tuple[Any, int, int]] = {}
+
+    def model_for(case: dict, suite: dict):
+        name = case.get("model_dir") or (suite.get("models") or {}).get(case.get("model")) or next(iter(dirs))
+        if name not in loaded:
+            model, raw, _ = load_pretrained(dirs[name], device="cpu", dtype="float32")
+            pad = raw.get("pad_token_id") if raw.get("pad_token_id") is not None else raw.get("eos_token_id", 0)
+            loaded[name] = (model, int(model.config.mask_token_id), int(pad))
+        return loaded[name]
+
     results, skipped = [], []
     for f in sorted(folder.glob("*.json")):
         if f.name in SKIP_FILES:
@@ -197,6 +286,7 @@ def run_folder(folder: Path, only: Optional[str] = None, progress: bool = False)
                 skipped.append((case["id"], f"reference raised: {case['error']}"))
                 continue
             try:
+                model, mask_id, pad_id = model_for(case, suite)
                 results.append(run_case(case, suite["prompts"], model, mask_id, pad_id))
                 if progress:
                     print(f"ran      {case['id']}", file=sys.stderr)

@@ -1,6 +1,6 @@
 """``dream``: Dream's own decoding rules (``diffusion_generate``) and Fast-dLLM's block loop for Dream.
 
-Without ``block_length`` this is Dream's loop (``specs/dream.md`` §4, §6): exactly ``steps`` model calls
+Without ``block_length`` this is Dream's loop (``docs/specs/dream.md`` §4, §6): exactly ``steps`` model calls
 over the whole canvas, every mask decoded (prompt masks too: infilling), timesteps
 ``linspace(1, eps, steps + 1)``; per step ``alg`` decides what to commit:
 
@@ -30,24 +30,39 @@ and the block loop run per row on batches (the reference supports batch size 1 t
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import List, Optional
+import dataclasses
+from dataclasses import dataclass
+from enum import Enum
+from typing import Optional
 
 import torch
 
-from dlm_engine.core.canvas import BlockEvent, FrameDelta
-from dlm_engine.errors import ConfigError
+from dlm_engine.core.canvas import FrameDelta
+from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.registry import register_strategy
 from dlm_engine.core.sampler import draw_tokens, filtered_probs, sample_positions
 from dlm_engine.core.strategy import CacheDirective, StepPlan, Strategy
+from dlm_engine.errors import ConfigError
+from dlm_engine.strategies._dream_blocks import DreamBlockLoop
 
-ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy", "confidence_threshold")
+
+class Alg(str, Enum):
+    origin = "origin"
+    maskgit_plus = "maskgit_plus"
+    topk_margin = "topk_margin"
+    entropy = "entropy"
+    confidence_threshold = "confidence_threshold"
+
+
+class Window(str, Enum):
+    block = "block"
+    rest = "rest"
 
 
 @dataclass
 class DreamConfig:
     name: str = "dream"
-    alg: str = "entropy"                  # origin | maskgit_plus | topk_margin | entropy | confidence_threshold
+    alg: Alg = Alg.entropy                # origin | maskgit_plus | topk_margin | entropy | confidence_threshold
     steps: Optional[int] = None           # model calls (total over blocks); null = gen_length
     eps: float = 1e-3                     # last timestep: ts = linspace(1, eps, steps + 1)
     temperature: float = 0.0              # categorical sampling temperature; 0 = argmax
@@ -56,11 +71,11 @@ class DreamConfig:
     alg_temp: Optional[float] = None      # null/0: commit the top-k positions; > 0: draw them from softmax(conf/alg_temp)
     threshold: float = 0.9                # confidence_threshold: commit rank >= 1 only at confidence >= threshold
     block_length: Optional[int] = None    # null: Dream's loop; set: Fast-dLLM's block loop for Dream
-    window: str = "block"                 # block loop: block | rest (what cached calls sample over; RNG parity)
+    window: Window = Window.block         # block loop: block | rest (what cached calls sample over; RNG parity)
     infill: bool = True                   # decode mask tokens inside prompts (Dream's loop decodes every mask)
 
 
-@dataclass
+@dataclass(frozen=True)
 class DreamState:
     i: int = 0                                  # model calls made (Dream's loop) / within the block (block loop)
     block: int = 0
@@ -69,18 +84,13 @@ class DreamState:
     quota: Optional[torch.Tensor] = None        # confidence_threshold: per-row tokens per step
     carry: Optional[torch.Tensor] = None        # confidence_threshold: per-row rejected tokens carried over
     lo: int = 0                                 # first column that can hold a mask (window start)
-    history: List[int] = field(default_factory=list)
 
 
 @register_strategy("dream", DreamConfig)
-class Dream(Strategy):
-    caches = ("none", "prefix", "dual")
-
+class Dream(DreamBlockLoop, Strategy):
     # -- configuration ---------------------------------------------------------------------------------
     def validate(self) -> None:
         c = self.cfg
-        if c.alg not in ALGS:
-            raise ConfigError(f"strategy.alg='{c.alg}' (choose {', '.join(ALGS)})")
         self.steps = self.gen_length if c.steps is None else int(c.steps)
         if self.steps <= 0:
             raise ConfigError(f"strategy.steps={c.steps} must be a positive integer")
@@ -94,14 +104,16 @@ class Dream(Strategy):
         if c.alg_temp is not None and c.alg_temp < 0:
             raise ConfigError(f"strategy.alg_temp={c.alg_temp} must be >= 0 (null or 0 = top-k positions)")
         self.check_unit_interval("threshold", c.threshold)
-        self.check_choice("window", c.window, ("block", "rest"))
         if c.block_length is None:
-            self.caches = ("none",)          # Dream's loop has no block structure for a cache to use
+            # Dream's loop: no block structure for a cache, logits over the whole canvas
+            self.offers, self.needs = caps(), caps(Cap.WINDOW_LOGITS)
             self.num_blocks = 0
-            if c.alg == "confidence_threshold" and self.gen_length % self.steps != 0:
+            if c.alg == Alg.confidence_threshold and self.gen_length % self.steps != 0:
                 raise ConfigError(f"strategy.alg=confidence_threshold needs gen_length={self.gen_length} "
                                   f"divisible by strategy.steps={self.steps}")
         else:
+            self.offers = caps(Cap.BLOCKS)
+            self.needs = caps(Cap.SUFFIX_LOGITS if c.window == Window.rest else Cap.BLOCK_LOGITS)
             self.block_length = self.block_length_or_gen(c.block_length)
             self.num_blocks = self.gen_length // self.block_length
             self.check_steps_per_block(self.steps, self.num_blocks)
@@ -110,57 +122,46 @@ class Dream(Strategy):
         # the reference's float32 timesteps (computed on the CPU, where the fixtures were made)
         self.ts = torch.linspace(1, float(c.eps), n + 1, dtype=torch.float32)
 
-    @classmethod
-    def config_from_reference(cls, kw: dict) -> DreamConfig:
-        """Keyword arguments of ``diffusion_generate`` (plus the parity runner's ``block_length``/``dual_cache``)."""
-        kw = dict(kw)
-        kw.pop("function", None)
-        for k in ("max_new_tokens", "max_length", "output_history", "return_dict_in_generate", "return_dict",
-                  "num_return_sequences", "mask_token_id", "pad_token_id", "bos_token_id", "eos_token_id"):
-            kw.pop(k, None)
-        dual = kw.pop("dual_cache", None)
-        conf = DreamConfig(
-            alg=kw.pop("alg", "origin"), steps=kw.pop("steps", 512), eps=kw.pop("eps", 1e-3),
-            temperature=kw.pop("temperature", 0.0) or 0.0, top_p=kw.pop("top_p", None), top_k=kw.pop("top_k", None),
-            alg_temp=kw.pop("alg_temp", None), threshold=kw.pop("threshold", 0.9),
-            block_length=kw.pop("block_length", None), window="block" if dual else "rest",
-        )
-        if kw:
-            raise ValueError(f"dream: unsupported reference arguments {sorted(kw)}")
-        return conf
+    # -- set-up ----------------------------------------------------------------------------------------
+    def prepare(self, canvas) -> Optional[FrameDelta]:
+        """Dream's loop decodes every mask, prompt masks included (infilling): they are re-masked at step 0."""
+        if self.cfg.block_length is not None or not self.cfg.infill:
+            return None
+        holes = (canvas.tokens == canvas.mask_id) & (canvas.step_of == 0)
+        if not bool(holes.any()):
+            return None
+        B = canvas.batch_size
+        none = torch.zeros(B, dtype=torch.bool, device=canvas.device)
+        return FrameDelta(step=0, nfe=0, start=0, commit=torch.zeros_like(holes), tokens=canvas.tokens.clone(),
+                          active=~none, finished=none, remask=holes, scalars={"infill": holes.sum(-1)})
 
-    # -- state -----------------------------------------------------------------------------------------
     def init_state(self, canvas) -> DreamState:
-        st = DreamState()
         c = self.cfg
-        if c.block_length is None:
-            if c.infill:
-                # mask tokens given in the prompt are decoded like the generated region (reference: x == mask)
-                canvas.step_of.masked_fill_((canvas.tokens == canvas.mask_id) & (canvas.step_of == 0), -1)
-            masked_cols = canvas.masked().any(dim=0).nonzero()
-            st.lo = int(masked_cols[0]) if masked_cols.numel() else canvas.gen_start
-            if c.alg == "confidence_threshold":
-                counts = canvas.masked().sum(-1)
-                if bool((counts % self.steps != 0).any()):
-                    raise ConfigError(f"strategy.alg=confidence_threshold: the number of masks per row "
-                                      f"({counts.tolist()}) must be divisible by strategy.steps={self.steps}")
-                st.steps_row = torch.full_like(counts, self.steps)
-                st.quota = torch.div(counts, self.steps, rounding_mode="floor")
-                st.carry = torch.zeros_like(counts)
-        return st
+        if c.block_length is not None:
+            return DreamState()
+        masked_cols = canvas.masked().any(dim=0).nonzero()
+        lo = int(masked_cols[0]) if masked_cols.numel() else canvas.gen_start
+        if c.alg != Alg.confidence_threshold:
+            return DreamState(lo=lo)
+        counts = canvas.masked().sum(-1)
+        if bool((counts % self.steps != 0).any()):
+            raise ConfigError(f"strategy.alg=confidence_threshold: the number of masks per row "
+                              f"({counts.tolist()}) must be divisible by strategy.steps={self.steps}")
+        return DreamState(lo=lo, steps_row=torch.full_like(counts, self.steps),
+                          quota=torch.div(counts, self.steps, rounding_mode="floor"), carry=torch.zeros_like(counts))
 
     # -- plan ------------------------------------------------------------------------------------------
-    def plan(self, canvas, st: DreamState) -> Optional[StepPlan]:
+    def plan(self, canvas, st: DreamState):
         L = canvas.length
         if self.cfg.block_length is None:
             if st.steps_row is not None:
                 if st.i >= int(st.steps_row.max()):
-                    return None
+                    return None, st
             elif st.i >= self.steps:
-                return None
-            return StepPlan(window=(st.lo, L), temperature=0.0, confidence="prob")
+                return None, st
+            return StepPlan(window=(st.lo, L), temperature=0.0, confidence="prob"), st
         if st.block >= self.num_blocks:
-            return None
+            return None, st
         bs, be = self._block(canvas, st.block)
         d = CacheDirective(block=(bs, be), block_start=st.block_start, step_in_block=st.i)
         if st.block_start:
@@ -169,23 +170,19 @@ class Dream(Strategy):
         else:
             # column bs is committed; the window starts after it so that every column's source hidden
             # state (j - 1 for a shifted model) lies inside the recomputed span
-            end = L if self.cfg.window == "rest" else be
+            end = L if self.cfg.window == Window.rest else be
             window = (min(bs + 1, end), end)
-        return StepPlan(window=window, temperature=0.0, confidence="prob", cache=d)
-
-    def _block(self, canvas, b: int):
-        bs = canvas.gen_start + b * self.block_length
-        return bs, bs + self.block_length
+        return StepPlan(window=window, temperature=0.0, confidence="prob", cache=d), st
 
     # -- select ----------------------------------------------------------------------------------------
     def select(self, canvas, plan, proposal, st: DreamState):
         if self.cfg.block_length is None:
-            if self.cfg.alg == "confidence_threshold":
+            if self.cfg.alg == Alg.confidence_threshold:
                 return self._threshold_step(canvas, plan, proposal, st)
             return self._dream_step(canvas, plan, proposal, st)
         if st.block_start:
             return self._block_start(canvas, plan, proposal, st)
-        if self.cfg.alg == "confidence_threshold":
+        if self.cfg.alg == Alg.confidence_threshold:
             return self._block_threshold(canvas, plan, proposal, st)
         return self._block_schedule(canvas, plan, proposal, st)
 
@@ -208,28 +205,27 @@ class Dream(Strategy):
             return int(n * (1 - s / t))
         return int(n)
 
-    def _pick(self, F: torch.Tensor, k: int) -> torch.Tensor:
-        """``k`` columns per row: top-k of ``F`` or, with ``alg_temp``, drawn from ``softmax(F / alg_temp)``."""
+    def _pick(self, scores: torch.Tensor, k: int) -> torch.Tensor:
+        """``k`` columns per row: top-k of ``scores`` or, with ``alg_temp``, drawn from ``softmax(scores / alg_temp)``."""
         at = self.cfg.alg_temp
         if at is None or at == 0:
-            return torch.topk(F, k, dim=-1).indices
-        return sample_positions(F, k, float(at))
+            return torch.topk(scores, k, dim=-1).indices
+        return sample_positions(scores, k, float(at))
 
-    def _delta(self, canvas, start: int, commit, tokens, conf, st, *, remask=None, done=False, events=(),
-               nfe: int = 1) -> FrameDelta:
+    def _delta(self, canvas, start: int, commit, tokens, conf, *, remask=None, done=False, events=()) -> FrameDelta:
         """A delta over columns ``[start, start + W)``; rows without masks afterwards (or all, when done) finish."""
         m = canvas.masked().clone()
         W = commit.shape[1]
-        m[:, start:start + W] &= ~commit
         if remask is not None:
             m[:, start:start + W] |= remask
-        still = m.any(-1)
-        finished = (~still | done) & ~canvas.finished
-        return FrameDelta(step=canvas.step + 1, nfe=nfe, start=start, commit=commit, tokens=tokens,
+        m[:, start:start + W] &= ~commit
+        finished = (~m.any(-1) | done) & ~canvas.finished
+        return FrameDelta(step=canvas.step + 1, nfe=1, start=start, commit=commit, tokens=tokens,
                           active=~canvas.finished, finished=finished, confidence=conf, remask=remask,
                           block_events=list(events), scalars={"committed": commit.sum(-1)})
 
-    def _scatter(self, values: torch.Tensor, where: torch.Tensor, fill) -> torch.Tensor:
+    @staticmethod
+    def _scatter(values: torch.Tensor, where: torch.Tensor, fill) -> torch.Tensor:
         out = torch.full(where.shape, fill, dtype=values.dtype, device=values.device)
         out[where] = values
         return out
@@ -243,7 +239,9 @@ class Dream(Strategy):
         mask_logits = proposal.logits[mask]                       # [M, V] row-major, as logits[mask_index]
         i, mid = st.i, canvas.mask_id
         commit = torch.zeros_like(mask)
-        if c.alg == "origin":
+        nxt = dataclasses.replace(st, i=st.i + 1)
+        done = nxt.i >= self.steps
+        if c.alg == Alg.origin:
             p_transfer = (1 - self.ts[i + 1] / self.ts[i]) if i < self.steps - 1 else 1
             sel = torch.rand(mask_logits.shape[0], device=mask_logits.device) < p_transfer
             x0 = torch.full((mask_logits.shape[0],), mid, dtype=torch.long, device=mask_logits.device)
@@ -251,30 +249,28 @@ class Dream(Strategy):
             tokens = self._scatter(x0, mask, mid)
             commit = mask & (tokens != mid)
             conf = torch.zeros((B, W), dtype=torch.float32, device=tokens.device)
-        else:
-            kind = {"maskgit_plus": "prob", "topk_margin": "margin", "entropy": "entropy"}[c.alg]
-            cval, x0 = self._propose(mask_logits, kind)
-            n = mask.sum() / B                                     # batch average, float32 (reference)
-            k = self._k(n.float(), i, self.steps - 1)
-            tokens = self._scatter(x0, mask, mid)
-            conf_w = self._scatter(cval, mask, float("-inf"))
-            conf = conf_w.float()
-            if k > 0:
-                # ranked over the whole canvas width, as the reference does (matters for alg_temp draws)
-                F = torch.full((B, canvas.length), float("-inf"), dtype=conf_w.dtype, device=conf_w.device)
-                F[:, lo:] = conf_w
-                idx = self._pick(F, k)
-                chosen = torch.zeros((B, canvas.length), dtype=torch.bool, device=F.device)
-                chosen.scatter_(1, idx, True)
-                if bool((chosen[:, :lo]).any()) or bool((chosen[:, lo:] & ~mask).any()):
-                    # reference quirk: a row with fewer masks than k gets non-masked positions re-masked
-                    return self._remask_step(canvas, chosen, tokens, conf, mask, lo, st)
-                commit = chosen[:, lo:]
-        st.i += 1
-        done = st.i >= self.steps
-        return self._delta(canvas, lo, commit, tokens, conf, st, done=done), st
+            return self._delta(canvas, lo, commit, tokens, conf, done=done), nxt
+        kind = {Alg.maskgit_plus: "prob", Alg.topk_margin: "margin", Alg.entropy: "entropy"}[c.alg]
+        cval, x0 = self._propose(mask_logits, kind)
+        n = mask.sum() / B                                         # batch average, float32 (reference)
+        k = self._k(n.float(), i, self.steps - 1)
+        tokens = self._scatter(x0, mask, mid)
+        conf_w = self._scatter(cval, mask, float("-inf"))
+        conf = conf_w.float()
+        if k > 0:
+            # ranked over the whole canvas width, as the reference does (matters for alg_temp draws)
+            scores = torch.full((B, canvas.length), float("-inf"), dtype=conf_w.dtype, device=conf_w.device)
+            scores[:, lo:] = conf_w
+            idx = self._pick(scores, k)
+            chosen = torch.zeros((B, canvas.length), dtype=torch.bool, device=scores.device)
+            chosen.scatter_(1, idx, True)
+            if bool((chosen[:, :lo]).any()) or bool((chosen[:, lo:] & ~mask).any()):
+                # reference quirk: a row with fewer masks than k gets non-masked positions re-masked
+                return self._remask_step(canvas, chosen, tokens, conf, mask, lo, done), nxt
+            commit = chosen[:, lo:]
+        return self._delta(canvas, lo, commit, tokens, conf, done=done), nxt
 
-    def _remask_step(self, canvas, chosen, tokens_w, conf_w, mask_w, lo, st):
+    def _remask_step(self, canvas, chosen, tokens_w, conf_w, mask_w, lo, done) -> FrameDelta:
         B, L = chosen.shape
         full_tok = torch.full((B, L), canvas.mask_id, dtype=torch.long, device=chosen.device)
         full_tok[:, lo:] = tokens_w
@@ -284,8 +280,7 @@ class Dream(Strategy):
         remask = chosen & ~full_mask & ~canvas.masked()
         conf = torch.full((B, L), float("-inf"), device=chosen.device)
         conf[:, lo:] = conf_w
-        st.i += 1
-        return self._delta(canvas, 0, commit, full_tok, conf, st, remask=remask, done=st.i >= self.steps), st
+        return self._delta(canvas, 0, commit, full_tok, conf, remask=remask, done=done)
 
     # Fast-dLLM's confidence_threshold in Dream's loop (no blocks) ---------------------------------------
     def _threshold_step(self, canvas, plan, proposal, st: DreamState):
@@ -294,115 +289,28 @@ class Dream(Strategy):
         active = st.i < st.steps_row                               # rows whose (grown) step budget lasts
         cval, x0 = self._propose(proposal.logits[mask])
         tokens = self._scatter(x0, mask, canvas.mask_id)
-        F = self._scatter(cval, mask, float("-inf"))
+        scores = self._scatter(cval, mask, float("-inf"))
         want = torch.where(active, st.quota + st.carry, torch.zeros_like(st.quota))
         commit = torch.zeros_like(mask)
         rejected = torch.zeros_like(want)
         kmax = int(want.max())
         if kmax > 0:
-            vals, idx = torch.topk(F, kmax, dim=-1)
-            rank = torch.arange(kmax, device=F.device)[None, :]
+            vals, idx = torch.topk(scores, kmax, dim=-1)
+            rank = torch.arange(kmax, device=scores.device)[None, :]
             inside = rank < want[:, None]
             reject = inside & (rank >= 1) & (vals < self.cfg.threshold)
             commit.scatter_(1, idx, inside & ~reject)
             commit &= mask
             rejected = reject.sum(-1)
         last = active & (st.i == st.steps_row - 1)
-        st.carry = torch.where(active, rejected, st.carry)
         grow = last & (rejected > 0)
-        st.quota = torch.where(grow, torch.zeros_like(st.quota), st.quota)
         # the reference tests ``i == steps - 1`` per rejected position after growing steps by one, so
         # only the first rejection of a last step extends the budget (one more step, then test again)
-        st.steps_row = st.steps_row + grow.long()
-        st.i += 1
-        done_rows = st.i >= st.steps_row
-        delta = self._delta(canvas, lo, commit, tokens, F.float(), st, done=bool(done_rows.all()))
+        nxt = dataclasses.replace(st, i=st.i + 1, carry=torch.where(active, rejected, st.carry),
+                                  quota=torch.where(grow, torch.zeros_like(st.quota), st.quota),
+                                  steps_row=st.steps_row + grow.long())
+        done_rows = nxt.i >= nxt.steps_row
+        delta = self._delta(canvas, lo, commit, tokens, scores.float(), done=bool(done_rows.all()))
         delta.active = active & ~canvas.finished
         delta.finished = delta.finished | (done_rows & ~canvas.finished)
-        return delta, st
-
-    # Fast-dLLM's block loop for Dream ----------------------------------------------------------------
-    def _block_start(self, canvas, plan, proposal, st: DreamState):
-        bs, be = self._block(canvas, st.block)
-        lo, hi = plan.window
-        B, W, V = proposal.logits.shape
-        cval, x0 = self._propose(proposal.logits.reshape(B * W, V))
-        x0, cval = x0.view(B, W), cval.view(B, W)
-        commit = torch.zeros((B, W), dtype=torch.bool, device=x0.device)
-        commit[:, bs - lo] = x0[:, bs - lo] != canvas.mask_id    # unconditionally (a mask id stays masked)
-        st.block_start, st.i = False, 1
-        ev = [BlockEvent("opened", st.block, bs, be)]
-        return self._delta(canvas, lo, commit, x0, cval.float(), st, events=ev), st
-
-    @staticmethod
-    def _masks_left(canvas, bs: int, be: int, lo: int, commit, remask=None) -> bool:
-        """Whether block ``[bs, be)`` still has masks after a delta over columns ``[lo, lo + W)``."""
-        left = canvas.masked()[:, bs:be].clone()
-        a, b = max(lo, bs), min(lo + commit.shape[1], be)
-        if b > a:
-            left[:, a - bs:b - bs] &= ~commit[:, a - lo:b - lo]
-            if remask is not None:
-                left[:, a - bs:b - bs] |= remask[:, a - lo:b - lo]
-        return bool(left.any())
-
-    def _end_block(self, st: DreamState, bs: int, be: int) -> List[BlockEvent]:
-        ev = [BlockEvent("completed", st.block, bs, be)]
-        st.block, st.block_start, st.i = st.block + 1, True, 0
-        return ev
-
-    def _block_threshold(self, canvas, plan, proposal, st: DreamState):
-        bs, be = self._block(canvas, st.block)
-        lo, hi = plan.window
-        mask = canvas.masked()[:, lo:hi]                          # window masks (later blocks too in "rest")
-        cval, x0 = self._propose(proposal.logits[mask])           # draws over every mask of the window
-        tokens = self._scatter(x0, mask, canvas.mask_id)
-        F = self._scatter(cval, mask, float("-inf"))
-        F[:, be - lo:] = float("-inf")
-        want = canvas.masked()[:, bs:be].sum(-1)
-        commit = torch.zeros_like(mask)
-        kmax = int(want.max())
-        if kmax > 0:
-            vals, idx = torch.topk(F, kmax, dim=-1)
-            rank = torch.arange(kmax, device=F.device)[None, :]
-            keep = (rank < want[:, None]) & ((rank == 0) | ~(vals < self.cfg.threshold))
-            commit.scatter_(1, idx, keep)
-            commit &= mask
-        st.i += 1
-        ev = self._end_block(st, bs, be) if not self._masks_left(canvas, bs, be, lo, commit) else []
-        done = st.block >= self.num_blocks
-        return self._delta(canvas, lo, commit, tokens, F.float(), st, done=done, events=ev), st
-
-    def _block_schedule(self, canvas, plan, proposal, st: DreamState):
-        bs, be = self._block(canvas, st.block)
-        lo, hi = plan.window
-        B = canvas.batch_size
-        S = self.steps_per_block
-        if st.i == S:                                             # the reference's wasted call
-            ev = self._end_block(st, bs, be)
-            W = hi - lo
-            empty = torch.zeros((B, W), dtype=torch.bool, device=canvas.device)
-            return self._delta(canvas, lo, empty, proposal.x0, None, st, done=st.block >= self.num_blocks,
-                               events=ev), st
-        mask = canvas.masked()[:, lo:hi].clone()
-        mask[:, be - lo:] = False                                 # only the block's masks
-        cval, x0 = self._propose(proposal.logits[mask], "entropy")
-        tokens = self._scatter(x0, mask, canvas.mask_id)
-        n = mask.sum() / B
-        k = self._k(n.float(), st.i, S - 1)
-        # confidences over the reference's window [bs, hi): column bs (committed) is -inf
-        F = torch.full((B, hi - bs), float("-inf"), dtype=cval.dtype, device=cval.device)
-        F[:, lo - bs:] = self._scatter(cval, mask, float("-inf"))
-        commit = torch.zeros_like(mask)
-        remask = None
-        if k > 0:
-            idx = self._pick(F, k)
-            chosen = torch.zeros_like(F, dtype=torch.bool).scatter_(1, idx, True)[:, lo - bs:]
-            commit = chosen & mask
-            extra = chosen & ~mask & ~canvas.masked()[:, lo:hi]
-            if bool(extra.any()):
-                remask = extra                                    # batch-average quirk (rows with fewer masks)
-        st.i += 1
-        ev = self._end_block(st, bs, be) if not self._masks_left(canvas, bs, be, lo, commit, remask) else []
-        conf = F[:, lo - bs:].float()
-        return self._delta(canvas, lo, commit, tokens, conf, st, remask=remask,
-                           done=st.block >= self.num_blocks, events=ev), st
+        return delta, nxt

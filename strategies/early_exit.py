@@ -15,11 +15,13 @@ from typing import Dict, List, Optional
 
 import torch
 
-from dlm_engine.core.canvas import BlockEvent
-from dlm_engine.errors import ConfigError
+from dlm_engine.core.canvas import FrameDelta
+from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.registry import register_strategy
 from dlm_engine.core.selection import topk_commit, transfer_schedule
-from dlm_engine.core.strategy import BlockCursor, CacheDirective, StepPlan, Strategy, block_range, candidates
+from dlm_engine.core.strategy import (BlockCursor, CacheDirective, Remasking, StepPlan, Strategy, block_range,
+                                      candidates)
+from dlm_engine.errors import ConfigError
 
 PHASES = ((0.33, "early"), (0.67, "mid"), (float("inf"), "late"))
 
@@ -30,7 +32,7 @@ class EarlyExitConfig:
     steps: Optional[int] = None             # total over all blocks; null = gen_length
     block_length: Optional[int] = None      # null = gen_length (a single block)
     temperature: float = 0.0
-    remasking: str = "low_confidence"       # low_confidence | random
+    remasking: Remasking = Remasking.low_confidence   # low_confidence | random
     cfg_scale: float = 0.0
     answer_start: Optional[int] = None      # answer window start, offset from the generation start; null = never exit
     answer_length: int = 5                  # answer window size (Prophet hard-codes 5)
@@ -40,15 +42,17 @@ class EarlyExitConfig:
     constraints: Optional[List[List[int]]] = None  # [[generation position, token id], ...], given tokens
 
 
-@dataclass
+@dataclass(frozen=True)
 class ExitState:
     cursor: BlockCursor
     exited: torch.Tensor                     # [B] bool: rows that went all-in
+    counts: Optional[torch.Tensor] = None    # [B, steps_per_block] transfer schedule of the current block
 
 
 @register_strategy("early_exit", EarlyExitConfig)
 class EarlyExit(Strategy):
-    caches = ("none",)
+    offers = caps(Cap.BLOCKS)
+    needs = caps(Cap.WINDOW_LOGITS)          # the answer window and the all-in commit read the whole generation
 
     def validate(self) -> None:
         c = self.cfg
@@ -56,7 +60,6 @@ class EarlyExit(Strategy):
         self.num_blocks = self.gen_length // self.block_length
         self.steps = self.gen_length if c.steps is None else int(c.steps)
         self.steps_per_block = self.check_steps_per_block(self.steps, self.num_blocks)
-        self.check_choice("remasking", c.remasking, ("low_confidence", "random"))
         self.check_non_negative("temperature", c.temperature)
         self.check_non_negative("cfg_scale", c.cfg_scale)
         self.check_positive("answer_length", c.answer_length)
@@ -70,50 +73,41 @@ class EarlyExit(Strategy):
         if any(len(pair) != 2 for pair in (c.constraints or [])):
             raise ConfigError(f"strategy.constraints={c.constraints} must be a list of [position, token_id] pairs")
         self.constraints: Dict[int, int] = {int(p): int(t) for p, t in (c.constraints or [])}
-        for pos in self.constraints:
+        for pos, tok in self.constraints.items():
             if not 0 <= pos < self.gen_length:
                 raise ConfigError(f"strategy.constraints: position {pos} is outside [0, gen_length={self.gen_length})")
+            if tok < 0:
+                raise ConfigError(f"strategy.constraints: token id {tok} at position {pos} is negative")
 
-    @classmethod
-    def config_from_reference(cls, kw: dict, prompt_len: int = 0, gen_length: int = 128) -> EarlyExitConfig:
-        """Prophet ``generate`` kwargs -> config (``answer_start_pos`` is absolute: prompt_len + offset)."""
-        kw = dict(kw)
-        start = kw.pop("answer_start_pos", None)
-        if not kw.pop("analyze_gap", False) or start is None:
-            start = None
-        else:  # an answer window outside the generation disables the test, as in the reference
-            start = int(start) - int(prompt_len)
-            if max(start, 0) >= min(start + kw.get("answer_length", 5), gen_length):
-                start = None
-        thr = dict(kw.pop("early_exit_thresholds", None) or {})
-        cons = kw.pop("constraints", None)
-        cons = [[int(p), int(t)] for p, t in (cons.items() if isinstance(cons, dict) else cons)] if cons else None
-        return EarlyExitConfig(answer_start=start, constraints=cons, early_threshold=thr.get("early", 7.5),
-                               mid_threshold=thr.get("mid", 5.0), late_threshold=thr.get("late", 2.5), **kw)
-
-    def prepare_canvas(self, canvas) -> None:
-        """Write the constraints (idempotent); they count as given tokens."""
-        cons = self.constraints
-        if cons:
-            cols = torch.tensor([canvas.gen_start + int(p) for p in cons], device=canvas.device)
-            canvas.set_given(cols, torch.tensor([int(t) for t in cons.values()], device=canvas.device))
+    def prepare(self, canvas) -> Optional[FrameDelta]:
+        """The constraints as a step-0 delta: given tokens at their generation positions."""
+        if not self.constraints:
+            return None
+        B, G, g = canvas.batch_size, canvas.gen_length, canvas.gen_start
+        commit = torch.zeros((B, G), dtype=torch.bool, device=canvas.device)
+        tokens = canvas.tokens[:, g:].clone()
+        cols = torch.tensor(list(self.constraints), device=canvas.device)
+        commit[:, cols] = True
+        tokens[:, cols] = torch.tensor(list(self.constraints.values()), device=canvas.device)
+        none = torch.zeros(B, dtype=torch.bool, device=canvas.device)
+        return FrameDelta(step=0, nfe=0, start=g, commit=commit, tokens=tokens, active=~none, finished=none,
+                          scalars={"constraints": len(self.constraints)})
 
     def init_state(self, canvas):
-        self.prepare_canvas(canvas)
         return ExitState(BlockCursor(), torch.zeros(canvas.batch_size, dtype=torch.bool, device=canvas.device))
 
-    def plan(self, canvas, st: ExitState) -> Optional[StepPlan]:
+    def plan(self, canvas, st: ExitState):
         cur = st.cursor
         if cur.block >= self.num_blocks or bool(st.exited.all()):
-            return None
+            return None, st
         s, e = block_range(canvas, cur.block, self.block_length)
         if cur.step == 0:
-            cur.schedule = transfer_schedule(canvas.masked()[:, s:e].sum(-1), self.steps_per_block)
+            st = ExitState(cur, st.exited, transfer_schedule(canvas.masked()[:, s:e].sum(-1), self.steps_per_block))
         c = self.cfg
         # the window is the whole generation: the answer window and the all-in commit reach past the block
         return StepPlan(window=(canvas.gen_start, canvas.length), temperature=c.temperature,
-                        confidence="random" if c.remasking == "random" else "prob", cfg_scale=c.cfg_scale,
-                        cache=CacheDirective(block=(s, e), block_start=cur.step == 0, step_in_block=cur.step))
+                        confidence="random" if c.remasking == Remasking.random else "prob", cfg_scale=c.cfg_scale,
+                        cache=CacheDirective(block=(s, e), block_start=cur.step == 0, step_in_block=cur.step)), st
 
     def phase_threshold(self, global_step: int) -> float:
         q = global_step / self.steps
@@ -134,26 +128,18 @@ class EarlyExit(Strategy):
         cur = st.cursor
         s, e = block_range(canvas, cur.block, self.block_length)
         cand = candidates(canvas, proposal, e)
-        k = cur.schedule[:, cur.step]
-        commit = topk_commit(proposal.confidence, cand, k)
+        commit = topk_commit(proposal.confidence, cand, st.counts[:, cur.step])
         scalars = {"block": cur.block, "committed": commit.sum(-1)}
+        exited = st.exited
         if self.answer_window is not None:
             gap = self.answer_gap(proposal.logits)
             thr = self.phase_threshold(canvas.step + 1)
-            fire = (gap >= thr) & ~st.exited
+            fire = (gap >= thr) & ~exited
             all_in = canvas.masked()[:, canvas.gen_start:] & fire[:, None]
             commit = torch.where(fire[:, None], all_in, commit)
-            st.exited = st.exited | fire
+            exited = exited | fire
             scalars.update(gap=gap, exit_threshold=thr, exit=fire, committed=commit.sum(-1))
-        events = [BlockEvent("opened", cur.block, s, e)] if cur.step == 0 else []
-        cur.step += 1
-        if cur.step >= self.steps_per_block:
-            events.append(BlockEvent("completed", cur.block, s, e))
-            cur.block, cur.step = cur.block + 1, 0
-        return self.delta(canvas, proposal, commit, events=events, scalars=scalars), st
-
-    def reference_extra(self, scalars, canvas) -> dict:
-        """Prophet's ``exit_info`` for row 0."""
-        steps = [i + 1 for i, sc in enumerate(scalars) if "exit" in sc and bool(sc["exit"][0])]
-        return {"exit_info": {"early_exit_triggered": bool(steps), "exit_decision_step": steps[0] if steps else None,
-                              "total_steps": self.steps, "actual_steps": len(scalars)}}
+        done = cur.step + 1 >= self.steps_per_block
+        nxt, events = cur.advance((s, e), done)
+        delta = self.delta(canvas, proposal, commit, events=events, scalars=scalars)
+        return delta, ExitState(nxt, exited, None if done else st.counts)

@@ -33,6 +33,7 @@ def parity():
 
     spec = importlib.util.spec_from_file_location("dlm_parity", ROOT / "experiments" / "parity.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod          # dataclasses resolve string annotations through sys.modules
     spec.loader.exec_module(mod)
     return mod
 
@@ -48,7 +49,7 @@ def record_calls(cache):
     def forward(call):
         with inner(call) as c:
             yield c
-        calls.append((c.extras.get("cache_refresh"), tuple(c.compute), c.batch_size))
+        calls.append((c.refreshed, tuple(c.compute), c.batch_size))
 
     cache.forward = forward
     return calls
@@ -83,7 +84,7 @@ def compare_with_reference(candidates, ids, tmp_path):
     assert not missing, f"cases not run by parity.py: {missing}"
     path = tmp_path / "subset.json"
     path.write_text(json.dumps({"cases": [candidates[i] for i in ids]}))
-    proc = subprocess.run([sys.executable, str(REFPARITY / "compare.py"), str(REFPARITY), str(path)],
+    proc = subprocess.run([sys.executable, str(FIXTURES / "compare.py"), str(REFPARITY), str(path)],
                           capture_output=True, text=True, timeout=120)
     return proc.returncode, proc.stdout + proc.stderr
 

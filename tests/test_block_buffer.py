@@ -18,19 +18,16 @@ class Plans:
 
     def __init__(self, inner):
         self.inner, self.plans = inner, []
-        self.name, self.caches = inner.name, inner.caches
+        self.name, self.offers, self.needs = inner.name, inner.offers, inner.needs
 
-    def init_state(self, canvas):
-        return self.inner.init_state(canvas)
+    def __getattr__(self, name):          # prepare, init_state, max_steps, select, ...
+        return getattr(self.inner, name)
 
     def plan(self, canvas, st):
-        p = self.inner.plan(canvas, st)
+        p, st = self.inner.plan(canvas, st)
         if p is not None:
             self.plans.append(p)
-        return p
-
-    def select(self, *a):
-        return self.inner.select(*a)
+        return p, st
 
 
 def _run(model, name, prompts, gen=32, cache="none", seed=None, **kw):

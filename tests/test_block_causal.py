@@ -10,7 +10,9 @@ from dlm_engine.core.canvas import Canvas
 from dlm_engine.errors import ConfigError
 from dlm_engine.core.loop import decode
 from dlm_engine.core.protocol import ForwardCall
-from dlm_engine.models.llada import LLaDAConfig, LLaDAModelLM, attention_bias
+from dlm_engine.core.protocol import CallRequest, Columns
+from dlm_engine.models.layers import attention_mask
+from dlm_engine.models.llada import LLaDAConfig, LLaDAModelLM
 from dlm_engine.core.registry import cache_class, strategy_class
 from dlm_engine.app.sinks import RecordingSink
 
@@ -26,29 +28,32 @@ def block_causal(tiny_llada):
     return model.eval()
 
 
-def test_attention_bias_blocks_count_from_the_generation_start():
+def test_attention_mask_blocks_count_from_the_generation_start():
     L, g = 10, 4
     key_mask = torch.ones(1, L, dtype=torch.bool)
     key_mask[0, 0] = False
     call = ForwardCall(input_ids=torch.zeros(1, L, dtype=torch.long), position_ids=torch.zeros(1, L), key_mask=key_mask,
-                       compute=(0, L), logits_range=(0, L), extras={"gen_start": g})
-    m = attention_bias(call, (0, L), torch.arange(L), "block_causal", 3)[0, 0]
+                       columns=Columns.span(0, L), logits_range=(0, L), request=CallRequest(gen_start=g),
+                       attention_mode="block_causal", block_size=3)
+    cols = torch.arange(L)[None]
+    m = attention_mask(call, cols, torch.arange(L))[0, 0]
     block = torch.tensor([-1] * 4 + [0, 0, 0, 1, 1, 1])
     want = (block[None, :] <= block[:, None]) & key_mask[0][None, :]
     assert torch.equal(m, want)
-    assert attention_bias(call, (0, L), torch.arange(L), "bidirectional", None).shape == (1, 1, 1, L)
+    call.attention_mode = "bidirectional"
+    assert attention_mask(call, cols, torch.arange(L)).shape == (1, 1, 1, L)
 
 
 def test_block_causal_model_ignores_later_blocks(block_causal, tiny_llada):
     x = torch.tensor([PROMPTS[0] + [1000] * 24])
     y = x.clone()
     y[0, 6 + 8:] = torch.arange(16) + 100            # change blocks 1 and 2
-    ex = {"gen_start": 6}
+    ex = CallRequest(gen_start=6)
     with torch.no_grad():
-        a = block_causal(x, extras=ex).logits
-        b = block_causal(y, extras=ex).logits
-        c = tiny_llada(x, extras=ex).logits
-        d = tiny_llada(y, extras=ex).logits
+        a = block_causal(x, request=ex).logits
+        b = block_causal(y, request=ex).logits
+        c = tiny_llada(x, request=ex).logits
+        d = tiny_llada(y, request=ex).logits
     assert torch.allclose(a[:, :14], b[:, :14], atol=1e-6, rtol=0)       # prompt and block 0 unaffected
     assert not torch.allclose(c[:, :14], d[:, :14], atol=1e-3)           # bidirectional: affected
     with pytest.raises(ValueError, match="attention_mode"):

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dlm_engine.core.protocol import NullHooks
+from dlm_engine.core.protocol import Columns, NullHooks
 from dlm_engine.models.loader import load_pretrained
 
 DREAM = Path(__file__).resolve().parent / "fixtures" / "dreamparity"
@@ -58,7 +58,7 @@ def test_logits_window_is_slice_of_full(tiny_dream, lo, hi):
     with torch.no_grad():
         full = tiny_dream(ids).logits
         part = tiny_dream(ids, logits_range=(lo, hi))
-    assert part.logits_range == (lo, hi)
+    assert part.logits_range == (lo, hi) and part.valid is None
     assert torch.allclose(part.logits, full[:, lo:hi], atol=1e-5)
 
 
@@ -83,24 +83,60 @@ class _Narrow(NullHooks):
 
     @contextmanager
     def forward(self, call):
-        self.seen = (tuple(call.logits_range), call.extras.get("logits_shift"))
-        call.compute = (self.s, self.e)
+        self.seen = (tuple(call.logits_range), call.logits_shift)
+        call.columns = Columns.span(self.s, self.e)
         yield call
 
 
-def test_cache_sees_hidden_range_and_model_reports_exact_columns(tiny_dream):
+def test_cache_sees_the_shift_and_model_reports_valid_columns(tiny_dream):
     ids = torch.tensor([[406, 710, 869, 657, 230, 402] + [1000] * 10])
     with torch.no_grad():
+        full = tiny_dream(ids).logits
         hooks = _Narrow(6, 16)
         call = tiny_dream(ids, hooks=hooks, logits_range=(6, 12))
-    # the model asked the cache for the hidden states that feed columns 6..11
-    assert hooks.seen == ((5, 11), 1)
-    # hidden 5 was not recomputed, so column 6 cannot be produced exactly: it is left out, not faked
-    assert call.logits_range == (7, 12)
-    assert call.logits.shape == (1, 5, 1024)
+    assert hooks.seen == ((6, 12), 1)            # the cache sees the window and that column j reads hidden j-1
+    # hidden 5 was not recomputed, so column 6 cannot be produced exactly: it is invalid (zeros), not faked
+    assert call.logits.shape == (1, 6, 1024)
+    assert call.valid.tolist() == [[False, True, True, True, True, True]]
+    assert torch.equal(call.logits[:, 0], torch.zeros(1, 1024))
     with torch.no_grad():
         ok = tiny_dream(ids, hooks=_Narrow(5, 16), logits_range=(6, 12))
-    assert ok.logits_range == (6, 12)
+    assert ok.valid is None and ok.logits.shape == full[:, 6:12].shape
+
+
+def test_per_row_column_sets_give_logits_where_computed(tiny_dream, tiny_llada):
+    """Protocol v2: a cache may feed an arbitrary set of columns per row; the window's logits are valid
+    exactly where the source hidden state (j - shift) was computed, zeros elsewhere."""
+    ids = torch.tensor([[406, 710, 869, 657, 230, 402] + [1000] * 10] * 2)
+
+    class Rows(NullHooks):
+        def __init__(self, index):
+            self.index = index
+
+        @contextmanager
+        def forward(self, call):
+            call.columns = Columns.rows(self.index)
+            yield call
+
+    index = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 9, 10], [0, 1, 2, 3, 4, 5, 7, 8, 12]])
+    for model, shift in ((tiny_dream, 1), (tiny_llada, 0)):
+        with torch.no_grad():
+            call = model(ids, hooks=Rows(index), logits_range=(6, 14))
+        src = torch.arange(6, 14) - shift
+        want = torch.stack([torch.isin(src, r) for r in index])
+        assert torch.equal(call.valid, want), model
+        assert torch.equal(call.logits[~want], torch.zeros(int((~want).sum()), call.logits.shape[-1]))
+        assert torch.isfinite(call.logits).all()
+        # each row equals the model run on that row's columns alone (original positions kept)
+        for b in range(2):
+            sub = ids[b:b + 1, index[b]]
+            with torch.no_grad():
+                raw = {"shift_logits": False} if shift else {}   # per hidden state, unshifted
+                alone = model(sub, position_ids=index[b:b + 1], **raw).logits[0]
+            for w, j in enumerate(range(6, 14)):
+                if want[b, w]:
+                    at = int((index[b] == max(j - shift, 0)).nonzero())
+                    assert torch.allclose(call.logits[b, w], alone[at], atol=1e-4, rtol=1e-5), (b, j, (call.logits[b, w] - alone[at]).abs().max())
 
 
 def test_official_parameter_names_and_shapes(tiny_dream):

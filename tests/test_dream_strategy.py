@@ -1,5 +1,5 @@
 """Dream's decoding rules (strategy ``dream``): reference parity of every Dream fixture case through the
-parity command, the timestep schedules of specs/dream.md, the block loop, batching and config errors."""
+parity command, the timestep schedules of docs/specs/dream.md, the block loop, batching and config errors."""
 import json
 import subprocess
 import sys
@@ -12,7 +12,7 @@ from dlm_engine.core.canvas import Canvas
 from dlm_engine.errors import ConfigError
 from dlm_engine.core.loop import Sink, decode
 from dlm_engine.models.loader import load_pretrained
-from dlm_engine.core.registry import cache_class, strategy_class
+from dlm_engine.core.registry import CACHES, cache_class, strategy_class
 
 ROOT = Path(__file__).resolve().parents[1]
 DREAM = ROOT / "tests" / "fixtures" / "dreamparity"
@@ -51,7 +51,7 @@ def test_every_dream_fixture_case_matches_through_the_parity_command(tmp_path):
                           capture_output=True, text=True, timeout=900, cwd=str(ROOT))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "0 not run" in proc.stdout, proc.stdout
-    cmp = subprocess.run([sys.executable, str(DREAM / "compare.py"), str(DREAM), str(out)],
+    cmp = subprocess.run([sys.executable, str(DREAM.parent / "compare.py"), str(DREAM), str(out)],
                          capture_output=True, text=True, timeout=120)
     n = sum(len(json.loads((DREAM / f).read_text())["cases"]) for f in ("dream.json", "dream_block.json"))
     assert cmp.returncode == 0, cmp.stdout
@@ -137,14 +137,19 @@ def test_alg_temp_and_filters_run_seeded_and_reproducibly(model):
     assert outs[0] == outs[1]
 
 
-def test_config_from_reference_defaults():
-    cls = strategy_class("dream")
-    conf = cls.config_from_reference({"function": "diffusion_generate", "max_new_tokens": 32})
+def test_reference_arguments_map_to_the_config(parity):
+    """The parity adapter (not the strategy) knows diffusion_generate's defaults and argument names."""
+    def case(kw, suite="dream"):
+        return {"id": f"{suite}/x", "function": "diffusion_generate", "kwargs": kw, "prompt_len": 6}
+
+    st = parity.setup_for(case({"max_new_tokens": 32}))
+    conf = st.config
     assert (conf.alg, conf.steps, conf.eps, conf.temperature, conf.block_length) == ("origin", 512, 1e-3, 0.0, None)
-    conf = cls.config_from_reference({"block_length": 8, "dual_cache": True, "alg": "entropy", "steps": 4})
-    assert conf.window == "block" and conf.block_length == 8
-    with pytest.raises(ValueError, match="unsupported"):
-        cls.config_from_reference({"no_such_argument": 1})
+    assert (st.cache, st.gen_length) == ("none", 32)
+    st = parity.setup_for(case({"dual_cache": True, "alg": "entropy", "steps": 4, "max_new_tokens": 32}, "dream_block"))
+    assert st.config.window == "block" and st.config.block_length == 32 and st.cache == "dual"
+    with pytest.raises(parity.Unsupported, match="no_such_argument"):
+        parity.setup_for(case({"no_such_argument": 1}))
 
 
 @pytest.mark.parametrize("kw, needle", [
@@ -167,7 +172,16 @@ def test_bad_config_names_the_key(kw, needle):
         cls(cls.Config(**kw), 16)
 
 
-def test_dream_loop_accepts_only_the_none_cache():
+def test_dream_loop_pairs_only_with_caches_that_give_every_logit():
+    from dlm_engine.core.capabilities import incompatibility
+
     cls = strategy_class("dream")
-    assert cls(cls.Config(), 16).caches == ("none",)
-    assert set(cls(cls.Config(block_length=8, steps=4), 16).caches) == {"none", "prefix", "dual"}
+
+    def pairs(strategy):
+        return {n for n, c in CACHES.items() if incompatibility(strategy, c()) is None}
+
+    assert pairs(cls(cls.Config(), 16)) == {"none"}
+    assert {"none", "prefix", "dual"} <= pairs(cls(cls.Config(block_length=8, steps=4), 16))
+    assert "dual" not in pairs(cls(cls.Config(block_length=8, steps=4, window="rest"), 16))
+    problem = incompatibility(cls(cls.Config(), 16), cache_class("dual")())
+    assert "window_logits" in problem and "cache=dual" in problem

@@ -77,21 +77,26 @@ def test_constraints_are_written_by_the_strategy_and_count_as_given(tiny_llada):
     canvas, rec = _run(tiny_llada, "early_exit", PROMPTS[:2], steps=16, block_length=8, constraints=[[0, 5], [7, 6]],
                        cfg_scale=1.0)
     g = canvas.gen_start
+    setup, steps = rec.deltas[0], rec.deltas[1:]
+    assert setup.step == 0 and setup.nfe == 0                  # the constraints arrive as the step-0 delta
     for p, t in cons.items():
         assert canvas.tokens[:, g + p].tolist() == [t, t] and canvas.step_of[:, g + p].tolist() == [0, 0]
-        assert not any(bool(d.commit[:, p].any()) for d in rec.deltas)
+        assert setup.commit[:, p].all() and setup.tokens[:, p].tolist() == [t, t]
+        assert not any(bool(d.commit[:, p].any()) for d in steps)
     # they reduce the block's mask count: 8 masks per block minus one constraint each -> 15 commits in total
-    assert int(sum(d.commit.sum() for d in rec.deltas)) == 2 * 14
+    assert int(sum(d.commit.sum() for d in steps)) == 2 * 14
 
 
-def test_config_from_reference_maps_absolute_positions():
-    c = EE.config_from_reference(dict(steps=32, block_length=8, analyze_gap=True, answer_start_pos=26,
-                                      early_exit_thresholds={"mid": 3.0}), prompt_len=6, gen_length=32)
+def test_reference_arguments_map_absolute_positions(parity):
+    """The parity adapter (not the strategy) turns Prophet's absolute answer_start_pos into an offset."""
+    def conf(**kw):
+        return parity.setup_for({"id": "prophet/x", "function": "generate", "prompt_len": 6,
+                                 "kwargs": dict(kw, gen_length=32)}).config
+
+    c = conf(steps=32, block_length=8, analyze_gap=True, answer_start_pos=26, early_exit_thresholds={"mid": 3.0})
     assert (c.answer_start, c.early_threshold, c.mid_threshold, c.late_threshold) == (20, 7.5, 3.0, 2.5)
-    off = EE.config_from_reference(dict(steps=32, answer_start_pos=26), prompt_len=6, gen_length=32)
-    assert off.answer_start is None                           # analyze_gap=False: no exit test
-    outside = EE.config_from_reference(dict(analyze_gap=True, answer_start_pos=60), prompt_len=6, gen_length=32)
-    assert outside.answer_start is None
+    assert conf(steps=32, answer_start_pos=26).answer_start is None          # analyze_gap=False: no exit test
+    assert conf(analyze_gap=True, answer_start_pos=60).answer_start is None  # window outside the generation
 
 
 @pytest.mark.parametrize("kw, key", [

@@ -1,47 +1,15 @@
-"""EOS policy of low_confidence (specs/strategies.md §2: logits_eos_inf, confidence_eos_eot_inf) and the
+"""EOS policy of low_confidence (docs/specs/strategies.md §2: logits_eos_inf, confidence_eos_eot_inf) and the
 early stop at EOS, with a scripted model whose per-column preferences are known."""
-import math
 
 import pytest
-import torch
 
 from dlm_engine.core.canvas import Canvas
 from dlm_engine.errors import ConfigError
 from dlm_engine.app.api import generated_token_count
 from dlm_engine.core.loop import decode
-from dlm_engine.core.protocol import ForwardCall
 from dlm_engine.core.registry import strategy_class
 
-V, MASK, EOS, EOT = 10, 9, 8, 7
-P = 2  # prompt length
-
-
-class Scripted:
-    """Column j of the generation prefers ``top[j]`` with probability ``conf[j]``, then ``second[j]``
-    (one script for every row, or one per row when ``top`` is a list of lists)."""
-
-    def __init__(self, top, conf, second):
-        rows = top if isinstance(top[0], list) else [top]
-        self.scripts = list(zip(rows, conf if isinstance(top[0], list) else [conf],
-                                second if isinstance(top[0], list) else [second]))
-        self.calls = 0
-
-    def __call__(self, ids, attention_mask=None, position_ids=None, hooks=None, logits_range=None, directive=None,
-                 extras=None):
-        self.calls += 1
-        B, L = ids.shape
-        lo, hi = logits_range or (0, L)
-        logits = torch.full((B, hi - lo, V), -8.0)
-        rows = (extras or {}).get("rows")          # canvas rows of this call once some rows finished
-        for b, r in enumerate(range(B) if rows is None else rows.tolist()):
-            top, conf, second = self.scripts[min(r, len(self.scripts) - 1)]
-            for j in range(lo, hi):
-                g = j - P
-                if 0 <= g < len(top):
-                    logits[b, j - lo, top[g]] = math.log(conf[g])
-                    logits[b, j - lo, second[g]] = math.log((1 - conf[g]) * 0.9)
-        return ForwardCall(input_ids=ids, position_ids=position_ids, key_mask=None, compute=(0, L),
-                           logits_range=(lo, hi), logits=logits)
+from fakes import EOS, EOT, MASK, P, Scripted  # noqa: E402
 
 
 def model():

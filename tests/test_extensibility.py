@@ -28,8 +28,8 @@ class LeftToRight(Strategy):
 
     def plan(self, canvas, state):
         if not bool(canvas.masked().any()):
-            return None
-        return StepPlan(window=(canvas.gen_start, canvas.length))
+            return None, state
+        return StepPlan(window=(canvas.gen_start, canvas.length)), state
 
     def select(self, canvas, plan, proposal, state):
         cand = candidates(canvas, proposal, canvas.length)
@@ -40,9 +40,39 @@ class LeftToRight(Strategy):
 PRESET = """\
 # preset of an outside strategy: extends the schema its decorator stored
 defaults:
-  - left_to_right_schema
+  - /schema/strategy/left_to_right@_here_
   - _self_
 tokens_per_step: 2
+"""
+
+CACHE_PLUGIN = '''
+"""A third-party cache: recompute the block and everything after it, but refresh every second call."""
+from dataclasses import dataclass
+
+from dlm_engine.core.capabilities import Cap, caps
+from dlm_engine.core.kvcache import StoredKVCache
+from dlm_engine.core.registry import register_cache
+
+
+@dataclass
+class EveryOtherConfig:
+    name: str = "every_other"
+    refresh_interval: int = 2
+
+
+@register_cache("every_other", EveryOtherConfig)
+class EveryOther(StoredKVCache):
+    offers = caps(Cap.BLOCK_LOGITS, Cap.SUFFIX_LOGITS)
+
+    def compute_span(self, call, d, refresh):
+        L = call.length
+        return (0 if refresh else d.block[0]), L, L
+'''
+
+CACHE_PRESET = """\
+defaults:
+  - /schema/cache/every_other@_here_
+  - _self_
 """
 
 
@@ -89,3 +119,48 @@ def test_early_exit_constraints_through_dlm(tmp_path):
     row = json.loads((out / "results.jsonl").read_text().splitlines()[0])
     assert row["tokens"][0] == 65 and row["tokens"][3] == 66
     assert row["step_of"][0] == 0 and row["step_of"][3] == 0          # given, never committed by a step
+
+
+def test_cache_from_outside_the_package_runs_with_every_compatible_strategy(tmp_path):
+    """A cache registered by a plug-in module pairs with every strategy whose needs it meets (computed from
+    capabilities, no name lists) and is refused, naming the missing capability, by the others."""
+    from dlm_engine.core.capabilities import incompatibility
+    from dlm_engine.core.registry import STRATEGIES, load_plugins
+
+    (tmp_path / "plug").mkdir()
+    (tmp_path / "plug" / "my_cache.py").write_text(textwrap.dedent(CACHE_PLUGIN))
+    (tmp_path / "conf" / "cache").mkdir(parents=True)
+    (tmp_path / "conf" / "cache" / "every_other.yaml").write_text(CACHE_PRESET)
+    env = {"DLM_ENGINE_PLUGINS": "my_cache", "PYTHONPATH": str(tmp_path / "plug")}
+
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(tmp_path / "plug"))
+    try:
+        load_plugins()
+        cache_cls = importlib.import_module("my_cache").EveryOther
+        gen = 16
+        ok, refused = [], []
+        for name, cls in STRATEGIES.items():
+            strategy = cls(cls.Config(), gen)
+            (ok if incompatibility(strategy, cache_cls()) is None else refused).append(name)
+    finally:
+        sys.path.remove(str(tmp_path / "plug"))
+        from dlm_engine.core.registry import CACHES
+
+        CACHES.unregister("every_other")
+        sys.modules.pop("my_cache", None)
+    assert {"low_confidence", "threshold", "factor", "block_buffer"} <= set(ok)
+    assert "early_exit" in refused
+    for name in ok:
+        out = tmp_path / f"run_{name}"
+        proc = run_dlm(["--config-dir", str(tmp_path / "conf"), f"strategy={name}", "cache=every_other",
+                        f"hydra.run.dir={out}", "device=cpu", "trace.record=false", 'prompts=["12+34="]',
+                        "print_outputs=false"], cwd=tmp_path, env=env)
+        assert proc.returncode == 0, (name, proc.stderr)
+        assert json.loads((out / "summary.json").read_text())["cache"]["name"] == "every_other"
+    out = tmp_path / "refused"
+    proc = run_dlm(["--config-dir", str(tmp_path / "conf"), "strategy=early_exit", "cache=every_other",
+                    f"hydra.run.dir={out}", "device=cpu", "trace.record=false"], cwd=tmp_path, env=env)
+    assert proc.returncode == 2 and "window_logits" in proc.stderr and "Traceback" not in proc.stderr

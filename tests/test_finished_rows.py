@@ -3,7 +3,6 @@ early exit) the model runs on the active rows only, KV caches drop the finished 
 row still decodes exactly as it does alone at T = 0, with unchanged NFE and per-row NFE. Also: the EOS
 options (logits_eos_inf, confidence_eos_eot_inf, stop_at_eos) of threshold, factor and block_buffer."""
 import dataclasses
-import math
 
 import pytest
 import torch
@@ -20,14 +19,14 @@ GEN = 16
 
 
 class Recorder:
-    """Wraps a model; records the batch size and ``extras['rows']`` of every call."""
+    """Wraps a model; records the batch size and ``CallRequest.rows`` of every call."""
 
     def __init__(self, model):
         self.model, self.sizes, self.rows = model, [], []
 
     def __call__(self, ids, **kw):
         self.sizes.append(int(ids.shape[0]))
-        rows = (kw.get("extras") or {}).get("rows")
+        rows = kw["request"].rows
         self.rows.append(None if rows is None else rows.tolist())
         return self.model(ids, **kw)
 
@@ -174,9 +173,8 @@ def test_sampler_draws_use_the_active_batch(tiny_llada, monkeypatch):
 
 
 def test_stored_cache_keeps_the_right_rows():
-    """StoredKVCache.keep_rows: dropping rows keeps the others' keys/values (rows of the full batch)."""
-    from dlm_engine.core.protocol import AttentionIO
-    from dlm_engine.core.strategy import CacheDirective
+    """StoredKVCache + RowStore: dropping rows keeps the others' keys/values (rows of the full batch)."""
+    from dlm_engine.core.protocol import AttentionIO, CacheDirective, CallRequest, Columns
 
     cache = make_cache("dual")
     cache.begin(None)
@@ -186,21 +184,24 @@ def test_stored_cache_keeps_the_right_rows():
     def call(rows, fill, start):
         B = 4 if rows is None else len(rows)
         ids = torch.zeros((B, L), dtype=torch.long)
-        extras = {} if rows is None else {"rows": torch.tensor(rows), "full_batch": 4}
-        c = ForwardCall(input_ids=ids, position_ids=ids, key_mask=None, compute=(0, L), logits_range=(0, L),
-                        directive=dataclasses.replace(d, block_start=start), extras=extras)
+        req = CallRequest(directive=dataclasses.replace(d, block_start=start))
+        if rows is not None:
+            req.rows, req.full_batch = torch.tensor(rows), 4
+        c = ForwardCall(input_ids=ids, position_ids=ids, key_mask=None, columns=Columns.span(0, L),
+                        logits_range=(0, L), request=req)
         with cache.forward(c) as c:
             a, b = c.compute
             k = fill[:, None, a:b, None].float().expand(B, 1, b - a, 2).clone()
-            io = AttentionIO(q=k, k=k, v=k.clone(), query_positions=(a, b), key_columns=torch.arange(a, b), call=c)
+            io = AttentionIO(layer=0, x=k, call=c)
             with cache.attention(0, io) as io:
-                return c, io.k[:, 0, :, 0]
+                kk, vv, cols = cache.keys_values(0, io, k, k.clone())
+                return c, kk[:, 0, :, 0]
 
     base = torch.arange(4)[:, None] * 10 + torch.arange(L)[None, :]        # row r, column j -> 10 r + j
     c, k = call(None, base, True)
     assert c.compute == (0, L) and torch.equal(k, base.float())
     c, k = call([0, 2, 3], base[[0, 2, 3]] + 100, False)                   # row 1 finished; block recomputed
-    assert c.compute == (2, 4) and not c.extras["cache_refresh"]
+    assert c.compute == (2, 4) and not c.refreshed
     want = base[[0, 2, 3]].float()
     want[:, 2:4] += 100
     assert torch.equal(k, want)
@@ -212,33 +213,7 @@ def test_stored_cache_keeps_the_right_rows():
 
 # -- EOS options of threshold / factor / block_buffer (a scripted model whose preferences are known) -----
 
-V, MASK, EOS, EOT = 10, 9, 8, 7
-P = 2
-
-
-class Scripted:
-    """Generation column j prefers ``top[j]`` (probability ``conf[j]``), then ``second[j]``; one script per
-    canvas row (the call's ``extras['rows']`` says which rows it runs once some are finished)."""
-
-    def __init__(self, top, conf, second):
-        self.scripts = list(zip(top, conf, second))
-        self.sizes = []
-
-    def __call__(self, ids, attention_mask=None, position_ids=None, hooks=None, logits_range=None, directive=None,
-                 extras=None):
-        B, L = ids.shape
-        self.sizes.append(B)
-        lo, hi = logits_range or (0, L)
-        logits = torch.full((B, hi - lo, V), -8.0)
-        rows = (extras or {}).get("rows")
-        for b, r in enumerate(range(B) if rows is None else rows.tolist()):
-            top, conf, second = self.scripts[r]
-            for j in range(lo, hi):
-                if 0 <= j - P < len(top):
-                    logits[b, j - lo, top[j - P]] = math.log(conf[j - P])
-                    logits[b, j - lo, second[j - P]] = math.log((1 - conf[j - P]) * 0.9)
-        return ForwardCall(input_ids=ids, position_ids=position_ids, key_mask=None, compute=(0, L),
-                           logits_range=(lo, hi), logits=logits)
+from fakes import EOS, EOT, MASK, P, Scripted  # noqa: E402
 
 
 ROW_EOS = ([1, 2, EOS, EOS, EOS, EOS], [0.9, 0.8, 0.99, 0.5, 0.5, 0.5], [3, 4, 5, EOT, 6, 6])

@@ -50,7 +50,8 @@ def test_model_calls_have_the_reference_shapes(parity, tiny_llada):
     for case in data["cases"]:
         if case["function"] not in CACHED or "error" in case:
             continue
-        strategy, cache, gen = parity.build(case)
+        strategy, cache, setup = parity.build(case)
+        gen = setup.gen_length
         calls = record_calls(cache)
         canvas = Canvas.from_prompts([data["prompts"][case["prompt_idx"]]], gen, 1000, 1001)
         decode(tiny_llada, canvas, strategy, cache=cache)

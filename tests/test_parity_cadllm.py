@@ -137,7 +137,9 @@ def test_defaults_are_the_reference_signature_defaults():
             c.min_confidence_gap, c.prophet_patience, c.min_confidence_commit) == \
         (8, 24, 32, 0.0, "low_confidence", None, None, True, 256, 8, "softmax", True, True, True, True, False,
          0.3, 2, 0.6)
-    assert CAD.max_batch == 1 and "dual" in CAD.caches
+    from dlm_engine.core.capabilities import incompatibility
+
+    assert CAD.max_batch == 1 and incompatibility(CAD(c, 32), cache_class("dual")()) is None
 
 
 @pytest.mark.parametrize("kw, key", [

@@ -50,7 +50,7 @@ def test_parity_maps_to_the_new_strategies(parity):
     a generation-relative offset."""
     data = json.loads((REFPARITY / "prophet.json").read_text())
     case = next(c for c in data["cases"] if "constraints" in c["kwargs"])
-    strategy, _, gen_length = parity.build(case)
+    strategy, _, setup = parity.build(case)
     assert strategy.name == "early_exit"
     assert strategy.cfg.answer_start == case["kwargs"]["answer_start_pos"] - case["prompt_len"]
     assert strategy.constraints == {int(p): int(t) for p, t in case["kwargs"]["constraints"]}

@@ -193,7 +193,8 @@ def test_remask_and_edit_events_round_trip(tmp_path):
     """Crafted deltas: commits, remasks (with and without recommit), overwrites of committed tokens."""
     mask = 3
     canvas = Canvas.from_prompts([[10, 11], [12]], gen_length=6, mask_id=mask, pad_id=0)
-    canvas.set_given(torch.tensor([canvas.gen_start + 5]), torch.tensor([42]))   # a given token in the region
+    canvas.tokens[:, canvas.gen_start + 5] = 42              # a given token in the region (step 0)
+    canvas.step_of[:, canvas.gen_start + 5] = 0
     B, g = 2, canvas.gen_start
     rec = TraceRecorder(str(tmp_path / "r.dlmt"), HEADER, capture="confidence")
     states = StateSink()

@@ -76,6 +76,32 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("dlm_embedded", lambda name: embedded_path(name) or f"<missing embedded checkpoint '{name}'>")
     if not OmegaConf.has_resolver("dlm_job_dir"):  # hydra.sweep.subdir (conf/hydra/output/dlm.yaml)
         OmegaConf.register_new_resolver("dlm_job_dir", _job_dir)
+    if not OmegaConf.has_resolver("dlm_config_groups"):  # `dlm --help` (conf/hydra/help/dlm.yaml)
+        OmegaConf.register_new_resolver("dlm_config_groups", config_groups_text)
+
+
+def config_groups_text() -> str:
+    """``group: option, ...`` lines of every config group a user picks from (not ``hydra/*``, not the
+    dataclass schemas under ``schema/``), from the config loader of the running Hydra app."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.object_type import ObjectType
+
+    gh = GlobalHydra.instance()
+    if not gh.is_initialized():
+        return ""
+    loader = gh.config_loader()
+
+    def groups(parent: str = ""):
+        for g in loader.list_groups(parent):
+            name = f"{parent}/{g}" if parent else g
+            if name in ("hydra", "schema"):
+                continue
+            if loader.get_group_options(name, ObjectType.CONFIG):
+                yield name
+            yield from groups(name)
+
+    return "\n".join(f"{g}: {', '.join(sorted(loader.get_group_options(g, ObjectType.CONFIG)))}"
+                     for g in sorted(set(groups())))
 
 
 def _job_dir(overrides=()) -> str:
@@ -94,6 +120,6 @@ def register_configs() -> None:
     register_resolvers()
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
-    cs.store(group="model", name="model_schema", node=ModelConfig)
-    cs.store(group="trace", name="trace_schema", node=TraceConfig)
-    cs.store(group="task", name="task_schema", node=TaskConfig)
+    cs.store(group="schema", name="model", node=ModelConfig)
+    cs.store(group="schema", name="trace", node=TraceConfig)
+    cs.store(group="schema", name="task", node=TaskConfig)

@@ -8,6 +8,7 @@ from typing import Any, Dict, List
 
 from omegaconf import DictConfig, OmegaConf
 
+from dlm_engine.core.capabilities import incompatibility
 from dlm_engine.errors import ConfigError
 
 DEMO_PROMPTS = ["347+085=", "901-256=", "name a fruit:", "sum 9:"]
@@ -37,11 +38,10 @@ def validate(cfg: DictConfig):
         raise ConfigError(f"batch_size={cfg.batch_size} must be a positive integer")
     make_strategy = build_strategy(cfg)
     strategy = make_strategy()  # runs the strategy's cross-field validation
-    if cfg.cache.name not in strategy.caches:
-        raise ConfigError(f"cache={cfg.cache.name} is not supported by strategy={cfg.strategy.name} "
-                          f"(supported: {', '.join(strategy.caches)})")
     make_cache = build_cache(cfg)
-    make_cache()
+    problem = incompatibility(strategy, make_cache())
+    if problem is not None:
+        raise ConfigError(problem)
     from dlm_engine.models.chat import CHAT_MODES
     from dlm_engine.models.checkpoint import check_checkpoint
 

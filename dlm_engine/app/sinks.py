@@ -1,4 +1,4 @@
-"""Sinks of the FrameDelta stream that ship with the core: a progress bar and metrics."""
+"""Sinks of the FrameDelta stream that ship with the app: a progress bar, and a recorder of every delta."""
 from __future__ import annotations
 
 import logging
@@ -51,22 +51,6 @@ class ProgressSink(Sink):
 
     def close(self) -> None:
         self.bar.close()
-
-
-class MetricsSink(Sink):
-    """Counts steps, forward passes and commits per step (for benchmarks and summaries)."""
-
-    def __init__(self):
-        self.steps = 0
-        self.nfe = 0
-        self.commits = []
-        self.scalars = []
-
-    def on_delta(self, delta: FrameDelta, canvas: Canvas) -> None:
-        self.steps += 1
-        self.nfe += delta.nfe
-        self.commits.append(delta.commit.sum(-1))
-        self.scalars.append(delta.scalars)
 
 
 class RecordingSink(Sink):

@@ -10,13 +10,14 @@ options of :class:`dlm_engine.core.eos.EosOptions` (``logits_eos_inf``, ``confid
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
-from dlm_engine.core.canvas import BlockEvent
+from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.eos import EosOptions, check_eos_options, eos_confidence, eos_stop, eos_suppress
-from dlm_engine.core.strategy import BlockCursor, CacheDirective, StepPlan, Strategy, block_range, candidates
+from dlm_engine.core.strategy import (BlockCursor, CacheDirective, Remasking, StepPlan, Strategy, block_range,
+                                      candidates)
 
 
 @dataclass
@@ -27,13 +28,17 @@ class FillBlocksConfig(EosOptions):
     steps: Optional[int] = None          # only checked: divisible by the number of blocks (as the reference)
     block_length: Optional[int] = None   # null = gen_length (a single block)
     temperature: float = 0.0             # Gumbel-max temperature; 0 = argmax
-    remasking: str = "low_confidence"    # low_confidence (float64 softmax of p(x0)) | random
+    remasking: Remasking = Remasking.low_confidence   # low_confidence (float64 softmax of p(x0)) | random
 
 
 class FillBlocks(Strategy):
-    """Block-by-block decoding; a block ends when it is full. Subclasses implement :meth:`rule`."""
+    """Block-by-block decoding; a block ends when it is full. Subclasses implement :meth:`rule`.
 
-    caches = ("none", "prefix", "dual")
+    Candidates whose logits a cache did not compute are never committed, so these strategies work with
+    every cache; the block still ends only when all its positions are decoded."""
+
+    offers = caps(Cap.BLOCKS)
+    needs = caps()
 
     def validate(self) -> None:
         c = self.cfg
@@ -41,7 +46,6 @@ class FillBlocks(Strategy):
         self.num_blocks = self.gen_length // self.block_length
         if c.steps is not None:
             self.check_steps_per_block(int(c.steps), self.num_blocks)
-        self.check_choice("remasking", c.remasking, ("low_confidence", "random"))
         self.check_non_negative("temperature", c.temperature)
 
     def rule(self, conf: torch.Tensor, cand: torch.Tensor, cur: BlockCursor) -> torch.Tensor:
@@ -52,41 +56,37 @@ class FillBlocks(Strategy):
         check_eos_options(self.cfg, canvas)
         return BlockCursor()
 
-    def plan(self, canvas, cur: BlockCursor) -> Optional[StepPlan]:
+    def plan(self, canvas, cur: BlockCursor) -> Tuple[Optional[StepPlan], BlockCursor]:
         while cur.block < self.num_blocks:
             s, e = block_range(canvas, cur.block, self.block_length)
             # the block-full test sits before the forward (v2 loop): a block that is full when it
             # starts (constraints, or a prompt-side fill) costs nothing
             if cur.step > 0 or bool(canvas.masked()[:, s:e].any()):
                 break
-            cur.block += 1
+            cur = BlockCursor(cur.block + 1, 0)
         else:
-            return None
+            return None, cur
         c = self.cfg
         return StepPlan(
             window=(s, e), temperature=c.temperature,
-            confidence="random" if c.remasking == "random" else "prob", softmax_dtype="float64",
+            confidence="random" if c.remasking == Remasking.random else "prob", softmax_dtype="float64",
             cache=CacheDirective(block=(s, e), block_start=cur.step == 0, step_in_block=cur.step),
             suppress=eos_suppress(c, canvas),
-        )
+        ), cur
 
     def select(self, canvas, plan, proposal, cur: BlockCursor):
         s, e = plan.window
         cand = candidates(canvas, proposal, e)
-        eos_confidence(self.cfg, canvas, plan, proposal)
-        commit = self.rule(proposal.confidence, cand, cur) & cand
-        delta = eos_stop(self.cfg, canvas, self.delta(canvas, proposal, commit))
-        events = [BlockEvent("opened", cur.block, s, e)] if cur.step == 0 else []
-        block = cur.block
-        cur.step += 1
+        conf = eos_confidence(self.cfg, canvas, plan, proposal)
+        commit = self.rule(conf, cand, cur) & cand
+        delta = eos_stop(self.cfg, canvas, self.delta(canvas, proposal, commit, confidence=conf))
         # rows finished by this step (stop_at_eos fills their remaining masks) leave nothing in the block
-        if not bool((cand & ~commit & ~delta.finished[:, None]).any()):
-            events.append(BlockEvent("completed", cur.block, s, e))
-            cur.block, cur.step = cur.block + 1, 0
+        left = canvas.masked()[:, s:e] & ~commit & ~delta.finished[:, None]
+        nxt, events = cur.advance((s, e), done=not bool(left.any()))
         delta.block_events = events
-        delta.scalars.update({"block": block, "committed": commit.sum(-1)})
+        delta.scalars.update({"block": cur.block, "committed": commit.sum(-1)})
         delta.scalars.update(self.step_scalars(proposal, cand, commit))
-        return delta, cur
+        return delta, nxt
 
     def step_scalars(self, proposal, cand: torch.Tensor, commit: torch.Tensor) -> dict:
         """Extra per-step scalars of a subclass (empty by default)."""

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -30,7 +30,8 @@ class FrameDelta:
 
     ``finished`` marks rows that are done after this step (explicit, never inferred from empty
     tensors). ``remask`` marks positions returned to the mask state (applied before ``commit``).
-    ``nfe`` is the number of forward passes this step spent.
+    ``nfe`` is the number of forward passes this step spent. Step 0 (``nfe`` 0) is a strategy's set-up
+    before decoding (constraints, an initial canvas): its commits count as given tokens.
     """
 
     step: int
@@ -122,17 +123,9 @@ class Canvas:
         """Positions present before decoding started (prompt, padding, constraints)."""
         return self.step_of == 0
 
-    def padded(self) -> bool:
-        return not bool(self.attention_mask.all())
-
     def state_at(self, t: int) -> torch.Tensor:
         keep = (self.step_of >= 0) & (self.step_of <= t)
         return torch.where(keep, self.tokens, torch.full_like(self.tokens, self.mask_id))
-
-    def set_given(self, columns: torch.Tensor, values: torch.Tensor) -> None:
-        """Write fixed tokens (e.g. constraints) before decoding; they count as given (step 0)."""
-        self.tokens[:, columns] = values
-        self.step_of[:, columns] = 0
 
     # -- update ------------------------------------------------------------------------------------
     def apply(self, delta: FrameDelta) -> None:
@@ -148,7 +141,3 @@ class Canvas:
         self.step = delta.step
         self.nfe += delta.nfe
         self.row_nfe += delta.active.long() * delta.nfe
-
-    def block_bounds(self, block_length: int) -> List[Tuple[int, int]]:
-        return [(self.gen_start + b, self.gen_start + b + block_length)
-                for b in range(0, self.gen_length, block_length)]

@@ -1,4 +1,4 @@
-"""End-of-sequence policies shared by strategies (specs/strategies.md §2).
+"""End-of-sequence policies shared by strategies (docs/specs/strategies.md §2).
 
 * ``suppress_ids``: LLaDA's ``logits_eos_inf`` -- the EOS logit is set to ``-inf`` before sampling (via
   :attr:`dlm_engine.core.strategy.StepPlan.suppress`), so EOS is never proposed.
@@ -12,7 +12,7 @@
 The ids come from the model config (``Canvas.eos_id`` / ``Canvas.eot_id``), never hard-coded.
 
 Strategies offer the three options by mixing :class:`EosOptions` into their config dataclass and calling
-:func:`check_eos_options` (``init_state``), :func:`eos_suppress` (``plan``), :func:`eos_confidence` and
+:func:`check_eos_options` (``init_state``), :func:`eos_suppress` (``plan``), :func:`eos_confidence` (the confidences to rank by) and
 :func:`eos_stop` (``select``).
 """
 from __future__ import annotations
@@ -49,11 +49,13 @@ def eos_suppress(cfg, canvas: Canvas) -> Tuple[int, ...]:
     return (canvas.eos_id,) if cfg.logits_eos_inf else ()
 
 
-def eos_confidence(cfg, canvas: Canvas, plan, proposal) -> None:
-    """``confidence_eos_eot_inf``: recompute ``proposal.confidence`` in place (not for random ranking)."""
+def eos_confidence(cfg, canvas: Canvas, plan, proposal) -> torch.Tensor:
+    """The proposal's confidences, recomputed under ``confidence_eos_eot_inf`` (not for random ranking)."""
     if cfg.confidence_eos_eot_inf and plan.confidence != "random":
-        proposal.confidence = eos_eot_confidence(proposal.logits, proposal.x0, plan.confidence, plan.softmax_dtype,
-                                                 plan.temperature, canvas.eos_id, canvas.eot_id)
+        conf = eos_eot_confidence(proposal.logits, proposal.x0, plan.confidence, plan.softmax_dtype,
+                                  plan.temperature, canvas.eos_id, canvas.eot_id)
+        return conf if proposal.valid is None else conf.masked_fill(~proposal.valid, float("-inf"))
+    return proposal.confidence
 
 
 def eos_stop(cfg, canvas: Canvas, delta: FrameDelta) -> FrameDelta:

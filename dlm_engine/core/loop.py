@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable, Optional, Tuple
+from typing import Iterable, Optional, Tuple
 
 import torch
 
 from dlm_engine.core.canvas import Canvas, FrameDelta
-from dlm_engine.core.rows import ActiveRows, call_extras, expand_proposal, idle_proposal
-from dlm_engine.core.sampler import propose
+from dlm_engine.core.protocol import CallRequest, ForwardCall
+from dlm_engine.core.rows import ActiveRows, call_rows, expand_proposal, idle_proposal
+from dlm_engine.core.sampler import Proposal, propose
 from dlm_engine.core.strategy import StepPlan, Strategy
 
 
@@ -34,12 +35,12 @@ class StalledDecode(RuntimeError):
     pass
 
 
-def forward(model, canvas: Canvas, plan: StepPlan, cache,
-            rows: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Any]:
+def forward(model, canvas: Canvas, plan: StepPlan, cache, rows: Optional[torch.Tensor] = None
+            ) -> Tuple[torch.Tensor, ForwardCall]:
     """One model call for a plan (CFG doubles the batch; it still counts as one forward).
 
     ``rows``: run only these canvas rows (the active ones, ascending); the logits then have ``len(rows)``
-    rows and the cache gets ``extras["rows"]`` / ``extras["full_batch"]`` (see :mod:`dlm_engine.core.rows`).
+    rows and the cache learns which rows of the full batch they are (``CallRequest.rows``).
     """
     ids, attn = canvas.tokens, canvas.attention_mask
     pos = canvas.position_ids
@@ -51,27 +52,42 @@ def forward(model, canvas: Canvas, plan: StepPlan, cache,
     if cfg:
         un = ids.masked_fill(given, canvas.mask_id)
         ids, attn, pos = torch.cat([ids, un]), torch.cat([attn, attn]), torch.cat([pos, pos])
-    extras = {"gen_start": canvas.gen_start}
+    request = CallRequest(gen_start=canvas.gen_start, directive=plan.cache, aux=plan.aux)
     if rows is not None:
-        extras.update(call_extras(rows, canvas.batch_size, cfg))
+        request.rows, request.full_batch = call_rows(rows, canvas.batch_size, cfg)
     call = model(ids, attention_mask=attn if canvas.is_padded else None, position_ids=pos, hooks=cache,
-                 logits_range=plan.window, directive=plan.cache, extras=extras)
-    if tuple(call.logits_range) != tuple(plan.window):
-        raise RuntimeError(f"cache '{getattr(cache, 'name', cache)}' cannot provide logits for columns "
-                           f"{plan.window} (it computed {call.compute})")
+                 logits_range=plan.window, request=request)
     logits = call.logits
     if cfg:
         cond, uncond = logits.chunk(2, dim=0)
         logits = uncond + (plan.cfg_scale + 1) * (cond - uncond)
+        if call.valid is not None:
+            call.valid = call.valid.chunk(2, dim=0)[0]
     if plan.suppress:  # in place, after CFG and before any noise (LLaDA's logits_eos_inf)
         logits[..., list(plan.suppress)] = float("-inf")
     return logits, call
+
+
+def sample(logits: torch.Tensor, plan: StepPlan, call: ForwardCall) -> Proposal:
+    """The shared sampler on a call's window (or the bare logits when the plan samples itself)."""
+    start = plan.window[0]
+    if not plan.sample:
+        return Proposal(start=start, x0=None, confidence=None, logits=logits, valid=call.valid)
+    cols = call.columns
+    if cols.is_span:
+        call_len, call_start = cols.end - cols.start, cols.start
+    else:   # per-row column sets: random draws have the window's shape
+        call_len, call_start = logits.shape[1], start
+    return propose(logits, start, temperature=plan.temperature, confidence=plan.confidence,
+                   softmax_dtype=plan.softmax_dtype, call_len=call_len, call_start=call_start, top_v=plan.top_v,
+                   discard_draws=call.discard_draws, valid=call.valid)
 
 
 def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterable[Sink] = (),
            max_steps: Optional[int] = None, compact: bool = True) -> Canvas:
     """Decode ``canvas`` in place with ``strategy``; every step's delta goes to ``sinks``.
 
+    A strategy's set-up (constraints, an initial canvas) arrives as a step-0 delta before the first step.
     ``compact``: once rows are finished, run the model on the active rows only (:mod:`dlm_engine.core.rows`);
     a step the strategy schedules after every row finished still runs one (discarded) forward, so
     ``canvas.nfe`` always equals the number of model calls.
@@ -79,27 +95,32 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
     from dlm_engine.core.registry import cache_class
 
     if cache is None:
-        cache = cache_class("none")(cache_class("none").Config())
+        cache = cache_class("none")()
     sinks = list(sinks)
     want_logits = any(getattr(s, "wants_logits", False) for s in sinks)  # e.g. trace capture=topk|logits
     cache.begin(canvas)
-    state = strategy.init_state(canvas)
     for s in sinks:
         s.on_start(canvas, {"strategy": strategy.name})
-    limit = max_steps if max_steps is not None else 4 * canvas.gen_length + 64
+    setup = strategy.prepare(canvas)
+    if setup is not None:
+        canvas.apply(setup)
+        for s in sinks:
+            s.on_delta(setup, canvas)
+    state = strategy.init_state(canvas)
+    limit = max_steps if max_steps is not None else strategy.max_steps(canvas)
     active = ActiveRows(canvas) if compact else None
     t0 = time.perf_counter()
     with torch.inference_mode():
         while True:
-            plan = strategy.plan(canvas, state)
+            plan, state = strategy.plan(canvas, state)
             if plan is None:
                 break
             if canvas.step >= limit:
                 raise StalledDecode(f"strategy '{strategy.name}' did not finish within {limit} steps "
                                     "(did the model propose the mask token?)")
             rows = None if active is None else active.update(canvas)
-            idle = active is not None and active.none_active
-            if idle:
+            call = None
+            if active is not None and active.none_active:
                 # Every row is finished but the strategy still schedules a step (LLaDA's zero-transfer
                 # steps): the reference runs that forward, and NFE counts model calls, so run it (uncached:
                 # caches may have dropped finished rows) and discard it; nothing can be committed.
@@ -107,11 +128,7 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
                 proposal = idle_proposal(canvas, plan.window, active.vocab)
             else:
                 logits, call = forward(model, canvas, plan, cache, rows=rows)
-                proposal = propose(
-                    logits, plan.window[0], temperature=plan.temperature, confidence=plan.confidence,
-                    softmax_dtype=plan.softmax_dtype, call_len=call.compute[1] - call.compute[0],
-                    call_start=call.compute[0], top_v=plan.top_v, discard_draws=call.extras.get("discard_draws", 0),
-                )
+                proposal = sample(logits, plan, call)
                 if active is not None:
                     active.seen(logits)
                     if rows is not None:
@@ -120,6 +137,7 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
             delta.wall_time = time.perf_counter() - t0
             if want_logits:
                 delta.logits = proposal.logits
+            cache.after_step(canvas, delta, call)
             canvas.apply(delta)
             for s in sinks:
                 s.on_delta(delta, canvas)

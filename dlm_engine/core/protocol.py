@@ -1,62 +1,191 @@
-"""The interface between model code and KV caches.
+"""The typed protocol between the step loop, model code and KV caches.
 
-Model code calls three context managers and knows nothing else about caching:
+The loop describes a model call with a :class:`CallRequest`; the model turns it into a
+:class:`ForwardCall` and runs it inside the hooks' context managers. Model code knows nothing else about
+caching, and caches know nothing about the model family beyond the fields named here.
 
-* ``hooks.forward(call)`` around the whole forward pass. The cache may narrow
-  ``call.compute`` (which canvas columns are fed through the layers) and narrows
-  ``call.logits_range`` to what it can produce; the model fills ``call.logits``.
-* ``hooks.attention(layer, io)`` around each attention layer. The cache may replace
-  ``io.k``/``io.v`` (e.g. prepend stored keys) and their ``io.key_positions``;
-  it can read ``io.out`` on exit.
-* ``hooks.ffn(layer, io)`` around each feed-forward layer.
+* ``hooks.forward(call)`` wraps the whole forward pass. A cache may narrow :attr:`ForwardCall.columns`
+  (which canvas columns get a residual stream: a span, or an arbitrary index set per row). The model
+  fills :attr:`ForwardCall.logits` for the requested window and :attr:`ForwardCall.valid` says which of
+  those columns were actually computed.
+* ``hooks.attention(layer, io)`` wraps each attention layer *before* the Q/K/V projections. On entry a
+  cache may choose :attr:`AttentionIO.query_rows` (a subset of the call's columns that goes through the
+  projections; the others keep the cache's stored output) and ask for the head-averaged attention
+  weights (:attr:`AttentionIO.need_weights`). Inside, the model projects the selected rows and calls
+  ``hooks.keys_values(layer, io, k, v)``, which returns the keys/values to attend to -- fresh ones merged
+  into the cache's store, or the fresh ones unchanged. On exit :attr:`AttentionIO.out` must cover every
+  column of the call (a cache that narrowed the queries widens it from its store).
+* ``hooks.ffn(layer, io)`` wraps each feed-forward block in the same way (:attr:`FFNIO.rows`).
 
-``NullHooks`` is the no-cache behaviour; concrete caches live in ``cache/``.
+:class:`NullHooks` is the no-cache behaviour; concrete caches live in ``cache/``.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
+
+
+@dataclass
+class CacheDirective:
+    """Block structure a strategy hands to the cache each step.
+
+    ``block``: the canvas columns being decoded; ``block_start``: first step of that block;
+    ``store``: completed blocks whose keys/values may be stored for good (block buffer).
+    ``stored``: filled by the cache during the forward with the ``store`` ranges it actually stored, so
+    the strategy can report them as ``stored`` block events (stays empty with caches that store nothing).
+    """
+
+    block: Tuple[int, int]
+    block_start: bool
+    step_in_block: int = 0
+    store: List[Tuple[int, int]] = field(default_factory=list)
+    stored: List[Tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
+class AuxColumns:
+    """Extra query columns appended after the canvas for one call (e.g. WINO's shadow block).
+
+    ``tokens``/``positions`` are ``[B, W]``; ``attend`` is the boolean attention mask ``[B, L + W, L + W]``
+    (True = may attend) of the whole call, canvas and aux columns together. Their logits come back in
+    :attr:`ForwardCall.aux_logits` (model order, unshifted for shifted-logit models: column ``i`` is the head
+    applied to aux hidden state ``i - shift``, the canvas' last column for ``i = 0`` -- as the reference)."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    attend: torch.Tensor
+
+
+@dataclass
+class CallRequest:
+    """What the step loop asks of one model call besides the tokens."""
+
+    gen_start: int = 0                            # first generated column (block-causal models count blocks from it)
+    directive: Optional[CacheDirective] = None    # the step's block structure; None = the strategy gives none
+    rows: Optional[torch.Tensor] = None           # rows of the full batch this call runs (ascending); None = all
+    full_batch: Optional[int] = None              # size of that full batch when ``rows`` is set (2B with CFG)
+    aux: Optional[AuxColumns] = None              # extra query columns (needs a cache that offers AUX_COLUMNS)
+
+
+@dataclass
+class Columns:
+    """Canvas columns that get a residual stream in a call: the span ``[start, end)`` for every row, or
+    ``index`` (``[B, Q]`` canvas columns per row, ascending, the same count ``Q`` in every row)."""
+
+    start: int
+    end: int
+    index: Optional[torch.Tensor] = None
+
+    @classmethod
+    def span(cls, start: int, end: int) -> "Columns":
+        return cls(int(start), int(end))
+
+    @classmethod
+    def rows(cls, index: torch.Tensor) -> "Columns":
+        return cls(0, 0, index)
+
+    @property
+    def is_span(self) -> bool:
+        return self.index is None
+
+    @property
+    def width(self) -> int:
+        return int(self.index.shape[1]) if self.index is not None else self.end - self.start
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        """Columns of ``t`` (``[B, L, ...]``) -> ``[B, Q, ...]``."""
+        if self.index is None:
+            return t[:, self.start:self.end]
+        idx = self.index
+        if t.dim() > 2:
+            idx = idx.view(idx.shape + (1,) * (t.dim() - 2)).expand(idx.shape + t.shape[2:])
+        return torch.gather(t, 1, idx)
+
+    def canvas_ids(self, batch: int, device) -> torch.Tensor:
+        """``[B, Q]`` canvas column of every computed position."""
+        if self.index is not None:
+            return self.index
+        return torch.arange(self.start, self.end, device=device).expand(batch, -1)
+
+    def as_tuple(self) -> Tuple[int, int]:
+        """``(start, end)`` of a span (errors for index sets)."""
+        if self.index is not None:
+            raise ValueError("per-row column sets have no single span")
+        return self.start, self.end
 
 
 @dataclass
 class ForwardCall:
     """One model call over a canvas. Column indices are canvas coordinates."""
 
-    input_ids: torch.Tensor                      # [B, L] whole canvas
-    position_ids: torch.Tensor                   # [B, L]
-    key_mask: Optional[torch.Tensor]             # [B, L] bool, False = padding; None = no padding
-    compute: Tuple[int, int]                     # columns fed through the layers
-    logits_range: Tuple[int, int]                # columns whose logits are wanted
-    directive: Any = None                        # the step's cache directive (opaque to the model)
-    logits: Optional[torch.Tensor] = None        # [B, hi-lo, V] for logits_range, set by the model
-    extras: dict = field(default_factory=dict)
+    input_ids: torch.Tensor                       # [B, L] whole canvas
+    position_ids: torch.Tensor                    # [B, L]
+    key_mask: Optional[torch.Tensor]              # [B, L] bool, False = padding; None = no padding
+    columns: Columns                              # columns fed through the layers (a cache may narrow them)
+    logits_range: Tuple[int, int]                 # columns whose logits are wanted (the window)
+    request: CallRequest = field(default_factory=CallRequest)
+    logits_shift: int = 0                         # set by the model: column j's logits come from hidden j - shift
+    attention_mode: str = "bidirectional"         # set by the model: bidirectional | block_causal
+    block_size: Optional[int] = None              # set by the model: block-causal block size
+    logits: Optional[torch.Tensor] = None         # [B, hi - lo, V], set by the model (zeros where not valid)
+    valid: Optional[torch.Tensor] = None          # [B, hi - lo] bool: logits computed in this call; None = all
+    aux_logits: Optional[torch.Tensor] = None     # [B, W_aux, V] logits of request.aux
+    refreshed: bool = False                       # set by a cache: this call recomputed and stored every column
+    discard_draws: int = 0                        # set by a cache: noise draws the sampler makes and discards first
+    computed: int = 0                             # set by the model: positions fed through the layers (all rows)
+    memo: dict = field(default_factory=dict, repr=False)  # per-call scratch of the model (masks, column ids)
 
     @property
     def batch_size(self) -> int:
         return int(self.input_ids.shape[0])
 
+    @property
+    def length(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    @property
+    def directive(self) -> Optional[CacheDirective]:
+        return self.request.directive
+
+    @property
+    def gen_start(self) -> int:
+        return self.request.gen_start
+
+    @property
+    def compute(self) -> Tuple[int, int]:
+        """``(start, end)`` of a span call (the common case of the block caches)."""
+        return self.columns.as_tuple()
+
 
 @dataclass
 class AttentionIO:
-    """Queries/keys/values of one attention layer (after RoPE), heads-first layout."""
+    """One attention layer. The model fills ``x`` before the context; the cache may set ``query_rows`` and
+    ``need_weights`` on entry; the model sets ``out`` (and ``weights``) inside; ``out`` covers all columns
+    of the call after the context exits."""
 
-    q: torch.Tensor                              # [B, H, Tq, D]
-    k: torch.Tensor                              # [B, Hkv, Tk, D]
-    v: torch.Tensor                              # [B, Hkv, Tk, D]
-    query_positions: Tuple[int, int]             # canvas columns of the queries
-    key_columns: torch.Tensor                    # [Tk] canvas column of every key
+    layer: int
+    x: torch.Tensor                               # [B, T, d] attention-norm output of the call's columns
     call: ForwardCall
-    out: Optional[torch.Tensor] = None           # [B, H, Tq, D], set by the model
+    project_v: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # x -> V [B, Hkv, n, D] (no RoPE)
+    query_rows: Optional[torch.Tensor] = None     # [B, Q] rows of x that are projected and queried; None = all
+    need_weights: bool = False                    # ask the model for head-averaged attention weights
+    out: Optional[torch.Tensor] = None            # [B, Q or T, d] attention output (before the output projection)
+    weights: Optional[torch.Tensor] = None        # [B, Q, Tk] head-averaged attention weights (need_weights)
+    key_columns: Optional[torch.Tensor] = None    # [Tk] or [B, Tk] canvas columns of the keys attended to
 
 
 @dataclass
 class FFNIO:
-    x: torch.Tensor                              # [B, T, d] residual stream entering the FFN block
+    """One feed-forward block: ``x`` is the residual stream entering it (all columns of the call)."""
+
+    layer: int
+    x: torch.Tensor                               # [B, T, d]
     call: ForwardCall
-    out: Optional[torch.Tensor] = None           # [B, T, d] FFN output (before the residual add)
+    rows: Optional[torch.Tensor] = None           # [B, Q] rows computed; None = all (set by a cache on entry)
+    out: Optional[torch.Tensor] = None            # [B, Q or T, d] FFN output before the residual add
 
 
 def key_padding_mask(attention_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -68,7 +197,7 @@ def key_padding_mask(attention_mask: Optional[torch.Tensor]) -> Optional[torch.T
 
 
 class NullHooks:
-    """No caching: every call computes every column."""
+    """No caching: every call computes every column; keys/values are the fresh ones."""
 
     @contextmanager
     def forward(self, call: ForwardCall) -> Iterator[ForwardCall]:
@@ -77,6 +206,10 @@ class NullHooks:
     @contextmanager
     def attention(self, layer: int, io: AttentionIO) -> Iterator[AttentionIO]:
         yield io
+
+    def keys_values(self, layer: int, io: AttentionIO, k: torch.Tensor, v: torch.Tensor):
+        """Keys/values to attend to and their canvas columns (``None`` = the queried columns themselves)."""
+        return k, v, None
 
     @contextmanager
     def ffn(self, layer: int, io: FFNIO) -> Iterator[FFNIO]:

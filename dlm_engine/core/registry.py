@@ -1,68 +1,122 @@
-"""Registries for strategies and caches.
+"""One registry type for strategies, caches and model families.
 
-``@register_strategy("name", Config)`` records the class and stores its dataclass config in Hydra's
-ConfigStore as ``strategy/<name>_schema``; ``conf/strategy/<name>.yaml`` extends that schema, so the
-dataclass stays the one source of defaults and unknown keys or wrong types fail in Hydra.
+``@register_strategy("name", Config)`` records the class under ``name`` and stores its dataclass config in
+Hydra's ConfigStore as ``schema/strategy/<name>``; ``conf/strategy/<name>.yaml`` extends that schema
+(``- /schema/strategy/<name>@_here_``), so the dataclass stays the one source of defaults and unknown keys
+or wrong types fail in Hydra. Schemas live in their own ``schema/`` group, so they are never offered as a
+``strategy=`` / ``cache=`` option. Caches work the same way; model families register with a
+:class:`Registry` of their own (``dlm_engine.models.base.MODELS``, no Hydra schema: the ``model`` group
+describes a checkpoint, not an architecture).
+
 Plug-ins are imported by :func:`load_plugins`: the bundled ``dlm_engine.strategies`` and
-``dlm_engine.cache`` packages, the ``dlm_engine.plugins`` entry-point group, and the modules listed
-in ``$DLM_ENGINE_PLUGINS`` (comma-separated).
+``dlm_engine.cache`` packages, the ``dlm_engine.plugins`` entry-point group, and the modules listed in
+``$DLM_ENGINE_PLUGINS`` (comma-separated).
 """
 from __future__ import annotations
 
 import importlib
 import os
 from dataclasses import is_dataclass
-from typing import Callable, Dict
+from typing import Callable, Dict, Iterator, List, Optional
 
 from dlm_engine.errors import UserError
 
-STRATEGIES: Dict[str, type] = {}
-CACHES: Dict[str, type] = {}
+SCHEMA_GROUP = "schema"
 
 
-def _store(group: str, name: str, config: type) -> None:
-    from hydra.core.config_store import ConfigStore
+class Registry:
+    """Named classes of one kind. ``base`` (a class or a zero-argument function returning one, so the core
+    need not import model code) is what every registered class must subclass; ``group`` is the Hydra config
+    group whose schemas go to ``schema/<group>`` (None = no schema)."""
 
-    if not is_dataclass(config):
-        raise TypeError(f"{group} '{name}': config must be a dataclass")
-    ConfigStore.instance().store(group=group, name=f"{name}_schema", node=config)
+    def __init__(self, kind: str, base, group: Optional[str] = None, loader: Optional[Callable[[], None]] = None):
+        self.kind, self._base, self.group, self._loader = kind, base, group, loader
+        self._classes: Dict[str, type] = {}
+
+    @property
+    def base(self) -> type:
+        return self._base() if not isinstance(self._base, type) else self._base
+
+    def register(self, name: str, config: Optional[type] = None) -> Callable[[type], type]:
+        """Class decorator: register under ``name`` (with its dataclass ``config`` when the kind has a group)."""
+        def deco(cls: type) -> type:
+            if not isinstance(cls, type) or not issubclass(cls, self.base):
+                raise TypeError(f"{self.kind} '{name}': {cls!r} must subclass {self.base.__module__}.{self.base.__name__}")
+            old = self._classes.get(name)
+            if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
+                raise ValueError(f"{self.kind} '{name}' is already registered by {old.__module__}.{old.__qualname__}")
+            if self.group is not None:
+                if config is None or not is_dataclass(config):
+                    raise TypeError(f"{self.kind} '{name}': config must be a dataclass")
+                from hydra.core.config_store import ConfigStore
+
+                ConfigStore.instance().store(group=f"{SCHEMA_GROUP}/{self.group}", name=name, node=config)
+                cls.Config = config
+            cls.name = name
+            self._classes[name] = cls
+            return cls
+
+        return deco
+
+    def unregister(self, name: str) -> None:
+        """Forget ``name`` (tests that register throw-away classes)."""
+        self._classes.pop(name, None)
+        if self.group is not None:
+            from hydra.core.config_store import ConfigStore
+
+            ConfigStore.instance().repo.get(SCHEMA_GROUP, {}).get(self.group, {}).pop(f"{name}.yaml", None)
+
+    def get(self, name: str) -> type:
+        if self._loader is not None:
+            self._loader()
+        if name not in self._classes:
+            raise UserError(f"{self.group or self.kind}: unknown {self.kind} '{name}' "
+                            f"(registered: {', '.join(sorted(self._classes))})")
+        return self._classes[name]
+
+    def names(self) -> List[str]:
+        if self._loader is not None:
+            self._loader()
+        return sorted(self._classes)
+
+    def items(self):
+        return [(n, self._classes[n]) for n in self.names()]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._classes
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def __getitem__(self, name: str) -> type:
+        return self._classes[name]
 
 
-def register_strategy(name: str, config: type) -> Callable[[type], type]:
-    def deco(cls: type) -> type:
-        cls.name = name
-        cls.Config = config
-        STRATEGIES[name] = cls
-        _store("strategy", name, config)
-        return cls
+def _strategy_base():
+    from dlm_engine.core.strategy import Strategy
 
-    return deco
+    return Strategy
 
 
-def register_cache(name: str, config: type) -> Callable[[type], type]:
-    def deco(cls: type) -> type:
-        cls.name = name
-        cls.Config = config
-        CACHES[name] = cls
-        _store("cache", name, config)
-        return cls
+def _cache_base():
+    from dlm_engine.core.kvcache import Cache
 
-    return deco
+    return Cache
 
 
-def _lookup(table: Dict[str, type], kind: str, name: str) -> type:
-    load_plugins()
-    if name not in table:
-        raise UserError(f"{kind}.name: unknown {kind} '{name}' (registered: {', '.join(sorted(table))})")
-    return table[name]
+STRATEGIES = Registry("strategy", _strategy_base, group="strategy", loader=lambda: load_plugins())
+CACHES = Registry("cache", _cache_base, group="cache", loader=lambda: load_plugins())
+
+register_strategy = STRATEGIES.register
+register_cache = CACHES.register
 
 
 def strategy_class(name: str) -> type:
-    return _lookup(STRATEGIES, "strategy", name)
+    return STRATEGIES.get(name)
 
 
 def cache_class(name: str) -> type:
-    return _lookup(CACHES, "cache", name)
+    return CACHES.get(name)
 
 
 _loaded = False

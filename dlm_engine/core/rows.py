@@ -11,12 +11,12 @@ uncached and discards it, as the reference does, so ``Canvas.nfe`` always equals
 ``Canvas.row_nfe`` counts, per row, the forwards the row took part in (a finished row takes part in none). The work actually done is therefore ``sum(row_nfe)`` row-forwards
 (times two with CFG), not ``nfe * batch``.
 
-Row indices reach the cache as ``call.extras["rows"]`` (a ``LongTensor`` of rows of the full model batch,
-ascending; with CFG the unconditional copies are rows ``B + r``) together with
-``call.extras["full_batch"]`` (the size of that full batch). Both are absent while every row is active, so
+Row indices reach the cache as ``CallRequest.rows`` (a ``LongTensor`` of rows of the full model batch,
+ascending; with CFG the unconditional copies are rows ``B + r``) together with ``CallRequest.full_batch``
+(the size of that full batch). Both are None while every row is active, so
 the common case costs nothing but one host read of the number of finished rows per step. Rows never come
 back once finished, so a cache may drop the stored keys/values of rows that left the active set
-(:class:`dlm_engine.core.kvcache.StoredKVCache` does).
+(:class:`dlm_engine.core.kvcache.RowStore` does).
 
 Random draws of the sampler (Gumbel noise, random confidences, the prefix cache's discarded draw) have
 the shape of the active batch. A batched run at ``T > 0`` in which some rows finish early therefore uses
@@ -61,21 +61,27 @@ class ActiveRows:
             self.vocab = (int(logits.shape[-1]), logits.dtype)
 
 
-def call_extras(rows: torch.Tensor, batch: int, cfg: bool) -> dict:
-    """The ``extras`` that tell caches which rows of the full batch a call runs."""
+def call_rows(rows: torch.Tensor, batch: int, cfg: bool) -> Tuple[torch.Tensor, int]:
+    """``(rows, full_batch)`` of a call that runs ``rows`` of a batch of ``batch`` (CFG doubles both)."""
     if cfg:
-        return {"rows": torch.cat([rows, rows + batch]), "full_batch": 2 * batch}
-    return {"rows": rows, "full_batch": batch}
+        return torch.cat([rows, rows + batch]), 2 * batch
+    return rows, batch
 
 
 def expand_proposal(p: Proposal, rows: torch.Tensor, canvas: Canvas) -> Proposal:
     """A full-batch proposal from one over ``rows``; the other rows get uncommittable proposals."""
-    B, (_, W) = canvas.batch_size, p.x0.shape
+    B, W = canvas.batch_size, p.logits.shape[1]
     s = p.start
-    x0 = canvas.tokens[:, s:s + W].index_copy(0, rows, p.x0)
-    conf = p.confidence.new_full((B, W), float("-inf")).index_copy_(0, rows, p.confidence)
+    x0 = None if p.x0 is None else canvas.tokens[:, s:s + W].index_copy(0, rows, p.x0)
+    conf = None
+    if p.confidence is not None:
+        conf = p.confidence.new_full((B, W), float("-inf")).index_copy_(0, rows, p.confidence)
     logits = p.logits.new_zeros((B,) + tuple(p.logits.shape[1:])).index_copy_(0, rows, p.logits)
-    return Proposal(start=s, x0=x0, confidence=conf, logits=logits, call_len=p.call_len, call_start=p.call_start)
+    valid = None
+    if p.valid is not None:
+        valid = torch.zeros((B, W), dtype=torch.bool, device=p.valid.device).index_copy_(0, rows, p.valid)
+    return Proposal(start=s, x0=x0, confidence=conf, logits=logits, call_len=p.call_len, call_start=p.call_start,
+                    valid=valid)
 
 
 def idle_proposal(canvas: Canvas, window: Tuple[int, int], vocab: Tuple[int, torch.dtype]) -> Proposal:

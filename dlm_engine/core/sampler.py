@@ -25,6 +25,7 @@ class Proposal:
     logits: torch.Tensor       # [B, W, V] clean logits (after CFG / EOS edits), model dtype
     call_len: Optional[int] = None    # columns of the model call the window came from (RNG draw shape)
     call_start: Optional[int] = None  # first canvas column of that call
+    valid: Optional[torch.Tensor] = None   # [B, W] bool: logits the call computed (None = all); others never rank
 
 
 def noise_draw(shape, device) -> torch.Tensor:
@@ -91,11 +92,13 @@ def confidence_of(logits: torch.Tensor, x0: torch.Tensor, kind: str, dtype: str 
 
 def propose(logits: torch.Tensor, start: int, *, temperature: float, confidence: str, softmax_dtype: str = "model",
             call_len: Optional[int] = None, call_start: Optional[int] = None, top_v: Optional[int] = None,
-            discard_draws: int = 0) -> Proposal:
+            discard_draws: int = 0, valid: Optional[torch.Tensor] = None) -> Proposal:
     """Sample proposals for a window of logits ``[B, W, V]`` starting at canvas column ``start``.
 
     ``call_len``/``call_start`` describe the model call the logits came from (for the RNG shape);
     ``discard_draws`` extra noise draws are made first and thrown away (Fast-dLLM prefix-cache quirk).
+    ``valid`` marks the columns whose logits the call computed: the others get confidence ``-inf`` and are
+    never committed (their logits are zeros, not a distribution).
     """
     B, W, V = logits.shape
     call_len = W if call_len is None else call_len
@@ -105,10 +108,13 @@ def propose(logits: torch.Tensor, start: int, *, temperature: float, confidence:
             noise_draw((B, call_len, V), logits.device)
     x0 = gumbel_argmax(logits, temperature, call_len, offset)
     conf = confidence_of(logits, x0, confidence, softmax_dtype, call_len, offset, top_v)
-    return Proposal(start=start, x0=x0, confidence=conf, logits=logits, call_len=call_len, call_start=start - offset)
+    if valid is not None:
+        conf = conf.masked_fill(~valid, float("-inf"))
+    return Proposal(start=start, x0=x0, confidence=conf, logits=logits, call_len=call_len, call_start=start - offset,
+                    valid=valid)
 
 
-# -- Dream-style proposals (specs/dream.md §4.1 and §8): nucleus / top-k filters, categorical draws,
+# -- Dream-style proposals (docs/specs/dream.md §4.1 and §8): nucleus / top-k filters, categorical draws,
 # -- position draws. Strategies that follow Dream's rules call these from ``select`` on clean logits.
 
 def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -1,39 +1,41 @@
-"""What a strategy is: a small policy with ``plan`` (what to query) and ``select`` (what to commit).
+"""What a strategy is: a small, pure policy with ``plan`` (what to query) and ``select`` (what to commit).
 
 The step loop (:mod:`dlm_engine.core.loop`) owns the forward pass, the cache and the sampler; strategies
-only look at the canvas and the proposal and return a :class:`FrameDelta` plus their new state.
+only look at the canvas and the proposal and return a :class:`FrameDelta` plus their new state. ``plan``
+and ``select`` take the state and return the new state; neither mutates the canvas, the proposal, the
+old state or the strategy object. Canvas changes a strategy needs before the first step (constraints, an
+initial canvas) are a step-0 delta returned by :meth:`Strategy.prepare`.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
+from enum import Enum
+from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 import torch
 
 from dlm_engine.core.canvas import BlockEvent, Canvas, FrameDelta
-from dlm_engine.errors import ConfigError
+from dlm_engine.core.capabilities import Cap, Caps, caps
+from dlm_engine.core.protocol import AuxColumns, CacheDirective
 from dlm_engine.core.sampler import Proposal
+from dlm_engine.errors import ConfigError
+
+__all__ = ["Strategy", "StepPlan", "CacheDirective", "BlockCursor", "Remasking", "block_range", "candidates"]
 
 
-@dataclass
-class CacheDirective:
-    """Block structure a cache needs to decide what to recompute.
+class Remasking(str, Enum):
+    """How the candidates of a step are ranked: by confidence, or by uniform noise (LLaDA's ``random``)."""
 
-    ``block``: the block being decoded (canvas columns); ``block_start``: first step of that block;
-    ``store``: completed blocks whose keys/values may be stored for good (block buffer).
-    ``stored``: filled by the cache during the forward with the ``store`` ranges it actually stored, so
-    the strategy can report them as ``stored`` block events (stays empty with caches that store nothing).
-    """
-
-    block: Tuple[int, int]
-    block_start: bool
-    step_in_block: int = 0
-    store: List[Tuple[int, int]] = field(default_factory=list)
-    stored: List[Tuple[int, int]] = field(default_factory=list)
+    low_confidence = "low_confidence"
+    random = "random"
 
 
 @dataclass
 class StepPlan:
+    """What one step needs from the loop: the window of proposals, how to sample them, the cache directive."""
+
     window: Tuple[int, int]              # canvas columns whose proposals are needed
     temperature: float = 0.0
     confidence: str = "prob"
@@ -43,32 +45,68 @@ class StepPlan:
     cache: Optional[CacheDirective] = None
     info: Dict[str, Any] = field(default_factory=dict)
     suppress: Tuple[int, ...] = ()       # token ids whose logits are set to -inf before sampling (e.g. EOS)
+    sample: bool = True                  # False: the proposal carries logits only (the strategy samples itself)
+    aux: Optional[AuxColumns] = None     # extra query columns for this call (needs Cap.AUX_COLUMNS)
+
+
+@dataclass(frozen=True)
+class BlockCursor:
+    """Position of a semi-autoregressive block decoder: the block and the steps taken in it."""
+
+    block: int = 0
+    step: int = 0
+
+    def advance(self, bounds: Tuple[int, int], done: bool) -> Tuple["BlockCursor", List[BlockEvent]]:
+        """The cursor after one step in block ``bounds`` (canvas columns) and the step's block events:
+        ``opened`` on the block's first step, ``completed`` when ``done`` (the next step opens the next block)."""
+        s, e = bounds
+        events = [BlockEvent("opened", self.block, s, e)] if self.step == 0 else []
+        if done:
+            events.append(BlockEvent("completed", self.block, s, e))
+            return BlockCursor(self.block + 1, 0), events
+        return BlockCursor(self.block, self.step + 1), events
 
 
 class Strategy:
-    """Base class. Subclasses are registered with :func:`dlm_engine.core.registry.register_strategy`."""
+    """Base class. Subclasses are registered with :func:`dlm_engine.core.registry.register_strategy`.
+
+    ``offers``: facts about every step a cache may rely on; ``needs``: what a cache must offer
+    (:mod:`dlm_engine.core.capabilities`). Both may be set per instance in :meth:`validate`.
+    """
 
     name: ClassVar[str] = ""
     Config: ClassVar[type] = object
     max_batch: ClassVar[Optional[int]] = None            # None = any batch size
-    caches: ClassVar[Sequence[str]] = ("none",)          # cache names this strategy works with
+    offers: Caps = caps()
+    needs: Caps = caps(Cap.BLOCK_LOGITS)
 
     def __init__(self, config: Any, gen_length: int):
-        self.cfg = config
+        self.cfg = coerce_choices(config)
         self.gen_length = int(gen_length)
         self.validate()
 
+    # -- the policy ------------------------------------------------------------------------------------
     def validate(self) -> None:
         """Cross-field checks; raise :class:`ConfigError` naming the keys."""
+
+    def prepare(self, canvas: Canvas) -> Optional[FrameDelta]:
+        """Canvas changes before the first step, as a step-0 delta (None = nothing to change)."""
+        return None
 
     def init_state(self, canvas: Canvas) -> Any:
         return None
 
-    def plan(self, canvas: Canvas, state: Any) -> Optional[StepPlan]:
+    def plan(self, canvas: Canvas, state: Any) -> Tuple[Optional[StepPlan], Any]:
+        """The next step's plan (None = done) and the new state."""
         raise NotImplementedError
 
     def select(self, canvas: Canvas, plan: StepPlan, proposal: Proposal, state: Any) -> Tuple[FrameDelta, Any]:
+        """The step's delta and the new state."""
         raise NotImplementedError
+
+    def max_steps(self, canvas: Canvas) -> int:
+        """Steps after which the loop gives up (a strategy that cannot stall may lower or raise it)."""
+        return 4 * canvas.gen_length + 64
 
     # -- helpers shared by strategies --------------------------------------------------------------
     def check_unit_interval(self, key: str, value: Optional[float], allow_none: bool = False) -> None:
@@ -83,13 +121,8 @@ class Strategy:
         if value is None or int(value) <= 0:
             raise ConfigError(f"strategy.{key}={value} must be a positive integer")
 
-    def check_choice(self, key: str, value: Any, options: Sequence[str]) -> None:
-        if value not in options:
-            choices = ", ".join(options[:-1]) + " or " + options[-1]
-            raise ConfigError(f"strategy.{key}='{value}' (choose {choices})")
-
     def check_non_negative(self, key: str, value: float) -> None:
-        if value < 0:
+        if value is None or not float(value) >= 0:
             raise ConfigError(f"strategy.{key}={value} must be >= 0")
 
     def check_steps_per_block(self, steps: int, num_blocks: int) -> int:
@@ -113,31 +146,37 @@ class Strategy:
     def delta(canvas: Canvas, proposal: Proposal, commit: torch.Tensor, *, nfe: int = 1,
               active: Optional[torch.Tensor] = None, events: Optional[List[BlockEvent]] = None,
               scalars: Optional[dict] = None, finished: Optional[torch.Tensor] = None,
-              tokens: Optional[torch.Tensor] = None) -> FrameDelta:
-        """A delta committing ``commit`` (window-shaped) with the proposal's tokens and confidences."""
-        s, W = proposal.start, commit.shape[1]
+              tokens: Optional[torch.Tensor] = None, remask: Optional[torch.Tensor] = None,
+              confidence: Optional[torch.Tensor] = None) -> FrameDelta:
+        """A delta over the proposal's window committing ``commit`` (and re-masking ``remask``, applied
+        first) with the proposal's tokens and confidences. Unless given, ``finished`` marks the rows that
+        have no masked generated position left once the delta is applied."""
+        s = proposal.start
         if active is None:
             active = ~canvas.finished
         if finished is None:
-            still = canvas.masked()[:, canvas.gen_start:].clone()
-            still[:, s - canvas.gen_start:s - canvas.gen_start + W] &= ~commit
-            finished = ~still.any(dim=-1) & ~canvas.finished
+            finished = ~masked_after(canvas, s, commit, remask).any(dim=-1) & ~canvas.finished
+        conf = proposal.confidence if confidence is None else confidence
         return FrameDelta(
             step=canvas.step + 1, nfe=nfe, start=s, commit=commit,
             tokens=proposal.x0 if tokens is None else tokens,
-            active=active, finished=finished, confidence=proposal.confidence.float(),
+            active=active, finished=finished, confidence=None if conf is None else conf.float(), remask=remask,
             block_events=list(events or []), scalars=dict(scalars or {}),
         )
 
 
-@dataclass
-class BlockCursor:
-    """Position of a semi-autoregressive block decoder: block index, step within the block, schedule."""
-
-    block: int = 0
-    step: int = 0
-    schedule: Optional[torch.Tensor] = None   # [B, steps_per_block] tokens to commit per step
-    opened: bool = False
+def masked_after(canvas: Canvas, start: int, commit: torch.Tensor, remask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``[B, G]`` masked generated positions once a delta over ``[start, start + W)`` is applied."""
+    g = canvas.gen_start
+    still = canvas.masked()[:, g:].clone()
+    a = start - g
+    W = commit.shape[1]
+    lo, hi = max(a, 0), min(a + W, still.shape[1])
+    if hi > lo:
+        if remask is not None:
+            still[:, lo:hi] |= remask[:, lo - a:hi - a]
+        still[:, lo:hi] &= ~commit[:, lo - a:hi - a]
+    return still
 
 
 def block_range(canvas: Canvas, block: int, block_length: int) -> Tuple[int, int]:
@@ -146,10 +185,49 @@ def block_range(canvas: Canvas, block: int, block_length: int) -> Tuple[int, int
 
 
 def candidates(canvas: Canvas, proposal: Proposal, end: int) -> torch.Tensor:
-    """Masked positions of the window that lie before ``end`` (the end of the current block)."""
+    """Masked positions of the window that lie before ``end`` (the end of the current block) and whose
+    logits the call computed (a cache may leave some columns out: ``Proposal.valid``)."""
     s = proposal.start
     W = proposal.x0.shape[1]
     cand = canvas.masked()[:, s:s + W].clone()
     if end < s + W:
         cand[:, max(0, end - s):] = False
+    if proposal.valid is not None:
+        cand &= proposal.valid
     return cand
+
+
+def coerce_choices(config: Any) -> Any:
+    """A copy of a config dataclass whose Enum-typed fields hold Enum members (a plain string from Python
+    code is looked up; an unknown one is a :class:`ConfigError` naming the key and the choices), and whose
+    float fields are finite."""
+    if not dataclasses.is_dataclass(config):
+        return config
+    changes = {}
+    hints = _field_types(type(config))
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        kind = hints.get(f.name)
+        if isinstance(kind, type) and issubclass(kind, Enum) and value is not None and not isinstance(value, kind):
+            try:
+                changes[f.name] = kind(value)
+            except ValueError:
+                choices = ", ".join(m.value for m in kind)
+                raise ConfigError(f"strategy.{f.name}='{value}' (choose {choices})") from None
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"strategy.{f.name}={value} must be a finite number")
+    return dataclasses.replace(config, **changes) if changes else config
+
+
+def _field_types(cls) -> Dict[str, Any]:
+    import typing
+
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # pragma: no cover - unresolvable annotations: no coercion
+        return {}
+    out = {}
+    for k, v in hints.items():
+        args = [a for a in typing.get_args(v) if a is not type(None)]
+        out[k] = args[0] if typing.get_origin(v) is typing.Union and len(args) == 1 else v
+    return out

@@ -1,18 +1,16 @@
 """Dream architecture (``model_type: "Dream"``): a Qwen2-style decoder used without a causal mask.
 
 Written from the published checkpoint format (``config.json`` field names, ``model.layers.*`` /
-``lm_head`` parameter names) and ``specs/dream.md``; no remote code. Differences from LLaDA:
+``lm_head`` parameter names) and ``docs/specs/dream.md``; no remote code. Differences from LLaDA:
 grouped-query attention, biases on the q/k/v projections, RoPE and RMSNorm in the model dtype as
 Qwen2 does, and **shifted logits** -- Dream kept its autoregressive parent's next-token head, so the
 distribution for canvas column ``j`` is the head applied to the hidden state of column ``j - 1``
 (column 0 reuses its own). The model applies the shift itself: ``forward(..., logits_range=(lo, hi))``
 returns ordinary per-column logits for ``[lo, hi)``, so strategies and samplers never see the shift.
 
-Caches see the shift in hidden-state coordinates: inside ``hooks.forward(call)`` the call asks for
-hidden states ``[lo - 1, hi - 1)`` (``call.extras["logits_shift"] == 1``); a cache that recomputes
-only ``call.compute = (s, e)`` lets the model produce columns ``[s + 1, e + 1)`` (plus column 0 when
-``s == 0``). Columns it cannot produce exactly are left out of ``call.logits_range``, so the step loop
-reports the mismatch instead of decoding from a wrong hidden state.
+Caches see the shift through :attr:`ForwardCall.logits_shift`: window column ``j`` is valid only when hidden
+state ``j - 1`` was computed (``ForwardCall.valid``), so a cache that recomputes the block ``[s, e)`` must
+also recompute column ``s - 1`` to give valid logits for ``s``.
 """
 from __future__ import annotations
 
@@ -23,8 +21,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers import PretrainedConfig, PreTrainedModel
 
-from dlm_engine.core.protocol import NULL_HOOKS, AttentionIO, FFNIO, ForwardCall, key_padding_mask
-from .llada import DiffusionLMMixin, RMSNorm, register_auto, rope_tables
+from dlm_engine.core.protocol import NULL_HOOKS, CallRequest, ForwardCall
+from dlm_engine.models.layers import (AttentionSpec, RMSNorm, attention_block, embed_call, ffn_block, new_call,
+                                      rope_native, rope_tables, window_logits)
+from dlm_engine.models.base import DiffusionLMMixin, register_auto, register_model
 
 
 class DreamConfig(PretrainedConfig):
@@ -91,12 +91,6 @@ class DreamConfig(PretrainedConfig):
         return self.hidden_size // self.num_attention_heads
 
 
-def apply_rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE in the tensor's dtype (cos/sin already cast), product with cos first."""
-    x1, x2 = t.chunk(2, dim=-1)
-    return (t * cos) + (torch.cat((-x2, x1), dim=-1) * sin)
-
-
 class DreamAttention(nn.Module):
     def __init__(self, cfg: DreamConfig):
         super().__init__()
@@ -126,40 +120,17 @@ class DreamDecoderLayer(nn.Module):
         self.mlp = DreamMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, call: ForwardCall, hooks) -> torch.Tensor:
-        B, T, _ = x.shape
-        s, e = call.compute
         at = self.self_attn
-        a = self.input_layernorm(x)
-        q = at.q_proj(a).view(B, T, at.n_heads, at.head_dim).transpose(1, 2)
-        k = at.k_proj(a).view(B, T, at.n_kv_heads, at.head_dim).transpose(1, 2)
-        v = at.v_proj(a).view(B, T, at.n_kv_heads, at.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        io = AttentionIO(q=q, k=k, v=v, query_positions=(s, e),
-                         key_columns=torch.arange(s, e, device=x.device), call=call)
-        with hooks.attention(self.idx, io) as io:
-            kk, vv = io.k, io.v
-            if at.n_kv_heads != at.n_heads:
-                rep = at.n_heads // at.n_kv_heads
-                kk, vv = kk.repeat_interleave(rep, dim=1), vv.repeat_interleave(rep, dim=1)
-            mask = None
-            if call.key_mask is not None:
-                mask = call.key_mask[:, io.key_columns][:, None, None, :]
-            out = F.scaled_dot_product_attention(io.q, kk, vv, attn_mask=mask, dropout_p=0.0, is_causal=False)
-            if call.key_mask is not None:
-                # the reference masks padding as queries too (a fully masked row gives 0): same here
-                qs, qe = io.query_positions
-                out = out * call.key_mask[:, None, qs:qe, None].to(out.dtype)
-            io.out = out
-        att = io.out.transpose(1, 2).reshape(B, T, -1)
-        x = x + at.o_proj(att)
-        fio = FFNIO(x=x, call=call)
-        with hooks.ffn(self.idx, fio) as fio:
-            hdn = self.post_attention_layernorm(fio.x)
-            m = self.mlp
-            fio.out = m.down_proj(F.silu(m.gate_proj(hdn)) * m.up_proj(hdn))
-        return x + fio.out
+        self.spec = AttentionSpec(at.q_proj, at.k_proj, at.v_proj, at.n_heads, at.n_kv_heads, at.head_dim,
+                                  rope=rope_native, zero_padding_queries=True)
+
+    def ffn(self, h: torch.Tensor) -> torch.Tensor:
+        m = self.mlp
+        return m.down_proj(F.silu(m.gate_proj(h)) * m.up_proj(h))
+
+    def forward(self, x: torch.Tensor, rope, call: ForwardCall, hooks) -> torch.Tensor:
+        x = attention_block(self.idx, x, self.input_layernorm, self.spec, self.self_attn.o_proj, rope, call, hooks)
+        return ffn_block(self.idx, x, self.post_attention_layernorm, self.ffn, call, hooks)
 
 
 class DreamBaseModel(nn.Module):
@@ -172,13 +143,7 @@ class DreamBaseModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-def hidden_range(lo: int, hi: int) -> Tuple[int, int]:
-    """Hidden states needed for the logits of columns ``[lo, hi)`` (column j <- hidden j-1, 0 <- 0)."""
-    if hi <= lo:
-        return (max(lo - 1, 0),) * 2
-    return max(lo - 1, 0), max(hi - 1, 1)
-
-
+@register_model("Dream")
 class DreamModel(DiffusionLMMixin, PreTrainedModel):
     """Dream masked-diffusion LM. ``forward`` returns the :class:`ForwardCall` with shifted ``logits``."""
 
@@ -209,57 +174,35 @@ class DreamModel(DiffusionLMMixin, PreTrainedModel):
         position_ids: Optional[torch.Tensor] = None,
         hooks=None,
         logits_range: Optional[Tuple[int, int]] = None,
-        directive=None,
-        extras: Optional[dict] = None,
+        request: Optional[CallRequest] = None,
         shift_logits: bool = True,
     ) -> ForwardCall:
-        """Logits for columns ``logits_range`` (default: all). ``shift_logits=False`` returns the raw head
-        output per hidden state instead (what the reference model itself returns)."""
+        """Logits for columns ``logits_range`` (default: all), shifted so that column ``j`` holds the
+        distribution of token ``j``. ``shift_logits=False`` returns the raw head output per hidden state
+        instead (what the reference model itself returns)."""
         hooks = NULL_HOOKS if hooks is None else hooks
-        B, L = input_ids.shape
-        key_mask = key_padding_mask(attention_mask)
-        if position_ids is None:
-            if key_mask is None:
-                position_ids = torch.arange(L, device=input_ids.device).expand(B, L)
-            else:  # as Dream's _sample builds tok_idx: cumsum - 1, padding at 1 (masked anyway)
-                position_ids = (key_mask.long().cumsum(-1) - 1).masked_fill(~key_mask, 1)
-        lo, hi = logits_range or (0, L)
-        shift = 1 if shift_logits else 0
-        call = ForwardCall(
-            input_ids=input_ids, position_ids=position_ids, key_mask=key_mask, compute=(0, L),
-            logits_range=hidden_range(lo, hi) if shift else (lo, hi), directive=directive,
-            extras=dict(extras or {}, logits_shift=shift),
-        )
+        call = new_call(self, input_ids, attention_mask, position_ids, logits_range, request, _positions)
+        call.logits_shift = 1 if shift_logits else 0
         m = self.model
         with hooks.forward(call) as call:
-            s, e = call.compute
-            x = m.embed_tokens(input_ids[:, s:e])
-            cos, sin = rope_tables(position_ids[:, s:e], self.config.head_dim, self.config.rope_theta)
-            cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+            x, pos = embed_call(call, m.embed_tokens)
+            call.computed = int(x.shape[0] * x.shape[1])
+            cos, sin = rope_tables(pos, self.config.head_dim, self.config.rope_theta)
+            rope = (cos.to(x.dtype), sin.to(x.dtype))
             for layer in m.layers:
-                x = layer(x, cos, sin, call, hooks)
-            hlo, hhi = max(call.logits_range[0], s), min(call.logits_range[1], e)
-            if not shift:
-                clo, chi = max(lo, hlo), min(hi, hhi)
-                call.logits = self.lm_head(m.norm(x[:, clo - s:chi - s]))
-            else:
-                # column j reads hidden state src(j) = max(j - 1, 0); keep the columns whose source was
-                # computed (and granted by the cache); src is monotone, so they are contiguous
-                if hhi <= hlo:
-                    clo = chi = lo
-                else:
-                    clo = lo if hlo == 0 else max(lo, hlo + 1)
-                    chi = max(min(hi, hhi + 1), clo)
-                if chi > clo:
-                    a, b = max(clo - 1, 0), max(chi - 2, 0) + 1
-                    h = self.lm_head(m.norm(x[:, a - s:b - s]))
-                    if clo == 0 and chi >= 2:
-                        h = torch.cat([h[:, :1], h], dim=1)
-                else:
-                    h = x.new_zeros((B, 0, self.config.vocab_size))
-                call.logits = h
-            call.logits_range = (clo, chi)
+                x = layer(x, rope, call, hooks)
+            window_logits(call, x, self._head, self.config.vocab_size)
         return call
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(h))
+
+
+def _positions(key_mask, B: int, L: int, device) -> torch.Tensor:
+    """As Dream's ``_sample`` builds ``tok_idx``: ``cumsum(mask) - 1``, padding at 1 (masked anyway)."""
+    if key_mask is None:
+        return torch.arange(L, device=device).expand(B, L)
+    return (key_mask.long().cumsum(-1) - 1).masked_fill(~key_mask, 1)
 
 
 def register_auto_classes() -> None:
@@ -267,4 +210,4 @@ def register_auto_classes() -> None:
     register_auto("Dream", DreamConfig, DreamModel)
 
 
-__all__ = ["DreamConfig", "DreamModel", "register_auto_classes", "hidden_range"]
+__all__ = ["DreamConfig", "DreamModel", "register_auto_classes"]

@@ -5,45 +5,24 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Callable, Dict, Tuple
+from typing import Tuple
 
 import torch
 
 from ..errors import UserError
-
-# model_type (as written in config.json) -> (config class, model class) factories, filled lazily
-_ARCHITECTURES: Dict[str, Callable[[], Tuple[type, type]]] = {}
-
-
-def register_architecture(model_type: str, factory: Callable[[], Tuple[type, type]]) -> None:
-    _ARCHITECTURES[model_type] = factory
-
-
-def _llada():
-    from .llada import LLaDAConfig, LLaDAModelLM, register_auto_classes
-
-    register_auto_classes()
-    return LLaDAConfig, LLaDAModelLM
-
-
-register_architecture("llada", _llada)
-
-
-def _dream():
-    from .dream import DreamConfig, DreamModel, register_auto_classes
-
-    register_auto_classes()
-    return DreamConfig, DreamModel
-
-
-register_architecture("Dream", _dream)
-
+from .base import register_auto
 
 def architecture(model_type: str) -> Tuple[type, type]:
-    if model_type not in _ARCHITECTURES:
-        known = ", ".join(sorted(_ARCHITECTURES))
-        raise UserError(f"unsupported model_type '{model_type}' (supported: {known})")
-    return _ARCHITECTURES[model_type]()
+    """``(config class, model class)`` of a ``config.json`` ``model_type`` (registered with transformers' Auto
+    classes on the way)."""
+    from .base import MODELS
+
+    try:
+        cls = MODELS.get(model_type)
+    except UserError:
+        raise UserError(f"unsupported model_type '{model_type}' (supported: {', '.join(MODELS.names())})") from None
+    register_auto(model_type, cls.config_class, cls)
+    return cls.config_class, cls
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

@@ -1,0 +1,60 @@
+"""Capabilities: what a strategy and a cache need from each other, so compatibility is computed.
+
+A strategy *offers* facts about its steps (e.g. that every step names its block) and *needs* facts about
+the logits a cache lets the model produce; a cache does the reverse. A pair works when each side's
+needs are a subset of the other side's offers. Neither side names the other's registry key, so a cache
+or strategy from outside the package pairs with every compatible partner.
+"""
+from __future__ import annotations
+
+from enum import Enum
+from typing import FrozenSet, Iterable, Optional
+
+
+class Cap(str, Enum):
+    """One capability (described in ``_DOCS``). Strategies offer and caches need ``BLOCKS`` and
+    ``BLOCK_HANDOVER``; caches offer and strategies need the others."""
+
+    BLOCKS = "blocks"
+    BLOCK_HANDOVER = "block_handover"
+    BLOCK_LOGITS = "block_logits"
+    SUFFIX_LOGITS = "suffix_logits"
+    WINDOW_LOGITS = "window_logits"
+    AUX_COLUMNS = "aux_columns"
+
+    @property
+    def doc(self) -> str:
+        return _DOCS[self]
+
+
+_DOCS = {
+    Cap.BLOCKS: "every step names the block it decodes",
+    Cap.BLOCK_HANDOVER: "completed blocks are handed over for storage",
+    Cap.BLOCK_LOGITS: "valid logits for every column of the step's block",
+    Cap.SUFFIX_LOGITS: "valid logits from the block start to the end of the canvas",
+    Cap.WINDOW_LOGITS: "valid logits for any window, whatever the block",
+    Cap.AUX_COLUMNS: "extra query columns appended after the canvas",
+}
+
+Caps = FrozenSet[Cap]
+
+
+def caps(*items: Cap) -> Caps:
+    return frozenset(Cap(c) for c in items)
+
+
+def missing(needs: Iterable[Cap], offers: Iterable[Cap]) -> Caps:
+    return frozenset(needs) - frozenset(offers)
+
+
+def incompatibility(strategy, cache) -> Optional[str]:
+    s_name, c_name = getattr(strategy, "name", type(strategy).__name__), getattr(cache, "name", type(cache).__name__)
+    lack = missing(strategy.needs, cache.offers)
+    if lack:
+        what = "; ".join(f"'{c.value}' ({c.doc})" for c in sorted(lack, key=lambda c: c.value))
+        return f"cache={c_name} does not provide what strategy={s_name} needs: {what}"
+    lack = missing(cache.needs, strategy.offers)
+    if lack:
+        what = "; ".join(f"'{c.value}' ({c.doc})" for c in sorted(lack, key=lambda c: c.value))
+        return f"strategy={s_name} does not provide what cache={c_name} needs: {what}"
+    return None
