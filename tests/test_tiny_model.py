@@ -57,7 +57,9 @@ def test_training_script_runs_end_to_end(tmp_path):
                    "task.n=4", "trace.record=false"], cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert 0.0 <= summary["accuracy"] <= 1.0 and summary["prompts"] == 4
+    rows = [json.loads(line) for line in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
+    assert summary["prompts"] == 4 and len(rows) == 4                  # the checker ran on every row
+    assert summary["accuracy"] == sum(r["correct"] for r in rows) / 4
 
 
 def test_default_dlm_run_reports_accuracy(tmp_path):

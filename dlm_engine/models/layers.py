@@ -176,13 +176,14 @@ def attention_block(idx: int, x: torch.Tensor, norm: nn.Module, spec: AttentionS
         if spec.n_kv_heads != spec.n_heads:
             rep = spec.n_heads // spec.n_kv_heads
             kk, vv = kk.repeat_interleave(rep, dim=1), vv.repeat_interleave(rep, dim=1)
-        q_cols = take_rows(call_columns(call), rows)
-        mask = _memo_mask(call, q_cols, k_cols, rows)
+        masked = call.key_mask is not None or call.attention_mode != "bidirectional" or call.request.aux is not None
+        q_cols = take_rows(call_columns(call), rows) if masked else None
+        mask = _memo_mask(call, q_cols, k_cols, rows) if masked else None
         out, io.weights = attend(q, kk, vv, mask, io.need_weights)
         if spec.zero_padding_queries and call.key_mask is not None:
             out = out * call.key_mask.gather(1, q_cols)[:, None, :, None].to(out.dtype)
         io.out = out.transpose(1, 2).reshape(B, q.shape[2], -1)
-        io.key_columns = q_cols if k_cols is None else k_cols
+        io.key_columns = k_cols
     if io.out.shape[1] != T:
         raise RuntimeError(f"cache hook left attention output for {io.out.shape[1]} of {T} positions in layer {idx}")
     return x + out_proj(io.out)
@@ -232,18 +233,19 @@ def window_logits(call: ForwardCall, h: torch.Tensor, head: Callable[[torch.Tens
         call.logits = h.new_zeros((B, 0, vocab))
         call.valid = None
         return
+    if cols.is_span:
+        s, e = cols.start, cols.end
+        a, b = max(lo - shift, 0), max(hi - 1 - shift, 0) + 1          # the hidden states the window reads
+        if s <= a and b <= e:                                           # all computed: the common case
+            out = head(h[:, a - s:b - s])
+            if b - a != hi - lo:                                       # column 0 of a shifted model reads hidden 0 twice
+                out = torch.cat([out[:, :1], out], dim=1)
+            call.logits, call.valid = out, None
+            return
     j = torch.arange(lo, hi)
     src = (j - shift).clamp_min(0)
     if cols.is_span:
-        s, e = cols.start, cols.end
         ok = (src >= s) & (src < e)
-        if bool(ok.all()):
-            a, b = int(src[0]), int(src[-1]) + 1
-            out = head(h[:, a - s:b - s])
-            if b - a != hi - lo:                                     # column 0 of a shifted model reads hidden 0 twice
-                out = out.index_select(1, (src - a).to(h.device))
-            call.logits, call.valid = out, None
-            return
         out = h.new_zeros((B, hi - lo, vocab))
         if bool(ok.any()):
             sel = ok.nonzero().squeeze(1)
