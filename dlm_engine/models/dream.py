@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from transformers import PretrainedConfig, PreTrainedModel
 
 from dlm_engine.core.protocol import NULL_HOOKS, CallRequest, ForwardCall
-from dlm_engine.models.layers import (AttentionSpec, RMSNorm, attention_block, embed_call, ffn_block, new_call,
-                                      rope_native, rope_tables, window_logits)
+from dlm_engine.models.layers import (AttentionSpec, RMSNorm, attention_block, ffn_block, new_call, rope_native,
+                                      run_layers)
 from dlm_engine.models.base import DiffusionLMMixin, register_auto, register_model
 
 
@@ -183,16 +183,9 @@ class DreamModel(DiffusionLMMixin, PreTrainedModel):
         hooks = NULL_HOOKS if hooks is None else hooks
         call = new_call(self, input_ids, attention_mask, position_ids, logits_range, request, _positions)
         call.logits_shift = 1 if shift_logits else 0
-        m = self.model
-        with hooks.forward(call) as call:
-            x, pos = embed_call(call, m.embed_tokens)
-            call.computed = int(x.shape[0] * x.shape[1])
-            cos, sin = rope_tables(pos, self.config.head_dim, self.config.rope_theta)
-            rope = (cos.to(x.dtype), sin.to(x.dtype))
-            for layer in m.layers:
-                x = layer(x, rope, call, hooks)
-            window_logits(call, x, self._head, self.config.vocab_size)
-        return call
+        m, c = self.model, self.config
+        return run_layers(call, hooks, m.embed_tokens, m.layers, c.head_dim, c.rope_theta, self._head, c.vocab_size,
+                          rope_in_model_dtype=True)
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(h))

@@ -267,6 +267,22 @@ def window_logits(call: ForwardCall, h: torch.Tensor, head: Callable[[torch.Tens
     call.valid = valid
 
 
+def run_layers(call: ForwardCall, hooks, embed: nn.Module, layers, head_dim: int, theta: float,
+               head: Callable[[torch.Tensor], torch.Tensor], vocab: int, rope_in_model_dtype: bool) -> ForwardCall:
+    """The body every family's ``forward`` shares: inside ``hooks.forward`` embed the call's columns, build the
+    RoPE tables from their positions, run the layers and assemble the window's logits."""
+    with hooks.forward(call) as call:
+        x, pos = embed_call(call, embed)
+        call.computed = int(x.shape[0] * x.shape[1])
+        cos, sin = rope_tables(pos, head_dim, theta)
+        if rope_in_model_dtype:
+            cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        for layer in layers:
+            x = layer(x, (cos, sin), call, hooks)
+        window_logits(call, x, head, vocab)
+    return call
+
+
 def new_call(model, input_ids, attention_mask, position_ids, logits_range, request, default_positions) -> ForwardCall:
     """The :class:`ForwardCall` a family's ``forward`` runs (positions from the mask when not given)."""
     from dlm_engine.core.protocol import CallRequest, key_padding_mask

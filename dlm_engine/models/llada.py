@@ -16,8 +16,8 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from dlm_engine.core.protocol import NULL_HOOKS, CallRequest, ForwardCall
 from dlm_engine.models.base import DiffusionLMMixin, register_auto, register_model
-from dlm_engine.models.layers import (AttentionSpec, RMSNorm, attention_block, embed_call, ffn_block, new_call,
-                                      rope_float32, rope_tables, window_logits)
+from dlm_engine.models.layers import (AttentionSpec, RMSNorm, attention_block, ffn_block, new_call, rope_float32,
+                                      run_layers)
 
 
 class LLaDAConfig(PretrainedConfig):
@@ -168,15 +168,9 @@ class LLaDAModelLM(DiffusionLMMixin, PreTrainedModel):
         call = new_call(self, input_ids, attention_mask, position_ids, logits_range, request, _positions)
         call.attention_mode = self.config.attention_mode
         call.block_size = self.config.block_causal_size
-        t = self.model.transformer
-        with hooks.forward(call) as call:
-            x, pos = embed_call(call, t.wte)
-            call.computed = int(x.shape[0] * x.shape[1])
-            rope = rope_tables(pos, self.config.d_model // self.config.n_heads, self.config.rope_theta)
-            for blk in t.blocks:
-                x = blk(x, rope, call, hooks)
-            window_logits(call, x, self._head, self.config.embedding_size)
-        return call
+        t, c = self.model.transformer, self.config
+        return run_layers(call, hooks, t.wte, t.blocks, c.d_model // c.n_heads, c.rope_theta, self._head,
+                          c.embedding_size, rope_in_model_dtype=False)
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         t = self.model.transformer
