@@ -51,6 +51,8 @@ class Setup:
     cache_config: Dict[str, Any] = field(default_factory=dict)
     gen_length: int = 128
     ignore_padding: bool = False               # the reference model attends to left padding (Fast-dLLM's copy)
+    per_row: bool = False                      # batched cases record unmask_step per row (else row 0 only)
+    eos_id: Optional[int] = None               # the EOS id the reference was given
     extra: Optional[Callable[[List[dict]], dict]] = None   # per-step scalars -> the reference's extra outputs
 
 
@@ -77,14 +79,14 @@ def _config(name: str, kw: dict):
     return cls.Config(**kw)
 
 
-def llada_setup(case: dict) -> Setup:
+def llada_setup(case: dict, suite: Optional[dict] = None) -> Setup:
     kw = dict(case["kwargs"])
     kw.pop("mask_id", None)
     gen = kw.pop("gen_length", 128)
     return Setup("low_confidence", _config("low_confidence", kw), gen_length=gen, ignore_padding=True)
 
 
-def fastdllm_setup(case: dict) -> Setup:
+def fastdllm_setup(case: dict, suite: Optional[dict] = None) -> Setup:
     kw = dict(case["kwargs"])
     kw.pop("mask_id", None)
     gen = kw.pop("gen_length", 128)
@@ -103,7 +105,7 @@ def fastdllm_setup(case: dict) -> Setup:
     return Setup(name, _config(name, kw), cache=cache, gen_length=gen, ignore_padding=True)
 
 
-def cadllm_setup(case: dict) -> Setup:
+def cadllm_setup(case: dict, suite: Optional[dict] = None) -> Setup:
     kw = dict(case["kwargs"])
     kw.pop("mask_id", None)
     gen = kw.pop("gen_length", 128)
@@ -114,7 +116,7 @@ def cadllm_setup(case: dict) -> Setup:
     return Setup("cadllm", _config("cadllm", kw), cache="dual", gen_length=gen, ignore_padding=True, extra=extra)
 
 
-def prophet_setup(case: dict) -> Setup:
+def prophet_setup(case: dict, suite: Optional[dict] = None) -> Setup:
     """Prophet's ``generate``: ``answer_start_pos`` is absolute (prompt + offset), thresholds come as a dict."""
     kw = dict(case["kwargs"])
     kw.pop("mask_id", None)
@@ -146,7 +148,7 @@ DREAM_IGNORED = ("max_new_tokens", "max_length", "output_history", "return_dict_
                  "attention_mask", "function")
 
 
-def dream_setup(case: dict) -> Setup:
+def dream_setup(case: dict, suite: Optional[dict] = None) -> Setup:
     """Dream's ``diffusion_generate`` (plus the runner's ``block_length``/``dual_cache`` for Fast-dLLM's loop)."""
     kw = {k: v for k, v in case["kwargs"].items() if k not in DREAM_IGNORED}
     block = case["id"].startswith("dream_block")
@@ -173,30 +175,84 @@ def _dream_gen_length(case: dict) -> int:
     return min(20 + P, 256) - P   # DreamGenerationConfig's default max_length (tiny model: 256 positions)
 
 
-ADAPTERS: Dict[str, Callable[[dict], Setup]] = {
+D2C_STRATEGIES = {"vanilla": "d2c", "klass": "klass", "wino": "wino", "ar": "ar"}
+D2C_IDS = ("mask_token_id", "pad_token_id", "eos_token_id")
+_FREQ_FILES: Dict[Tuple[str, str], str] = {}
+
+
+def d2c_freq_table(suite: dict, model: str) -> str:
+    """The PC-Sampler counts the d2cparity harness used for the tiny models (ids < 1024), as a table file."""
+    import tempfile
+
+    key = (json.dumps(suite.get("token_freq", {}).get(model), sort_keys=True), model)
+    if key not in _FREQ_FILES:
+        tf = suite["token_freq"][model]
+        fd, path = tempfile.mkstemp(prefix=f"d2c_freq_{model}_", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"num_token": tf["num_token"], "p_baseline_dict": tf["counts"]}, f)
+        _FREQ_FILES[key] = path
+    return _FREQ_FILES[key]
+
+
+def d2c_setup(case: dict, suite: Optional[dict] = None) -> Setup:
+    """The d2Cache framework's ``generate(model, ids, strategy=..., cache_cls=..., **kwargs)``."""
+    kw = {k: v for k, v in case["kwargs"].items() if k not in D2C_IDS}
+    name = D2C_STRATEGIES.get(kw.pop("strategy"))
+    if name is None:
+        raise Unsupported(f"d2Cache strategy '{case['kwargs']['strategy']}'")
+    gen = kw.pop("gen_length", 128)
+    if kw.get("debias"):
+        kw["freq_table"] = d2c_freq_table(suite or {}, case.get("model", "llada"))
+    if name == "wino":
+        kw["shrinking_window"] = True         # the reference's in-place block mask (the parity command's choice)
+    cache, cache_config = "none", {}
+    spec = case.get("cache")
+    if spec:
+        cache, cache_config = d2c_cache(spec)
+    return Setup(name, _config(name, kw), cache=cache, cache_config=cache_config, gen_length=gen, per_row=True,
+                 eos_id=case["kwargs"].get("eos_token_id"))
+
+
+def d2c_cache(spec: dict) -> Tuple[str, dict]:
+    args = dict(spec.get("args") or {})
+    name = spec.get("name")
+    if name in ("prefix", "dual"):
+        args.pop("use_dual", None)
+        return name, dict(args, logits="computed", dream_queries="shifted")
+    if name in ("dllm", "d2cache"):
+        return name, args
+    raise Unsupported(f"d2Cache cache '{name}'")
+
+
+ADAPTERS: Dict[str, Callable[[dict, Optional[dict]], Setup]] = {
     "llada": llada_setup, "fastdllm_v2": fastdllm_setup, "cadllm": cadllm_setup, "prophet": prophet_setup,
     "dream": dream_setup, "dream_block": dream_setup,
+    **{s: d2c_setup for s in ("d2c_vanilla", "d2c_threshold", "d2c_factor", "d2c_pc", "d2c_eb", "d2c_klass",
+                              "d2c_wino", "d2c_ar", "d2c_prefix", "d2c_dllm", "d2c_d2cache")},
 }
 
 
-def setup_for(case: dict) -> Setup:
+def setup_for(case: dict, suite: Optional[dict] = None) -> Setup:
     load_plugins()
-    suite = case["id"].split("/")[0]
-    adapter = ADAPTERS.get(suite)
+    name = case["id"].split("/")[0]
+    adapter = ADAPTERS.get(name)
     if adapter is None:
-        raise Unsupported(f"unknown suite '{suite}'")
-    return adapter(case)
+        raise Unsupported(f"unknown suite '{name}'")
+    return adapter(case, suite)
 
 
-def build(case: dict):
+def build(case: dict, suite: Optional[dict] = None):
     """``(strategy, cache, setup)`` of a case (raises :class:`Unsupported` for what dlm_engine cannot run)."""
-    st = setup_for(case)
+    st = setup_for(case, suite)
     if st.strategy not in STRATEGIES:
         raise Unsupported(f"strategy '{st.strategy}' is not implemented yet")
     if st.cache not in CACHES:
         raise Unsupported(f"cache '{st.cache}' is not implemented yet")
     strategy = strategy_class(st.strategy)(st.config, st.gen_length)
     ccls = cache_class(st.cache)
+    unknown = sorted(set(st.cache_config) - set(ccls.Config.__dataclass_fields__))
+    if unknown:
+        raise Unsupported(f"cache '{st.cache}' has no options {unknown}")
     cache = ccls(ccls.Config(**st.cache_config))
     problem = incompatibility(strategy, cache)
     if problem is not None:
@@ -228,10 +284,11 @@ def _rows(case: dict, prompts: List[List[int]]) -> Tuple[List[List[int]], bool]:
     return [list(r) for r in rows], batched
 
 
-def run_case(case: dict, prompts: List[List[int]], model, mask_id: int, pad_id: int) -> Dict[str, Any]:
-    strategy, cache, st = build(case)
+def run_case(case: dict, prompts: List[List[int]], model, mask_id: int, pad_id: int,
+             suite: Optional[dict] = None) -> Dict[str, Any]:
+    strategy, cache, st = build(case, suite)
     rows, batched = _rows(case, prompts)
-    canvas = Canvas.from_prompts(rows, st.gen_length, mask_id, pad_id)
+    canvas = Canvas.from_prompts(rows, st.gen_length, mask_id, pad_id, eos_id=st.eos_id)
     if canvas.is_padded and st.ignore_padding:
         # The LLaDA references run Fast-dLLM's copy of the model, which ignores padding masks (spec §1.5):
         # left padding is attended like any token, with plain 0..L-1 positions. Reproduce that here.
@@ -245,7 +302,7 @@ def run_case(case: dict, prompts: List[List[int]], model, mask_id: int, pad_id: 
     out = canvas.tokens.tolist()
     g = canvas.gen_start
     unmask = [[log.cum[s] if s > 0 else 0 for s in so] for so in canvas.step_of[:, g:].tolist()]
-    if not (batched and case["id"].startswith("dream")):   # the LLaDA suites record row 0 only
+    if not (batched and (st.per_row or case["id"].startswith("dream"))):   # the LLaDA suites record row 0 only
         unmask = unmask[0]
     res = {"id": case["id"], "output": out if batched else out[0], "nfe": canvas.nfe, "unmask_step": unmask}
     if st.extra is not None:
@@ -254,8 +311,15 @@ def run_case(case: dict, prompts: List[List[int]], model, mask_id: int, pad_id: 
 
 
 def model_dirs(folder: Path) -> Dict[str, Path]:
-    """Model directories of a fixtures folder by name (``tiny_llada``, ``tiny_dream``, ...)."""
-    found = {sub.name: sub for sub in sorted(folder.iterdir()) if sub.is_dir() and (sub / "config.json").is_file()}
+    """Model directories by name (``tiny_llada``, ``tiny_dream``, ...): the fixtures folder's own, else those
+    of its sibling folders (the test copy of d2cparity shares refparity's and dreamparity's models)."""
+    found: Dict[str, Path] = {}
+    for root in [folder] + sorted(p for p in folder.resolve().parent.iterdir() if p.is_dir() and p != folder.resolve()):
+        for sub in sorted(root.iterdir()):
+            if sub.is_dir() and (sub / "config.json").is_file():
+                found.setdefault(sub.name, sub)
+        if root == folder and found:
+            break
     if not found:
         raise SystemExit(f"parity: no model directory (with config.json) in {folder}")
     return found
@@ -272,7 +336,8 @@ def run_folder(folder: Path, only: Optional[str] = None, progress: bool = False)
             model, raw, _ = load_pretrained(dirs[name], device="cpu", dtype="float32")
             pad = raw.get("pad_token_id") if raw.get("pad_token_id") is not None else raw.get("eos_token_id", 0)
             loaded[name] = (model, int(model.config.mask_token_id), int(pad))
-        return loaded[name]
+        model, mask_id, pad = loaded[name]
+        return model, mask_id, int(suite.get("pad_id", pad))
 
     results, skipped = [], []
     for f in sorted(folder.glob("*.json")):
@@ -287,7 +352,7 @@ def run_folder(folder: Path, only: Optional[str] = None, progress: bool = False)
                 continue
             try:
                 model, mask_id, pad_id = model_for(case, suite)
-                results.append(run_case(case, suite["prompts"], model, mask_id, pad_id))
+                results.append(run_case(case, suite["prompts"], model, mask_id, pad_id, suite))
                 if progress:
                     print(f"ran      {case['id']}", file=sys.stderr)
             except Unsupported as exc:

@@ -40,7 +40,7 @@ import torch
 from dlm_engine.core.canvas import FrameDelta
 from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.registry import register_strategy
-from dlm_engine.core.sampler import draw_tokens, filtered_probs, sample_positions
+from dlm_engine.core.sampler import sample_positions, sample_tokens
 from dlm_engine.core.strategy import CacheDirective, StepPlan, Strategy
 from dlm_engine.errors import ConfigError
 from dlm_engine.strategies._dream_blocks import DreamBlockLoop
@@ -189,14 +189,9 @@ class Dream(DreamBlockLoop, Strategy):
     def _propose(self, logits: torch.Tensor, kind: str = "prob"):
         """Dream's ``sample_tokens`` on rows of logits ``[M, V]``: ``(confidence, x0)``."""
         c = self.cfg
-        p = filtered_probs(logits, c.temperature, c.top_p, c.top_k)
-        conf, x0 = draw_tokens(p, c.temperature)
-        if kind == "margin":
-            top2 = torch.topk(p, 2, dim=-1).values
-            conf = top2[:, 0] - top2[:, 1]
-        elif kind == "entropy":
-            conf = (p * torch.log(p + 1e-10)).sum(-1)
-        return conf, x0
+        alg = {"prob": "maskgit_plus", "margin": "topk_margin", "entropy": "entropy"}[kind]
+        s = sample_tokens(logits, c.temperature, c.top_p, c.top_k, alg=alg)
+        return s.confidence, s.x0
 
     def _k(self, n: torch.Tensor, i: int, last: int) -> int:
         """``int(n (1 - s/t))`` in float32 (everything left at the last step)."""

@@ -24,6 +24,18 @@ class BlockEvent:
     row: int = -1
 
 
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a strategy may know about the model a canvas is decoded with (set by the loop)."""
+
+    model_type: Optional[str] = None      # config.json model_type: "llada", "Dream", ...
+    logits_shift: int = 0                 # 1 for models that predict column j from hidden state j - 1 (Dream)
+
+    @classmethod
+    def of(cls, model) -> "ModelInfo":
+        return cls(getattr(getattr(model, "config", None), "model_type", None), int(getattr(model, "logits_shift", 0)))
+
+
 @dataclass
 class FrameDelta:
     """What one step changed. Tensors cover canvas columns ``[start, start + W)``.
@@ -79,6 +91,7 @@ class Canvas:
         self.row_nfe = torch.zeros(tokens.shape[0], dtype=torch.long, device=tokens.device)
         self.position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
         self.is_padded = not bool(attention_mask.all())
+        self.model_info = ModelInfo()
 
     @classmethod
     def from_prompts(cls, prompts: Sequence[Sequence[int]], gen_length: int, mask_id: int, pad_id: int,

@@ -35,41 +35,46 @@ class Cache(NullHooks):
         no call ran); caches that choose what to recompute from the step's result override it."""
 
 
-def active_rows(call: ForwardCall) -> Tuple[int, Optional[torch.Tensor]]:
-    """``(full batch, rows)`` of a call: the rows of the full batch it runs (None = all of them)."""
-    req = call.request
-    if req.rows is None:
-        return call.batch_size, None
-    return int(req.full_batch), req.rows
-
-
 class RowStore:
-    """Per-row tensors (keys/values, cached outputs, ...) of a cache that follow the call's active rows.
+    """Which rows of the full batch a cache's per-row tensors (keys/values, cached outputs, ...) hold.
 
-    Rows of a batch that finished leave the model batch for good (:mod:`dlm_engine.core.rows`), so a store
-    can drop them: :meth:`follow` compares the call's rows with the rows it holds and keeps the matching
-    ones. It reports ``True`` when the store must start afresh (new batch or length)."""
+    Finished rows leave the batch for good (:mod:`dlm_engine.core.rows`): the store drops them
+    (:meth:`follow` calls ``keep(index)`` with the positions of the rows to keep). Rows that only sit a
+    step out (``CallRequest.rows`` a strict subset of ``CallRequest.live``) stay; for such a call
+    :attr:`index` holds the positions of the call's rows in the store (None = the call runs every held row).
+    """
 
     def __init__(self):
         self.reset()
 
     def reset(self) -> None:
         self.shape = None            # (full batch, length) the stored rows belong to; None = nothing stored
-        self.rows = None             # rows of the full batch held, ascending; None = all of them
-        self.held = 0                # number of rows held
+        self.held = None             # rows of the full batch held, ascending; None = all of them
+        self.n_held = 0
+        self.index: Optional[torch.Tensor] = None
 
     def follow(self, call: ForwardCall, keep) -> bool:
-        """Align with ``call``; ``keep(index)`` drops rows (index: positions of the kept rows in the store)."""
-        full, rows = active_rows(call)
-        B, L = call.batch_size, call.length
-        fresh = self.shape != (full, L) or (rows is None and self.held != B)
+        """Align with ``call``; returns True when the store starts afresh (new batch or length)."""
+        req = call.request
+        full = call.batch_size if req.full_batch is None else int(req.full_batch)
+        live = req.live if req.live is not None else req.rows
+        n_live = full if live is None else int(live.numel())
+        fresh = self.shape != (full, call.length)
         if fresh:
-            self.shape, self.rows, self.held = (full, L), rows, B
-        elif B != self.held:
-            held = self.rows if self.rows is not None else torch.arange(self.held, device=rows.device)
-            keep(torch.searchsorted(held, rows))
-            self.rows, self.held = rows, B
+            self.shape, self.held, self.n_held = (full, call.length), live, n_live
+        elif n_live != self.n_held:           # rows finished since the last call: drop them
+            keep(torch.searchsorted(self._held(), live))
+            self.held, self.n_held = live, n_live
+        rows = req.rows
+        self.index = None if rows is None or int(rows.numel()) == self.n_held else torch.searchsorted(self._held(), rows)
         return fresh
+
+    def _held(self) -> torch.Tensor:
+        return self.held if self.held is not None else torch.arange(self.n_held)
+
+    def alloc(self, shape, like: torch.Tensor) -> torch.Tensor:
+        """A store tensor for every held row (zeros: rows a call does not write are never garbage)."""
+        return torch.zeros((self.n_held,) + tuple(shape[1:]), dtype=like.dtype, device=like.device)
 
 
 class StoredKVCache(Cache):
@@ -84,8 +89,8 @@ class StoredKVCache(Cache):
     and refresh points. K/V are stored after RoPE, which is applied from absolute position ids, so this
     equals caching them before RoPE and re-rotating at every call.
 
-    Finished rows: when a call runs only some rows of the batch (``CallRequest.rows``), the stored
-    keys/values of the rows that left are dropped and the others stay valid (:class:`RowStore`).
+    Rows: the stored keys/values of finished rows are dropped; a call that runs only some of the held rows
+    writes and reads those rows (:class:`RowStore`).
     """
 
     needs = caps(Cap.BLOCKS)
@@ -176,10 +181,13 @@ class StoredKVCache(Cache):
         return kk, vv, self._cols
 
     def _write(self, store: dict, layer: int, fresh: torch.Tensor, a: int, b: int) -> torch.Tensor:
-        B, H, _, D = fresh.shape
-        L = self.store.shape[1]
+        _, H, _, D = fresh.shape
+        rs = self.store
         t = store.get(layer)
-        if t is None or t.shape != (B, H, L, D) or t.dtype != fresh.dtype or t.device != fresh.device:
-            t = store[layer] = torch.empty((B, H, L, D), dtype=fresh.dtype, device=fresh.device)
-        t[:, :, a:b] = fresh
-        return t
+        if t is None or t.shape != (rs.n_held, H, rs.shape[1], D) or t.dtype != fresh.dtype or t.device != fresh.device:
+            t = store[layer] = rs.alloc((0, H, rs.shape[1], D), fresh)
+        if rs.index is None:
+            t[:, :, a:b] = fresh
+            return t
+        t[rs.index, :, a:b] = fresh
+        return t[rs.index]

@@ -6,9 +6,9 @@ from typing import Iterable, Optional, Tuple
 
 import torch
 
-from dlm_engine.core.canvas import Canvas, FrameDelta
+from dlm_engine.core.canvas import Canvas, FrameDelta, ModelInfo
 from dlm_engine.core.protocol import CallRequest, ForwardCall
-from dlm_engine.core.rows import ActiveRows, call_rows, expand_proposal, idle_proposal
+from dlm_engine.core.rows import ActiveRows, call_rows, expand_proposal, idle_proposal, step_rows
 from dlm_engine.core.sampler import Proposal, propose
 from dlm_engine.core.strategy import StepPlan, Strategy
 
@@ -35,15 +35,16 @@ class StalledDecode(RuntimeError):
     pass
 
 
-def forward(model, canvas: Canvas, plan: StepPlan, cache, rows: Optional[torch.Tensor] = None
-            ) -> Tuple[torch.Tensor, ForwardCall]:
+def forward(model, canvas: Canvas, plan: StepPlan, cache, rows: Optional[torch.Tensor] = None,
+            live: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, ForwardCall]:
     """One model call for a plan (CFG doubles the batch; it still counts as one forward).
 
-    ``rows``: run only these canvas rows (the active ones, ascending); the logits then have ``len(rows)``
-    rows and the cache learns which rows of the full batch they are (``CallRequest.rows``).
+    ``rows``: run only these canvas rows (ascending); the logits then have ``len(rows)`` rows and the cache
+    learns which rows of the full batch they are (``CallRequest.rows``) and which rows are not finished
+    (``live``, a superset: the others sit this step out).
     """
     ids, attn = canvas.tokens, canvas.attention_mask
-    pos = canvas.position_ids
+    pos = canvas.position_ids if plan.position_ids is None else plan.position_ids
     cfg = plan.cfg_scale > 0
     given = canvas.given() if cfg else None
     if rows is not None:
@@ -55,6 +56,7 @@ def forward(model, canvas: Canvas, plan: StepPlan, cache, rows: Optional[torch.T
     request = CallRequest(gen_start=canvas.gen_start, directive=plan.cache, aux=plan.aux)
     if rows is not None:
         request.rows, request.full_batch = call_rows(rows, canvas.batch_size, cfg)
+        request.live = None if live is None else call_rows(live, canvas.batch_size, cfg)[0]
     call = model(ids, attention_mask=attn if canvas.is_padded else None, position_ids=pos, hooks=cache,
                  logits_range=plan.window, request=request)
     logits = call.logits
@@ -68,11 +70,12 @@ def forward(model, canvas: Canvas, plan: StepPlan, cache, rows: Optional[torch.T
     return logits, call
 
 
-def sample(logits: torch.Tensor, plan: StepPlan, call: ForwardCall) -> Proposal:
-    """The shared sampler on a call's window (or the bare logits when the plan samples itself)."""
+def sample(logits: torch.Tensor, plan: StepPlan, call: ForwardCall, rows: Optional[torch.Tensor] = None) -> Proposal:
+    """The shared sampler on a call's window (or the bare logits of the call's canvas ``rows`` when the plan
+    samples itself)."""
     start = plan.window[0]
     if not plan.sample:
-        return Proposal(start=start, x0=None, confidence=None, logits=logits, valid=call.valid)
+        return Proposal(start=start, x0=None, confidence=None, logits=logits, valid=call.valid, rows=rows)
     cols = call.columns
     if cols.is_span:
         call_len, call_start = cols.end - cols.start, cols.start
@@ -96,6 +99,8 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
 
     if cache is None:
         cache = cache_class("none")()
+    if canvas.model_info == ModelInfo():
+        canvas.model_info = ModelInfo.of(model)
     sinks = list(sinks)
     want_logits = any(getattr(s, "wants_logits", False) for s in sinks)  # e.g. trace capture=topk|logits
     cache.begin(canvas)
@@ -118,7 +123,8 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
             if canvas.step >= limit:
                 raise StalledDecode(f"strategy '{strategy.name}' did not finish within {limit} steps "
                                     "(did the model propose the mask token?)")
-            rows = None if active is None else active.update(canvas)
+            live = None if active is None else active.update(canvas)
+            rows = live if plan.rows is None else step_rows(canvas, plan.rows, live)
             call = None
             if active is not None and active.none_active:
                 # Every row is finished but the strategy still schedules a step (LLaDA's zero-transfer
@@ -127,12 +133,12 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
                 forward(model, canvas, plan, None)
                 proposal = idle_proposal(canvas, plan.window, active.vocab)
             else:
-                logits, call = forward(model, canvas, plan, cache, rows=rows)
-                proposal = sample(logits, plan, call)
+                logits, call = forward(model, canvas, plan, cache, rows=rows, live=live)
+                proposal = sample(logits, plan, call, rows)
                 if active is not None:
                     active.seen(logits)
-                    if rows is not None:
-                        proposal = expand_proposal(proposal, rows, canvas)
+                if rows is not None and plan.sample:
+                    proposal = expand_proposal(proposal, rows, canvas)
             delta, state = strategy.select(canvas, plan, proposal, state)
             delta.wall_time = time.perf_counter() - t0
             if want_logits:

@@ -66,6 +66,9 @@ class CallRequest:
     gen_start: int = 0                            # first generated column (block-causal models count blocks from it)
     directive: Optional[CacheDirective] = None    # the step's block structure; None = the strategy gives none
     rows: Optional[torch.Tensor] = None           # rows of the full batch this call runs (ascending); None = all
+    live: Optional[torch.Tensor] = None           # rows not finished (a superset of ``rows``); None = all. Rows
+                                                  # outside ``live`` never come back; rows in ``live`` but not in
+                                                  # ``rows`` only sit this step out (their block is done)
     full_batch: Optional[int] = None              # size of that full batch when ``rows`` is set (2B with CFG)
     aux: Optional[AuxColumns] = None              # extra query columns (needs a cache that offers AUX_COLUMNS)
 

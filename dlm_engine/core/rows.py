@@ -61,6 +61,16 @@ class ActiveRows:
             self.vocab = (int(logits.shape[-1]), logits.dtype)
 
 
+def step_rows(canvas: Canvas, wanted: torch.Tensor, live: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The rows a step's call runs when its plan names rows (``StepPlan.rows``, ``[B]`` bool): the wanted rows
+    that are not finished, ascending (None when that is every row). One host sync."""
+    rows = (wanted & ~canvas.finished).nonzero().squeeze(1)
+    n = canvas.batch_size if live is None else int(live.numel())
+    if int(rows.numel()) == n:
+        return live
+    return rows
+
+
 def call_rows(rows: torch.Tensor, batch: int, cfg: bool) -> Tuple[torch.Tensor, int]:
     """``(rows, full_batch)`` of a call that runs ``rows`` of a batch of ``batch`` (CFG doubles both)."""
     if cfg:

@@ -26,6 +26,7 @@ class Proposal:
     call_len: Optional[int] = None    # columns of the model call the window came from (RNG draw shape)
     call_start: Optional[int] = None  # first canvas column of that call
     valid: Optional[torch.Tensor] = None   # [B, W] bool: logits the call computed (None = all); others never rank
+    rows: Optional[torch.Tensor] = None    # plans that sample themselves: the canvas rows the logits belong to
 
 
 def noise_draw(shape, device) -> torch.Tensor:
@@ -171,6 +172,59 @@ def draw_tokens(probs: torch.Tensor, temperature: float):
             return torch.gather(probs, -1, x0[:, None]).squeeze(-1), x0
     conf, x0 = probs.max(dim=-1)
     return conf, x0
+
+
+ALGS = ("maskgit_plus", "topk_margin", "entropy", "random")
+
+
+@dataclass
+class Sampled:
+    """Result of :func:`sample_tokens`: per position the confidence, the token and the (filtered) distribution."""
+
+    confidence: torch.Tensor   # [..., ] in the logits' dtype
+    x0: torch.Tensor           # [..., ] long
+    probs: torch.Tensor        # [..., V] softmax after temperature and filters
+
+
+def sample_tokens(logits: torch.Tensor, temperature: float = 0.0, top_p: Optional[float] = None,
+                  top_k: Optional[int] = None, alg: str = "maskgit_plus", freq: Optional[torch.Tensor] = None,
+                  clip_alpha: Optional[float] = None, debias_after_alg: bool = False,
+                  filters_at_zero: bool = True) -> Sampled:
+    """Dream's and the d2Cache framework's per-position sampler over logits ``[..., V]`` (any leading shape;
+    positions are drawn in row-major order, which fixes the RNG stream).
+
+    Temperature, top-p and top-k reshape the distribution (also at temperature 0 unless ``filters_at_zero`` is
+    False -- a reference quirk: they change confidences there); then a categorical draw at ``T > 0`` (one
+    ``multinomial`` over all positions) or the argmax. ``freq`` (PC-Sampler, :func:`dlm_engine.core.priors.debias`)
+    rescales the confidence; ``alg`` then replaces it -- ``topk_margin``: top-1 minus top-2 probability,
+    ``entropy``: ``sum p ln(p + 1e-10)`` (higher = more certain), ``random``: uniform noise (one ``torch.rand``
+    after the draw) -- which overwrites the debiased value unless ``debias_after_alg``.
+    """
+    if alg not in ALGS:
+        raise ValueError(f"unknown alg '{alg}' (choose from {', '.join(ALGS)})")
+    shape, V = logits.shape[:-1], logits.shape[-1]
+    flat = logits.reshape(-1, V)
+    use_filters = filters_at_zero or temperature > 0
+    probs = filtered_probs(flat, temperature, top_p if use_filters else None, top_k if use_filters else None)
+    conf, x0 = draw_tokens(probs, temperature)
+
+    def debiased(c):
+        from dlm_engine.core.priors import debias
+
+        return debias(c, x0, freq, clip_alpha)
+
+    if freq is not None and not debias_after_alg:
+        conf = debiased(conf)
+    if alg == "topk_margin":
+        top2 = torch.topk(probs, 2, dim=-1).values
+        conf = top2[:, 0] - top2[:, 1]
+    elif alg == "entropy":
+        conf = (probs * torch.log(probs + 1e-10)).sum(-1)
+    elif alg == "random":
+        conf = torch.rand_like(conf)
+    if freq is not None and debias_after_alg:
+        conf = debiased(conf)
+    return Sampled(conf.reshape(shape), x0.reshape(shape), probs.reshape(shape + (V,)))
 
 
 def sample_positions(scores: torch.Tensor, k: int, temperature: float) -> torch.Tensor:

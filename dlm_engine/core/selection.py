@@ -4,6 +4,8 @@ All functions are batched: ``conf`` is ``[B, W]`` with ``-inf`` (or any value) o
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 NEG_INF = float("-inf")
@@ -75,3 +77,77 @@ def factor_commit(conf: torch.Tensor, cand: torch.Tensor, factor: float) -> torc
     k = torch.where(has_fail & (first <= M - 1), first - 1, M)
     k = torch.where(M == 1, torch.ones_like(k), k)
     return topk_commit(conf, cand, k)
+
+
+# -- the d2Cache framework's rules (docs/specs/d2cache.md §6): per row, at least ``min_tt`` commits -------------
+def topk_rows(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``[B, W]`` bool: the ``k[b]`` highest scores of every row, chosen as ``torch.topk(scores[b], k[b])``
+    chooses them (rows are grouped by ``k``, so tied scores break exactly as a per-row call would)."""
+    out = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+    for kv in torch.unique(k).tolist():
+        if kv <= 0:
+            continue
+        rows = (k == kv).nonzero().squeeze(1)
+        idx = torch.topk(scores[rows], min(int(kv), scores.shape[1]), dim=-1).indices
+        out[rows] = out[rows].scatter(1, idx, True)
+    return out
+
+
+def factor_count(scores: torch.Tensor, cand: torch.Tensor, factor: float) -> torch.Tensor:
+    """d2Cache's factor rule: the first rank ``n`` (1-based) of the sorted candidates with
+    ``(n + 1) (1 - s_n) >= factor`` in float32, or ``|cand|`` when none; the row then commits ``n - 1``.
+    Rows without candidates get 0 (the reference raises there, or reuses the previous row's ``n``)."""
+    B, W = scores.shape
+    M = cand.sum(-1)
+    s = torch.sort(masked_conf(scores, cand), dim=-1, descending=True).values
+    n = torch.arange(1, W + 1, device=scores.device)
+    ok = ((n + 1).to(s.dtype)[None, :] * (1 - s) >= factor) & (n[None, :] <= M[:, None])
+    first = torch.where(ok.any(-1), ok.to(torch.int64).argmax(-1) + 1, M)
+    return torch.where(M > 0, first, torch.zeros_like(first))
+
+
+def eb_count(scores: torch.Tensor, probs: torch.Tensor, gamma: float, over_ranks: bool = False) -> torch.Tensor:
+    """EB-Sampler: how many of the ranked positions fit an entropy budget ``gamma``. Positions are ranked by
+    score; ``A_k`` is the cumulative entropy of ranks ``<= k`` and ``M_k`` a running maximum; the row takes
+    ``#{k : A_k - M_k <= gamma}``. The reference's running maximum runs over the *batch* at each rank
+    (``over_ranks=False``, the default); ``over_ranks=True`` takes it over the ranks of the row."""
+    order = torch.sort(scores, dim=-1, descending=True).indices
+    H = torch.distributions.Categorical(probs=probs.float(), validate_args=False).entropy()
+    H = torch.gather(H, 1, order)
+    A = torch.cumsum(H, dim=1)
+    Mx = torch.cummax(H, dim=1 if over_ranks else 0).values
+    return ((A - Mx) <= gamma).sum(-1)
+
+
+def d2c_commit(scores: torch.Tensor, cand: torch.Tensor, min_tt, max_tt=None, *, threshold: Optional[float] = None,
+               factor: Optional[float] = None, gamma: Optional[float] = None, probs: Optional[torch.Tensor] = None,
+               eb_over_ranks: bool = False) -> torch.Tensor:
+    """The d2Cache framework's ``confidence_unmasking`` for every row at once (``[B, W]`` bool commits).
+
+    ``threshold``: every candidate scoring ``>= threshold`` (none at all when more than ``max_tt`` do);
+    ``factor``: the top ``n - 1`` of the factor rule; ``gamma``: the EB count (needs ``probs``). The count is clamped to
+    ``[min_tt, max_tt]`` (``max_tt`` defaults to the candidates) and, when fewer than that were picked, the
+    row commits its top-count candidates instead.
+    """
+    if sum(x is not None for x in (threshold, factor, gamma)) > 1:
+        raise ValueError("at most one of threshold, factor and gamma")
+    B, W = scores.shape
+    c = masked_conf(scores, cand)
+    M = cand.sum(-1)
+    mx = M if max_tt is None else (max_tt if torch.is_tensor(max_tt) else torch.full_like(M, int(max_tt)))
+    mn = min_tt if torch.is_tensor(min_tt) else torch.full_like(M, int(min_tt))
+    num = torch.minimum(mn, mx)
+    picked = torch.zeros_like(cand)
+    if threshold is not None:
+        picked = cand & (c >= threshold)
+        over = picked.sum(-1) > mx
+        picked = picked & ~over[:, None]
+        num = torch.where(over, mx, num)
+    elif factor is not None:
+        picked = topk_rows(c, torch.minimum(factor_count(scores, cand, factor) - 1, mx).clamp_min(0))
+    elif gamma is not None:
+        num = eb_count(c, probs, gamma, eb_over_ranks)
+    num = torch.minimum(torch.maximum(num, mn), mx)           # torch.clamp(num, min_tt, max): max wins
+    need = picked.sum(-1) < num
+    k = torch.where(need, torch.minimum(M, num), torch.zeros_like(num))
+    return torch.where(need[:, None], topk_rows(c, k), picked)

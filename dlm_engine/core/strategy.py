@@ -45,8 +45,11 @@ class StepPlan:
     cache: Optional[CacheDirective] = None
     info: Dict[str, Any] = field(default_factory=dict)
     suppress: Tuple[int, ...] = ()       # token ids whose logits are set to -inf before sampling (e.g. EOS)
-    sample: bool = True                  # False: the proposal carries logits only (the strategy samples itself)
+    sample: bool = True                  # False: the proposal carries the call rows' logits only (the strategy
+                                         # samples itself; ``Proposal.rows`` names the rows)
     aux: Optional[AuxColumns] = None     # extra query columns for this call (needs Cap.AUX_COLUMNS)
+    rows: Optional[torch.Tensor] = None  # [B] bool: rows taking part in this step (None = every unfinished row)
+    position_ids: Optional[torch.Tensor] = None   # [B, L] position ids for this call (None = the canvas')
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,235 @@
+"""``d2c``: the d2Cache framework's per-step decoding (its ``vanilla`` generation; docs/specs/d2cache.md §3-§6).
+
+Blocks of ``block_length`` are decoded in order. Every step runs the rows that still have a masked position in
+the current block (a row whose block is done sits the step out; a block with no such row ends without a
+forward), samples *every* generated position of those rows with the shared :func:`sample_tokens` (temperature,
+top-p/top-k, PC-Sampler ``debias``, confidence kind ``alg``), optionally multiplies the confidences by the
+certainty prior (``sigma``) and commits, per row, at least ``num_transfer_tokens`` of the block's masked positions:
+
+* no rule: exactly ``min(num_transfer_tokens, masked left)`` top-scored positions (a fixed rate, no ``steps``);
+* ``threshold``: every position scoring ``>= threshold`` (at least ``num_transfer_tokens``);
+* ``factor``: d2Cache's factor rule (``max(n - 1, num_transfer_tokens)`` tokens);
+* ``gamma``: EB-Sampler's entropy budget.
+
+Presets: ``pc_sampler`` (debias), ``eb_sampler`` (gamma), ``certainty_prior`` (sigma). :mod:`strategies.klass`
+and :mod:`strategies.ar` reuse this loop with their own selection.
+
+Reference quirks are reproduced by default; each has an option for the corrected behaviour
+(``restrict_to_computed_logits``, ``eb_cummax_over_ranks``, ``debias_after_alg``, ``filters_at_zero_temperature``,
+``reference_positions``, ``sample_candidates_only``, ``eos_fill``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from enum import Enum
+from typing import Optional
+
+import torch
+
+from dlm_engine.core.canvas import FrameDelta
+from dlm_engine.core.capabilities import Cap, caps
+from dlm_engine.core.eos import stop_at_eos
+from dlm_engine.core.priors import FrequencyTable, certainty_density
+from dlm_engine.core.registry import register_strategy
+from dlm_engine.core.sampler import Sampled, sample_tokens
+from dlm_engine.core.selection import d2c_commit
+from dlm_engine.core.strategy import CacheDirective, StepPlan, Strategy, masked_after
+from dlm_engine.errors import ConfigError
+
+
+class Alg(str, Enum):
+    maskgit_plus = "maskgit_plus"     # probability of the proposal
+    topk_margin = "topk_margin"       # top-1 minus top-2 probability
+    entropy = "entropy"               # sum p ln p (higher = more certain)
+    random = "random"                 # uniform noise
+
+
+@dataclass
+class D2CConfig:
+    name: str = "d2c"
+    block_length: Optional[int] = None          # null = gen_length (one block)
+    num_transfer_tokens: int = 1                # tokens committed per step (at least, with a rule)
+    threshold: Optional[float] = None           # commit every masked position scoring >= threshold
+    factor: Optional[float] = None              # d2Cache's factor rule
+    gamma: Optional[float] = None               # EB-Sampler entropy budget
+    alg: Alg = Alg.maskgit_plus
+    temperature: float = 0.0
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    debias: bool = False                        # PC-Sampler: confidence * -ln(corpus frequency), clipped
+    clip_alpha: Optional[float] = None          # PC-Sampler clip (null = 10)
+    freq_table: str = "auto"                    # auto (by model family) | llada | dream | path to a JSON table
+    sigma: Optional[float] = None               # certainty prior width (null/0 = off)
+    stop_until_eos: bool = False                # positions after a row's first decoded EOS are not decoded
+    # corrected behaviours (the defaults reproduce the reference)
+    restrict_to_computed_logits: bool = False   # quirk 1: positions a cache did not compute stay candidates (1/V)
+    eb_cummax_over_ranks: bool = False          # quirk 7: EB's running maximum runs over the batch
+    debias_after_alg: bool = False              # quirk 8: alg overwrites the debiased confidence
+    filters_at_zero_temperature: bool = True    # quirk 16: top-p/top-k reshape confidences at T = 0 too
+    reference_positions: bool = True           # quirk 12: Dream rows ignore left padding for positions
+    sample_candidates_only: bool = False        # quirk 15: every generated position is sampled (RNG)
+    eos_fill: bool = False                      # quirk 19: masks after the first EOS stay (True: filled with EOS)
+
+
+@dataclass(frozen=True)
+class BlockState:
+    block: int = 0
+    step: int = 0                               # steps taken in the current block
+    freq: Optional[torch.Tensor] = None         # PC-Sampler table (length V), loaded at init
+
+
+@register_strategy("d2c", D2CConfig)
+class D2C(Strategy):
+    offers = caps(Cap.BLOCKS)
+    needs = caps()                              # positions without logits are uniform (or skipped) by design
+
+    def validate(self) -> None:
+        c = self.cfg
+        self.block_len = self.block_length_or_gen(c.block_length)
+        self.num_blocks = self.gen_length // self.block_len
+        self.check_positive("num_transfer_tokens", c.num_transfer_tokens)
+        rules = [k for k in ("threshold", "factor", "gamma") if getattr(c, k) is not None]
+        if len(rules) > 1:
+            raise ConfigError(f"strategy: set at most one of threshold, factor and gamma (got {', '.join(rules)})")
+        if c.threshold is not None:
+            self.check_unit_interval("threshold", c.threshold)
+        for key in ("factor", "gamma"):
+            if getattr(c, key) is not None and not float(getattr(c, key)) > 0:
+                raise ConfigError(f"strategy.{key}={getattr(c, key)} must be > 0")
+        self.check_non_negative("temperature", c.temperature)
+        if c.top_p is not None and not 0.0 < float(c.top_p) <= 1.0:
+            raise ConfigError(f"strategy.top_p={c.top_p} is outside (0, 1]")
+        if c.top_k is not None:
+            self.check_positive("top_k", c.top_k)
+        if c.clip_alpha is not None and not float(c.clip_alpha) > 0:
+            raise ConfigError(f"strategy.clip_alpha={c.clip_alpha} must be > 0")
+        if c.sigma is not None:
+            self.check_non_negative("sigma", c.sigma)
+
+    # -- set-up ------------------------------------------------------------------------------------------
+    def init_state(self, canvas) -> BlockState:
+        c = self.cfg
+        if (c.stop_until_eos or c.eos_fill) and canvas.eos_id is None:
+            raise ConfigError("strategy.stop_until_eos needs the model's eos_token_id, which this model does not define")
+        if c.debias:   # fail before the first forward when the table cannot be found
+            FrequencyTable.resolve(c.freq_table, canvas.model_info.model_type)
+        return BlockState()
+
+    def frequencies(self, canvas, st: BlockState, vocab: int) -> BlockState:
+        """The state with the PC-Sampler table of the model's vocabulary (loaded on the first step)."""
+        if not self.cfg.debias or st.freq is not None:
+            return st
+        path = FrequencyTable.resolve(self.cfg.freq_table, canvas.model_info.model_type)
+        return dataclasses.replace(st, freq=FrequencyTable.load(str(path), vocab).to(canvas.device))
+
+    # -- helpers -----------------------------------------------------------------------------------------
+    def eligible(self, canvas, masked: torch.Tensor, tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``[B, G]`` generated positions a step may decode: masked, and before the row's first decoded EOS
+        with ``stop_until_eos`` (``tokens``: the generation's tokens, default the canvas')."""
+        if not self.cfg.stop_until_eos:
+            return masked
+        gen = canvas.tokens[:, canvas.gen_start:] if tokens is None else tokens
+        is_eos = (gen == canvas.eos_id) & ~masked
+        G = gen.shape[1]
+        col = torch.arange(G, device=gen.device)
+        first = torch.where(is_eos.any(-1), is_eos.int().argmax(-1), torch.full_like(is_eos[:, 0], G, dtype=torch.long))
+        return masked & (col[None, :] < first[:, None])
+
+    def after(self, canvas, delta: FrameDelta) -> torch.Tensor:
+        """Eligible positions once ``delta`` (over the generation) is applied."""
+        masked = masked_after(canvas, delta.start, delta.commit, delta.remask)
+        tokens = torch.where(delta.commit, delta.tokens, canvas.tokens[:, canvas.gen_start:])
+        return self.eligible(canvas, masked, tokens)
+
+    def block_cols(self, block: int):
+        return block * self.block_len, (block + 1) * self.block_len
+
+    def positions(self, canvas) -> Optional[torch.Tensor]:
+        """The reference's Dream copy numbers positions 0..L-1 whatever the padding (quirk 12)."""
+        if self.cfg.reference_positions and canvas.model_info.logits_shift and canvas.is_padded:
+            return torch.arange(canvas.length, device=canvas.device).expand(canvas.batch_size, -1)
+        return None
+
+    # -- plan / select -----------------------------------------------------------------------------------
+    def plan(self, canvas, st: BlockState):
+        g = canvas.gen_start
+        elig = self.eligible(canvas, canvas.masked()[:, g:]) & ~canvas.finished[:, None]
+        while st.block < self.num_blocks:
+            a, b = self.block_cols(st.block)
+            rows = elig[:, a:b].any(-1)
+            if bool(rows.any()):
+                break
+            st = dataclasses.replace(st, block=st.block + 1, step=0)
+        else:
+            return None, st
+        d = CacheDirective(block=(g + a, g + b), block_start=st.step == 0, step_in_block=st.step)
+        return StepPlan(window=(g, canvas.length), sample=False, rows=rows, cache=d,
+                        temperature=self.cfg.temperature, position_ids=self.positions(canvas)), st
+
+    def sample(self, logits: torch.Tensor, cand: torch.Tensor, st: BlockState) -> Sampled:
+        """The step's proposals for every generated position of the call's rows (or only the candidates)."""
+        c = self.cfg
+        kw = dict(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, alg=c.alg.value, freq=st.freq,
+                  clip_alpha=c.clip_alpha, debias_after_alg=c.debias_after_alg,
+                  filters_at_zero=c.filters_at_zero_temperature)
+        if not c.sample_candidates_only:
+            return sample_tokens(logits, **kw)
+        part = sample_tokens(logits[cand], **kw)
+        V = logits.shape[-1]
+        conf = torch.full(cand.shape, float("-inf"), dtype=part.confidence.dtype, device=logits.device)
+        x0 = torch.zeros(cand.shape, dtype=torch.long, device=logits.device)
+        probs = torch.zeros(cand.shape + (V,), dtype=part.probs.dtype, device=logits.device)
+        conf[cand], x0[cand], probs[cand] = part.confidence, part.x0, part.probs
+        return Sampled(conf, x0, probs)
+
+    def pick(self, scores, cand, block_cand, sampled: Sampled, st: BlockState, rows):
+        """``[B_a, G]`` commits of the call's rows and the new state (subclasses: KLASS, AR)."""
+        c = self.cfg
+        commit = d2c_commit(scores, block_cand, c.num_transfer_tokens, threshold=c.threshold, factor=c.factor,
+                            gamma=c.gamma, probs=sampled.probs, eb_over_ranks=c.eb_cummax_over_ranks)
+        return commit, st
+
+    def select(self, canvas, plan, proposal, st: BlockState):
+        c, g, B = self.cfg, canvas.gen_start, canvas.batch_size
+        rows = proposal.rows if proposal.rows is not None else torch.arange(B, device=canvas.device)
+        masked = canvas.masked()[rows, g:]
+        cand = masked if (proposal.valid is None or not c.restrict_to_computed_logits) else masked & proposal.valid
+        st = self.frequencies(canvas, st, proposal.logits.shape[-1])
+        sampled = self.sample(proposal.logits, cand, st)
+        conf = torch.where(cand, sampled.confidence, torch.full_like(sampled.confidence, float("-inf")))
+        scores = conf * certainty_density(~masked, c.sigma) if c.sigma else conf
+        a, b = self.block_cols(st.block)
+        in_block = torch.zeros_like(cand)
+        in_block[:, a:b] = True
+        block_cand = cand & in_block & self.eligible(canvas, canvas.masked()[:, g:])[rows]
+        commit_a, st = self.pick(scores, cand, block_cand, sampled, st, rows)
+        delta = self.frame(canvas, rows, commit_a, sampled.x0, conf)
+        left = self.after(canvas, delta)[:, a:b]
+        nxt = dataclasses.replace(st, step=st.step + 1)
+        delta.scalars.update(block=st.block, committed=delta.commit.sum(-1))
+        return delta, nxt if bool(left.any()) else dataclasses.replace(nxt, block=st.block + 1, step=0)
+
+    def frame(self, canvas, rows, commit_a, x0_a, conf_a) -> FrameDelta:
+        """The full-batch delta over the generation from the call rows' commits, tokens and confidences."""
+        g, B = canvas.gen_start, canvas.batch_size
+        commit = torch.zeros((B, canvas.gen_length), dtype=torch.bool, device=canvas.device)
+        commit[rows] = commit_a
+        tokens = canvas.tokens[:, g:].clone()
+        tokens[rows] = torch.where(commit_a, x0_a, tokens[rows])
+        conf = torch.zeros((B, canvas.gen_length), dtype=torch.float32, device=canvas.device)
+        conf[rows] = conf_a.float()
+        active = torch.zeros(B, dtype=torch.bool, device=canvas.device)
+        active[rows] = True
+        delta = FrameDelta(step=canvas.step + 1, nfe=1, start=g, commit=commit, tokens=tokens, active=active,
+                           finished=torch.zeros_like(active), confidence=conf)
+        return self.finish(canvas, delta)
+
+    def finish(self, canvas, delta: FrameDelta) -> FrameDelta:
+        """Mark rows with nothing left to decode finished (with ``eos_fill``, fill what follows an EOS)."""
+        if self.cfg.eos_fill:
+            delta = stop_at_eos(canvas, delta, canvas.eos_id)
+        left = self.after(canvas, delta).any(-1)
+        delta.finished = delta.finished | (~left & ~canvas.finished)
+        return delta
+
