@@ -63,11 +63,22 @@ class StepLog(Sink):
     def __init__(self):
         self.cum = {0: 0}
         self.scalars: List[dict] = []
+        self.writes: List[List[List[int]]] = []     # per row: [step, generated position, token] (re-masks too)
+
+    def on_start(self, canvas, info):
+        self.writes = [[] for _ in range(canvas.batch_size)]
 
     def on_delta(self, delta, canvas):
         self.cum[delta.step] = self.cum.get(delta.step - 1, 0) + delta.nfe if delta.step > 0 else 0
-        if delta.step > 0:
-            self.scalars.append(delta.scalars)
+        if delta.step <= 0:
+            return
+        self.scalars.append(delta.scalars)
+        off = delta.start - canvas.gen_start
+        remask = delta.remask if delta.remask is not None else torch.zeros_like(delta.commit)
+        for r, (c_row, m_row, t_row) in enumerate(zip(delta.commit.tolist(), remask.tolist(), delta.tokens.tolist())):
+            for j, (c, m, tok) in enumerate(zip(c_row, m_row, t_row)):
+                if c or m:
+                    self.writes[r].append([delta.step, off + j, tok if c else canvas.mask_id])
 
 
 # -- adapters: reference call -> dlm_engine setup ----------------------------------------------------------
@@ -205,6 +216,7 @@ def d2c_setup(case: dict, suite: Optional[dict] = None) -> Setup:
         kw["freq_table"] = d2c_freq_table(suite or {}, case.get("model", "llada"))
     if name == "wino":
         kw["shrinking_window"] = True         # the reference's in-place block mask (the parity command's choice)
+        kw.setdefault("wide_in_thres", 0.6)   # wino_generate's code default (our default is the yaml's 0.7)
     cache, cache_config = "none", {}
     spec = case.get("cache")
     if spec:
@@ -305,6 +317,8 @@ def run_case(case: dict, prompts: List[List[int]], model, mask_id: int, pad_id: 
     if not (batched and (st.per_row or case["id"].startswith("dream"))):   # the LLaDA suites record row 0 only
         unmask = unmask[0]
     res = {"id": case["id"], "output": out if batched else out[0], "nfe": canvas.nfe, "unmask_step": unmask}
+    if st.strategy == "wino":              # every write, re-masks included (the fixtures' `events`)
+        res["events"] = log.writes if batched else log.writes[0]
     if st.extra is not None:
         res["extra"] = st.extra(log.scalars)
     return res

@@ -53,7 +53,8 @@ def forward(model, canvas: Canvas, plan: StepPlan, cache, rows: Optional[torch.T
     if cfg:
         un = ids.masked_fill(given, canvas.mask_id)
         ids, attn, pos = torch.cat([ids, un]), torch.cat([attn, attn]), torch.cat([pos, pos])
-    request = CallRequest(gen_start=canvas.gen_start, directive=plan.cache, aux=plan.aux)
+    aux = plan.aux if plan.aux is None or rows is None else plan.aux.take(rows)
+    request = CallRequest(gen_start=canvas.gen_start, directive=plan.cache, aux=aux)
     if rows is not None:
         request.rows, request.full_batch = call_rows(rows, canvas.batch_size, cfg)
         request.live = None if live is None else call_rows(live, canvas.batch_size, cfg)[0]
@@ -75,7 +76,8 @@ def sample(logits: torch.Tensor, plan: StepPlan, call: ForwardCall, rows: Option
     samples itself)."""
     start = plan.window[0]
     if not plan.sample:
-        return Proposal(start=start, x0=None, confidence=None, logits=logits, valid=call.valid, rows=rows)
+        return Proposal(start=start, x0=None, confidence=None, logits=logits, valid=call.valid, rows=rows,
+                        aux_logits=call.aux_logits)
     cols = call.columns
     if cols.is_span:
         call_len, call_start = cols.end - cols.start, cols.start

@@ -52,11 +52,17 @@ class AuxColumns:
     ``tokens``/``positions`` are ``[B, W]``; ``attend`` is the boolean attention mask ``[B, L + W, L + W]``
     (True = may attend) of the whole call, canvas and aux columns together. Their logits come back in
     :attr:`ForwardCall.aux_logits` (model order, unshifted for shifted-logit models: column ``i`` is the head
-    applied to aux hidden state ``i - shift``, the canvas' last column for ``i = 0`` -- as the reference)."""
+    applied to aux hidden state ``i - shift``, the canvas' last column for ``i = 0`` -- as the reference -- unless
+    ``shift_within``)."""
 
     tokens: torch.Tensor
     positions: torch.Tensor
     attend: torch.Tensor
+    shift_within: bool = False        # shifted models: slot 0 reads its own hidden state, not the canvas' last
+
+    def take(self, rows: torch.Tensor) -> "AuxColumns":
+        """The aux columns of some rows of the batch."""
+        return AuxColumns(self.tokens[rows], self.positions[rows], self.attend[rows], self.shift_within)
 
 
 @dataclass

@@ -27,6 +27,7 @@ class Proposal:
     call_start: Optional[int] = None  # first canvas column of that call
     valid: Optional[torch.Tensor] = None   # [B, W] bool: logits the call computed (None = all); others never rank
     rows: Optional[torch.Tensor] = None    # plans that sample themselves: the canvas rows the logits belong to
+    aux_logits: Optional[torch.Tensor] = None   # plans with auxiliary columns: their logits [B_call, W_aux, V]
 
 
 def noise_draw(shape, device) -> torch.Tensor:

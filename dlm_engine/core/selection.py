@@ -80,15 +80,16 @@ def factor_commit(conf: torch.Tensor, cand: torch.Tensor, factor: float) -> torc
 
 
 # -- the d2Cache framework's rules (docs/specs/d2cache.md §6): per row, at least ``min_tt`` commits -------------
-def topk_rows(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """``[B, W]`` bool: the ``k[b]`` highest scores of every row, chosen as ``torch.topk(scores[b], k[b])``
-    chooses them (rows are grouped by ``k``, so tied scores break exactly as a per-row call would)."""
+def topk_rows(scores: torch.Tensor, k: torch.Tensor, largest: bool = True) -> torch.Tensor:
+    """``[B, W]`` bool: the ``k[b]`` highest (``largest``) or lowest scores of every row, chosen as
+    ``torch.topk(scores[b], k[b])`` chooses them (rows are grouped by ``k``, so tied scores break exactly as a
+    per-row call would)."""
     out = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
     for kv in torch.unique(k).tolist():
         if kv <= 0:
             continue
         rows = (k == kv).nonzero().squeeze(1)
-        idx = torch.topk(scores[rows], min(int(kv), scores.shape[1]), dim=-1).indices
+        idx = torch.topk(scores[rows], min(int(kv), scores.shape[1]), dim=-1, largest=largest).indices
         out[rows] = out[rows].scatter(1, idx, True)
     return out
 

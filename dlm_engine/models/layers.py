@@ -181,7 +181,10 @@ def attention_block(idx: int, x: torch.Tensor, norm: nn.Module, spec: AttentionS
         mask = _memo_mask(call, q_cols, k_cols, rows) if masked else None
         out, io.weights = attend(q, kk, vv, mask, io.need_weights)
         if spec.zero_padding_queries and call.key_mask is not None:
-            out = out * call.key_mask.gather(1, q_cols)[:, None, :, None].to(out.dtype)
+            km = call.key_mask
+            if call.request.aux is not None:                            # aux columns are never padding
+                km = torch.cat([km, torch.ones_like(call.request.aux.tokens, dtype=torch.bool)], dim=1)
+            out = out * km.gather(1, q_cols)[:, None, :, None].to(out.dtype)
         io.out = out.transpose(1, 2).reshape(B, q.shape[2], -1)
         io.key_columns = k_cols
     if io.out.shape[1] != T:
@@ -226,7 +229,8 @@ def window_logits(call: ForwardCall, h: torch.Tensor, head: Callable[[torch.Tens
     n_canvas = cols.width
     if call.request.aux is not None:
         W = h.shape[1] - n_canvas
-        src = torch.arange(L, L + W, device=h.device) - shift      # aux slot i <- hidden L + i - shift
+        i = torch.arange(W, device=h.device)
+        src = L + ((i - shift).clamp_min(0) if call.request.aux.shift_within else i - shift)   # slot i <- hidden
         call.aux_logits = head(h[:, src - cols.start])              # aux requires the full canvas span
         h = h[:, :n_canvas]
     if hi <= lo:

@@ -1,0 +1,182 @@
+"""``wino``: WINO -- wide-in, narrow-out decoding with re-masking (docs/specs/d2cache.md §7).
+
+Blocks are decoded in order. Every step sees the block window twice in one forward: the canvas itself, and a
+*shadow* copy of the window appended after the canvas (all masks, the window's positions) whose slot ``i``
+may not look at window position ``i``. Masked slots are proposed from the canvas, decoded slots are re-scored
+from their shadow slot (the probability of the token in place). *Wide in*: every masked slot scoring
+``>= wide_in_thres`` is committed (at least ``num_transfer_tokens``, at most ``clamp(0.7 n, 5, 20)``).
+*Narrow out*: decoded slots scoring ``< narrow_out_thres`` are re-masked, at most ``wide - num_transfer_tokens``
+of them (the least confident), so every step makes net progress. A re-masked position is decoded again later;
+the delta carries re-masks in ``FrameDelta.remask`` and the trace keeps every write.
+
+The default is the corrected window (the block, every row). ``shrinking_window=true`` reproduces the
+reference: its block mask shrinks in place with every step's active-row check, so from the third step the
+window is the span of *row 0's* positions that were masked a step earlier, and positions re-masked outside it
+are never decoded again (outputs keep [MASK] tokens; the parity command uses this). Also reproduced by default:
+a shifted-logit model's (Dream's) shadow slot 0 reads the canvas' last position (``shadow_shift_within=true``
+shifts within the shadow block only).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from dlm_engine.core.canvas import FrameDelta
+from dlm_engine.core.capabilities import Cap, caps
+from dlm_engine.core.priors import certainty_density
+from dlm_engine.core.protocol import AuxColumns
+from dlm_engine.core.registry import register_strategy
+from dlm_engine.core.sampler import sample_tokens
+from dlm_engine.core.selection import d2c_commit, topk_rows
+from dlm_engine.core.strategy import StepPlan, Strategy, masked_after
+from dlm_engine.errors import ConfigError, UserError
+from dlm_engine.strategies.d2c import Alg
+
+_SEVEN_TENTHS = torch.tensor(0.7, dtype=torch.float32)
+
+
+@dataclass
+class WinoConfig:
+    name: str = "wino"
+    block_length: Optional[int] = None          # null = gen_length (one block)
+    num_transfer_tokens: int = 1                # net progress per step (at least)
+    wide_in_thres: float = 0.7                  # commit masked slots scoring >= this (the reference yaml's value)
+    narrow_out_thres: float = 0.9               # re-mask decoded slots scoring < this
+    alg: Alg = Alg.maskgit_plus
+    temperature: float = 0.0
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    sigma: Optional[float] = None               # certainty prior on the wide-in scores
+    shrinking_window: bool = False              # quirks 3/10: the reference's row-0, in-place-shrunk window
+    shadow_shift_within: bool = False           # quirk 11: a shifted model's shadow slot 0 reads the last canvas column
+
+
+@dataclass(frozen=True)
+class WinoState:
+    block: int = 0
+    block_mask: Optional[torch.Tensor] = None   # [B, G] the reference's in-place-shrunk block mask (shrinking_window)
+    window: tuple = (0, 0)                      # generated positions [bs, be) of the step being planned
+
+
+@register_strategy("wino", WinoConfig)
+class Wino(Strategy):
+    offers = caps()
+    needs = caps(Cap.WINDOW_LOGITS, Cap.AUX_COLUMNS)
+
+    def validate(self) -> None:
+        c = self.cfg
+        self.block_len = self.block_length_or_gen(c.block_length)
+        self.num_blocks = self.gen_length // self.block_len
+        self.check_positive("num_transfer_tokens", c.num_transfer_tokens)
+        self.check_unit_interval("wide_in_thres", c.wide_in_thres)
+        self.check_unit_interval("narrow_out_thres", c.narrow_out_thres)
+        self.check_non_negative("temperature", c.temperature)
+        if c.top_p is not None and not 0.0 < float(c.top_p) <= 1.0:
+            raise ConfigError(f"strategy.top_p={c.top_p} is outside (0, 1]")
+        if c.top_k is not None:
+            self.check_positive("top_k", c.top_k)
+        if c.sigma is not None:
+            self.check_non_negative("sigma", c.sigma)
+
+    def init_state(self, canvas) -> WinoState:
+        return WinoState()
+
+    def max_steps(self, canvas) -> int:
+        return canvas.gen_length + 8 * self.num_blocks     # each step nets >= num_transfer_tokens commits
+
+    # -- plan ------------------------------------------------------------------------------------------------
+    def fresh_mask(self, canvas, block: int) -> torch.Tensor:
+        m = torch.zeros((canvas.batch_size, canvas.gen_length), dtype=torch.bool, device=canvas.device)
+        m[:, block * self.block_len:(block + 1) * self.block_len] = True
+        return m
+
+    def plan(self, canvas, st: WinoState):
+        c, g = self.cfg, canvas.gen_start
+        masked = canvas.masked()[:, g:] & ~canvas.finished[:, None]
+        while st.block < self.num_blocks:
+            bm = st.block_mask if st.block_mask is not None else self.fresh_mask(canvas, st.block)
+            if c.shrinking_window:
+                idx = bm[0].nonzero()                      # the reference reads the window off row 0 first
+                bs, be = (int(idx[0]), int(idx[-1]) + 1) if idx.numel() else (None, None)
+            else:
+                bs, be = st.block * self.block_len, (st.block + 1) * self.block_len
+            eligible = bm & masked                         # the active-row check (shrinks the reference's mask)
+            rows = eligible.any(-1)
+            if bool(rows.any()):
+                if bs is None:
+                    raise UserError("wino (shrinking_window=true): row 0 has nothing left in its block while another "
+                                    "row does -- the reference fails here; use the corrected window")
+                break
+            st = WinoState(block=st.block + 1)
+        else:
+            return None, st
+        st = WinoState(block=st.block, block_mask=eligible if c.shrinking_window else None, window=(bs, be))
+        W = be - bs
+        B, L = canvas.batch_size, canvas.length
+        pos = canvas.position_ids
+        # the shadow block: W masks at the window's positions; canvas rows cannot see it, shadow slot i cannot
+        # see window position i; padding stays invisible to everyone
+        keys = torch.cat([canvas.attention_mask.bool(), torch.ones((B, W), dtype=torch.bool, device=canvas.device)], 1)
+        attend = keys[:, None, :].expand(B, L + W, L + W).clone()
+        attend[:, :L, L:] = False
+        i = torch.arange(W, device=canvas.device)
+        attend[:, L + i, g + bs + i] = False
+        aux = AuxColumns(tokens=torch.full((B, W), canvas.mask_id, dtype=torch.long, device=canvas.device),
+                         positions=pos[:, g + bs:g + be], attend=attend, shift_within=c.shadow_shift_within)
+        return StepPlan(window=(g + bs, g + be), sample=False, rows=rows, aux=aux, position_ids=pos,
+                        temperature=c.temperature), st
+
+    # -- select ----------------------------------------------------------------------------------------------
+    def select(self, canvas, plan, proposal, st: WinoState):
+        c, g, B = self.cfg, canvas.gen_start, canvas.batch_size
+        bs, be = st.window
+        rows = proposal.rows if proposal.rows is not None else torch.arange(B, device=canvas.device)
+        masked_w = canvas.masked()[rows, g + bs:g + be]
+        combined = torch.where(masked_w[..., None], proposal.logits, proposal.aux_logits).to(torch.float64)
+        s = sample_tokens(combined, c.temperature, c.top_p, c.top_k, alg=c.alg.value)
+        current = canvas.tokens[rows, g + bs:g + be]
+        in_place = torch.gather(s.probs, -1, current[..., None]).squeeze(-1)
+        conf = torch.where(masked_w, s.confidence, in_place)
+        scores = torch.where(masked_w, conf, torch.full_like(conf, float("-inf")))
+        if c.sigma:
+            dens = certainty_density(~canvas.masked()[rows, g:], c.sigma)[:, bs:be].to(conf.dtype)
+            scores = conf * dens
+        n = masked_w.sum(-1)
+        cap = torch.clamp((n.to(torch.float32) * _SEVEN_TENTHS).long(), 5, 20)
+        ntt = c.num_transfer_tokens
+        wide = d2c_commit(scores, masked_w, ntt, torch.clamp(cap, min=ntt), threshold=c.wide_in_thres)
+        k = torch.clamp(wide.sum(-1) - ntt, min=0)
+        decoded = ~masked_w
+        low = decoded & (conf < c.narrow_out_thres)
+        too_many = low.sum(-1) > k
+        lowest = topk_rows(torch.where(decoded, conf, torch.full_like(conf, float("inf"))), k, largest=False)
+        out = torch.where(too_many[:, None], lowest & decoded, low)
+        return self.frame(canvas, rows, (g + bs, g + be), wide, out, s.x0, conf, st)
+
+    def frame(self, canvas, rows, window, wide_a, out_a, x0_a, conf_a, st: WinoState):
+        s, e = window
+        B, W = canvas.batch_size, e - s
+        commit = torch.zeros((B, W), dtype=torch.bool, device=canvas.device)
+        remask = torch.zeros_like(commit)
+        commit[rows], remask[rows] = wide_a, out_a
+        tokens = canvas.tokens[:, s:e].clone()
+        tokens[rows] = torch.where(wide_a, x0_a, tokens[rows])
+        conf = torch.zeros((B, W), dtype=torch.float32, device=canvas.device)
+        conf[rows] = conf_a.float()
+        active = torch.zeros(B, dtype=torch.bool, device=canvas.device)
+        active[rows] = True
+        g = canvas.gen_start
+        left = masked_after(canvas, s, commit, remask)
+        later = left[:, (st.block + 1) * self.block_len:].any(-1)
+        now = left[:, st.block * self.block_len:(st.block + 1) * self.block_len]
+        if st.block_mask is not None:                      # the reference: only what its block mask still holds
+            now = now & st.block_mask[:, st.block * self.block_len:(st.block + 1) * self.block_len]
+        finished = ~(now.any(-1) | later) & ~canvas.finished
+        delta = FrameDelta(step=canvas.step + 1, nfe=1, start=s, commit=commit, tokens=tokens, active=active,
+                           finished=finished, confidence=conf, remask=remask,
+                           scalars={"block": st.block, "committed": commit.sum(-1), "remasked": remask.sum(-1),
+                                    "window_start": s - g, "window_end": e - g})
+        return delta, dataclasses.replace(st)
