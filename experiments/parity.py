@@ -253,9 +253,14 @@ def setup_for(case: dict, suite: Optional[dict] = None) -> Setup:
     return adapter(case, suite)
 
 
-def build(case: dict, suite: Optional[dict] = None):
-    """``(strategy, cache, setup)`` of a case (raises :class:`Unsupported` for what dlm_engine cannot run)."""
+def build(case: dict, suite: Optional[dict] = None, overrides: Optional[dict] = None):
+    """``(strategy, cache, setup)`` of a case (raises :class:`Unsupported` for what dlm_engine cannot run);
+    ``overrides`` replace strategy config fields (e.g. to switch a reference quirk off)."""
+    import dataclasses
+
     st = setup_for(case, suite)
+    if overrides:
+        st.config = dataclasses.replace(st.config, **overrides)
     if st.strategy not in STRATEGIES:
         raise Unsupported(f"strategy '{st.strategy}' is not implemented yet")
     if st.cache not in CACHES:
@@ -297,8 +302,8 @@ def _rows(case: dict, prompts: List[List[int]]) -> Tuple[List[List[int]], bool]:
 
 
 def run_case(case: dict, prompts: List[List[int]], model, mask_id: int, pad_id: int,
-             suite: Optional[dict] = None) -> Dict[str, Any]:
-    strategy, cache, st = build(case, suite)
+             suite: Optional[dict] = None, overrides: Optional[dict] = None) -> Dict[str, Any]:
+    strategy, cache, st = build(case, suite, overrides)
     rows, batched = _rows(case, prompts)
     canvas = Canvas.from_prompts(rows, st.gen_length, mask_id, pad_id, eos_id=st.eos_id)
     if canvas.is_padded and st.ignore_padding:
@@ -354,10 +359,14 @@ def run_folder(folder: Path, only: Optional[str] = None, progress: bool = False)
         return model, mask_id, int(suite.get("pad_id", pad))
 
     results, skipped = [], []
+    pc = folder / "d2c_pc.json"                     # the PC-Sampler counts every d2c suite's harness used
+    token_freq = json.loads(pc.read_text()).get("token_freq") if pc.is_file() else None
     for f in sorted(folder.glob("*.json")):
         if f.name in SKIP_FILES:
             continue
         suite = json.loads(f.read_text())
+        if token_freq is not None:
+            suite.setdefault("token_freq", token_freq)
         for case in suite.get("cases", []):
             if only and only not in case["id"]:
                 continue

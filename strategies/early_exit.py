@@ -128,7 +128,7 @@ class EarlyExit(Strategy):
         cur = st.cursor
         s, e = block_range(canvas, cur.block, self.block_length)
         cand = candidates(canvas, proposal, e)
-        commit = topk_commit(proposal.confidence, cand, st.counts[:, cur.step])
+        commit = topk_commit(proposal.confidence, cand, st.counts[:, cur.step], proposal.row_span)
         scalars = {"block": cur.block, "committed": commit.sum(-1)}
         exited = st.exited
         if self.answer_window is not None:

@@ -104,7 +104,7 @@ class LowConfidence(Strategy):
         cand = candidates(canvas, proposal, e)
         conf = eos_confidence(c, canvas, plan, proposal)
         k = st.counts[:, cur.step] if cur.step < self.steps_per_block else torch.ones_like(st.counts[:, 0])
-        commit = topk_commit(conf, cand, k)
+        commit = topk_commit(conf, cand, k, proposal.row_span)    # ranked in the reference's row
         if c.loop == Loop.llada:
             done = cur.step + 1 >= self.steps_per_block
         else:

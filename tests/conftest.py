@@ -107,3 +107,23 @@ def write_lm_eval_task(directory, name, docs, spec: str):
               "test_split: test\n")
     (d / f"{name}.yaml").write_text(header + spec)
     return d
+
+
+@pytest.fixture(scope="session")
+def d2c_candidates(tmp_path_factory):
+    """`experiments/parity.py` on the d2cparity copy once per session; ({case id: candidate}, stdout)."""
+    import json
+
+    out = tmp_path_factory.mktemp("d2cparity") / "candidate.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "parity.py"), str(FIXTURES / "d2cparity"),
+                           str(out)], capture_output=True, text=True, timeout=1200, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    return {c["id"]: c for c in data["cases"]}, proc.stdout
+
+
+@pytest.fixture(scope="session")
+def tiny_dream_model():
+    from dlm_engine.models.loader import load_pretrained
+
+    return load_pretrained(FIXTURES / "dreamparity" / "tiny_dream", device="cpu", dtype="float32")[0]

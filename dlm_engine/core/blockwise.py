@@ -48,8 +48,9 @@ class FillBlocks(Strategy):
             self.check_steps_per_block(int(c.steps), self.num_blocks)
         self.check_non_negative("temperature", c.temperature)
 
-    def rule(self, conf: torch.Tensor, cand: torch.Tensor, cur: BlockCursor) -> torch.Tensor:
-        """Which candidates to commit this step (``[B, W]`` bool, a subset of ``cand``)."""
+    def rule(self, conf: torch.Tensor, cand: torch.Tensor, cur: BlockCursor, span=None) -> torch.Tensor:
+        """Which candidates to commit this step (``[B, W]`` bool, a subset of ``cand``); ``span`` is the row the
+        reference ranks in (``Proposal.row_span``: exact ties break as its ``torch.topk`` does)."""
         raise NotImplementedError
 
     def init_state(self, canvas):
@@ -78,7 +79,7 @@ class FillBlocks(Strategy):
         s, e = plan.window
         cand = candidates(canvas, proposal, e)
         conf = eos_confidence(self.cfg, canvas, plan, proposal)
-        commit = self.rule(conf, cand, cur) & cand
+        commit = self.rule(conf, cand, cur, proposal.row_span) & cand
         delta = eos_stop(self.cfg, canvas, self.delta(canvas, proposal, commit, confidence=conf))
         # rows finished by this step (stop_at_eos fills their remaining masks) leave nothing in the block
         left = canvas.masked()[:, s:e] & ~commit & ~delta.finished[:, None]

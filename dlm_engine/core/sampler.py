@@ -29,6 +29,14 @@ class Proposal:
     rows: Optional[torch.Tensor] = None    # plans that sample themselves: the canvas rows the logits belong to
     aux_logits: Optional[torch.Tensor] = None   # plans with auxiliary columns: their logits [B_call, W_aux, V]
 
+    @property
+    def row_span(self):
+        """``(offset, width)`` of the window inside the model call's columns: the row the references rank
+        candidates in (``torch.topk`` breaks exact ties by the row's length), or None when unknown."""
+        if self.call_len is None or self.call_start is None:
+            return None
+        return self.start - self.call_start, self.call_len
+
 
 def noise_draw(shape, device) -> torch.Tensor:
     return torch.rand(shape, dtype=torch.float64, device=device)

@@ -4,7 +4,7 @@ All functions are batched: ``conf`` is ``[B, W]`` with ``-inf`` (or any value) o
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -24,29 +24,46 @@ def masked_conf(conf: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
     return torch.where(cand, conf, torch.full_like(conf, NEG_INF))
 
 
-def topk_commit(conf: torch.Tensor, cand: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Commit the ``k[b]`` most confident candidates of each row (never a non-candidate)."""
-    B, W = conf.shape
-    kmax = int(k.max()) if k.numel() else 0
-    commit = torch.zeros_like(cand)
-    if kmax <= 0:
-        return commit
-    kmax = min(kmax, W)
-    idx = torch.topk(masked_conf(conf, cand), kmax, dim=-1).indices
-    take = torch.arange(kmax, device=conf.device)[None, :] < k[:, None]
-    commit.scatter_(1, idx, take)
-    return commit & cand
+def widen(c: torch.Tensor, span: Optional[Tuple[int, int]]) -> Tuple[torch.Tensor, int]:
+    """``c`` (``[B, W]``) placed at ``offset`` of a ``-inf`` row of ``width`` (``span = (offset, width)``): the
+    row a reference ranks in, so that exactly tied scores break the way its ``torch.topk`` breaks them
+    (``topk`` on equal values depends on the row's length and on ``k``)."""
+    if span is None:
+        return c, 0
+    off, width = span
+    if off == 0 and width == c.shape[1]:
+        return c, 0
+    row = c.new_full((c.shape[0], width), NEG_INF)
+    row[:, off:off + c.shape[1]] = c
+    return row, off
 
 
-def top1(conf: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
-    """The single most confident candidate of every row that has one."""
-    commit = torch.zeros_like(cand)
-    idx = masked_conf(conf, cand).argmax(dim=-1, keepdim=True)
-    commit.scatter_(1, idx, True)
-    return commit & cand & cand.any(dim=-1, keepdim=True)
+def topk_commit(conf: torch.Tensor, cand: torch.Tensor, k: torch.Tensor,
+                span: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+    """Commit the ``k[b]`` most confident candidates of each row (never a non-candidate), ranked as
+    ``torch.topk(row, k[b])`` ranks them in the reference's row (``span``, see :func:`widen`)."""
+    W = conf.shape[1]
+    row, off = widen(masked_conf(conf, cand), span)
+    return topk_rows(row, k)[:, off:off + W] & cand
 
 
-def threshold_commit(conf: torch.Tensor, cand: torch.Tensor, tau) -> torch.Tensor:
+def top1(conf: torch.Tensor, cand: torch.Tensor, span: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+    """The most confident candidate of every row that has one: the first of ``torch.topk(row, |cand|)`` (the
+    Fast-dLLM reference's ``order[0]``; among exact ties that is not always the lowest index)."""
+    W = conf.shape[1]
+    row, off = widen(masked_conf(conf, cand), span)
+    M = cand.sum(-1)
+    commit = torch.zeros_like(row, dtype=torch.bool)
+    for m in torch.unique(M).tolist():
+        if m <= 0:
+            continue
+        rows = (M == m).nonzero().squeeze(1)
+        first = torch.topk(row[rows], int(m), dim=-1).indices[:, :1]
+        commit[rows] = commit[rows].scatter(1, first, True)
+    return commit[:, off:off + W] & cand
+
+
+def threshold_commit(conf: torch.Tensor, cand: torch.Tensor, tau, span: Optional[Tuple[int, int]] = None) -> torch.Tensor:
     """Fast-dLLM: the top-1 candidate always, plus every candidate with ``conf >= tau`` (ties commit).
 
     ``tau`` is a float or a per-row tensor ``[B]``.
@@ -55,10 +72,11 @@ def threshold_commit(conf: torch.Tensor, cand: torch.Tensor, tau) -> torch.Tenso
         above = conf >= tau
     else:
         above = conf >= tau.to(conf.dtype)[:, None]
-    return (above & cand) | top1(conf, cand)
+    return (above & cand) | top1(conf, cand, span)
 
 
-def factor_commit(conf: torch.Tensor, cand: torch.Tensor, factor: float) -> torch.Tensor:
+def factor_commit(conf: torch.Tensor, cand: torch.Tensor, factor: float,
+                  span: Optional[Tuple[int, int]] = None) -> torch.Tensor:
     """Fast-dLLM factor rule: the longest ranking prefix with ``c_(n) >= 1 - f/(n+1)`` for ranks n >= 2.
 
     Reproduces the reference's off-by-one: when the first failing rank is the last candidate, every
@@ -76,7 +94,7 @@ def factor_commit(conf: torch.Tensor, cand: torch.Tensor, factor: float) -> torc
     first = torch.where(has_fail, fails.float().argmax(dim=-1) + 1, torch.zeros_like(M))  # 1-based rank
     k = torch.where(has_fail & (first <= M - 1), first - 1, M)
     k = torch.where(M == 1, torch.ones_like(k), k)
-    return topk_commit(conf, cand, k)
+    return topk_commit(conf, cand, k, span)
 
 
 # -- the d2Cache framework's rules (docs/specs/d2cache.md §6): per row, at least ``min_tt`` commits -------------

@@ -1,0 +1,172 @@
+"""The d2Cache family (d2c, pc/eb/certainty presets, klass, ar, wino): every case of the strategy suites of
+tests/fixtures/d2cparity matches through experiments/parity.py (tokens, NFE, unmask steps, WINO's writes);
+each reproduced reference quirk has an option for the corrected behaviour that changes the output; WINO's
+default leaves no [MASK]; re-masks reach the trace."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import FIXTURES, ROOT
+
+D2C = FIXTURES / "d2cparity"
+STRATEGY_SUITES = ["d2c_vanilla", "d2c_threshold", "d2c_factor", "d2c_pc", "d2c_eb", "d2c_klass", "d2c_wino", "d2c_ar"]
+
+
+def _cases(suite):
+    return json.loads((D2C / f"{suite}.json").read_text())
+
+
+def test_every_strategy_case_matches(d2c_candidates, tmp_path):
+    cands, _ = d2c_candidates
+    wanted = [c["id"] for s in STRATEGY_SUITES for c in _cases(s)["cases"] if "error" not in c]
+    assert len(wanted) >= 60 and all(w in cands for w in wanted), [w for w in wanted if w not in cands]
+    path = tmp_path / "cand.json"
+    path.write_text(json.dumps({"cases": [cands[w] for w in wanted]}))
+    proc = subprocess.run([sys.executable, str(FIXTURES / "compare.py"), str(D2C), str(path),
+                           "--suites", ",".join(STRATEGY_SUITES)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout
+    assert f"{len(wanted)} match, 0 mismatch" in proc.stdout
+    wino = [w for w in wanted if w.startswith("d2c_wino")]
+    assert wino and all(cands[w]["events"] for w in wino)          # the writes were compared too
+
+
+# -- quirk options ------------------------------------------------------------------------------------------
+def run(parity, case_id, **overrides):
+    suite = _cases(case_id.split("/")[0])
+    suite.setdefault("token_freq", _cases("d2c_pc")["token_freq"])
+    case = next(c for c in suite["cases"] if c["id"] == case_id)
+    models = parity.model_dirs(D2C)
+    name = case["model_dir"]
+    model, raw, _ = parity.load_pretrained(models[name], device="cpu", dtype="float32")
+    return case, parity.run_case(case, suite["prompts"], model, 1000, 1001, suite, overrides)
+
+
+@pytest.mark.parametrize("case_id, option", [
+    ("d2c_eb/llada/vanilla/nocache/lp02/eb_gamma0.5_batch_lp02/gl32_bl8", {"eb_cummax_over_ranks": True}),    # 7
+    ("d2c_vanilla/llada/vanilla/nocache/p0/t0.7/gl32_bl8_seed102", {"sample_candidates_only": True}),        # 15
+    ("d2c_klass/llada/klass/nocache/p0/yaml_defaults/gl32_bl8", {"klass_commit_stable": True}),             # 5
+    ("d2c_ar/llada/ar/nocache/p0/ntt1/gl32_bl8", {"ar_respect_ntt": True}),                                  # 9
+    ("d2c_wino/llada/wino/nocache/p0/yaml/gl32_bl8", {"shrinking_window": False}),                           # 3/10
+])
+def test_corrected_behaviour_changes_the_output(parity, case_id, option):
+    case, default = run(parity, case_id)
+    assert default["output"] == case["output"] and default["nfe"] == case["nfe"]     # the default is the reference
+    _, fixed = run(parity, case_id, **option)
+    assert (fixed["output"], fixed["nfe"]) != (case["output"], case["nfe"]), option
+
+
+def test_wino_default_leaves_no_mask_and_the_reference_mode_does(parity):
+    cid = "d2c_wino/llada/wino/nocache/p0/wide0.4_narrow0.95_single_block/gl32_bl32"
+    case, ref = run(parity, cid)
+    assert case["masks_left"] > 0 and ref["output"].count(1000) == case["masks_left"]
+    _, fixed = run(parity, cid, shrinking_window=False)
+    assert 1000 not in fixed["output"]
+    steps = [s for s in fixed["unmask_step"]]
+    assert all(s > 0 for s in steps)
+    assert any(e[2] == 1000 for e in fixed["events"])                # it re-masked on the way
+
+
+def test_debias_after_alg_keeps_the_calibration(parity):
+    """Quirk 8: with alg=topk_margin the reference overwrites PC-Sampler's debiased confidence (so debias has
+    no effect); debias_after_alg applies it after the alg."""
+    cid = "d2c_pc/llada/vanilla/nocache/p0/pc_alpha2/gl32_bl8"
+    _, plain = run(parity, cid, alg="topk_margin", debias=False)
+    _, ref = run(parity, cid, alg="topk_margin")
+    _, fixed = run(parity, cid, alg="topk_margin", debias_after_alg=True)
+    assert ref["output"] == plain["output"] and fixed["output"] != ref["output"]
+
+
+def test_filters_at_zero_temperature(parity):
+    """Quirk 16: top-k reshapes confidences at T = 0 in the reference; the option ignores filters there."""
+    cid = "d2c_vanilla/dream/vanilla/nocache/p0/ntt2/gl32_bl8"
+    _, plain = run(parity, cid)
+    _, ref = run(parity, cid, top_k=2)
+    _, fixed = run(parity, cid, top_k=2, filters_at_zero_temperature=False)
+    assert fixed["output"] == plain["output"] and ref["output"] != plain["output"]
+
+
+def test_stop_until_eos_leaves_masks_unless_eos_fill():
+    """Quirk 19: once a row's first decoded EOS precedes a block, the reference never decodes it (masks stay);
+    eos_fill fills what follows the EOS with EOS and finishes the row."""
+    from fakes import EOS, MASK, Scripted
+    from dlm_engine.core.canvas import Canvas
+    from dlm_engine.core.loop import decode
+    from dlm_engine.core.registry import strategy_class
+
+    cls = strategy_class("d2c")
+    out = {}
+    for fill in (False, True):
+        m = Scripted([1, EOS, 3, 4, 5, 6], [0.6, 0.99, 0.5, 0.5, 0.5, 0.5], [2, 3, 2, 2, 2, 2])
+        canvas = Canvas.from_prompts([[0, 1]], 6, MASK, 0, eos_id=EOS)
+        decode(m, canvas, cls(cls.Config(block_length=2, stop_until_eos=True, eos_fill=fill), 6))
+        out[fill] = (canvas.tokens[0, 2:].tolist(), canvas.nfe, bool(canvas.finished[0]))
+    assert out[False][0] == [1, EOS, MASK, MASK, MASK, MASK] and out[False][1] == 2 and out[False][2]
+    assert out[True][0] == [1, EOS, EOS, EOS, EOS, EOS] and out[True][1] == 2 and out[True][2]
+
+
+def test_wino_remasks_reach_the_trace_and_replay(tmp_path, tiny_llada):
+    """Every write and re-mask of a WINO run is in the trace; a re-masked position shows as masked at the
+    steps between its re-mask and its new commit, and the final tokens replay exactly."""
+    from dlm_engine.core.canvas import Canvas
+    from dlm_engine.core.loop import decode
+    from dlm_engine.core.registry import cache_class, strategy_class
+    from dlm_engine.app.sinks import RecordingSink
+    from dlm_engine.trace import open_trace
+    from dlm_engine.trace.recorder import TraceRecorder
+
+    cls = strategy_class("wino")
+    canvas = Canvas.from_prompts([[735, 559, 771, 678, 375, 377]], 32, 1000, 1001)
+    rec = TraceRecorder(str(tmp_path / "w.dlmt"), {"format": "test"}, capture="confidence")
+    seen = RecordingSink()
+    decode(tiny_llada, canvas, cls(cls.Config(block_length=32, wide_in_thres=0.4, narrow_out_thres=0.95), 32),
+           cache_class("none")(), sinks=[rec.sink(0, [0]), seen])
+    rec.close()
+    remasked = [(d.step, j) for d in seen.deltas if d.remask is not None for j in d.remask[0].nonzero().flatten().tolist()]
+    assert remasked, "the configuration must re-mask something"
+    seq = next(iter(open_trace(tmp_path / "w.dlmt")))
+    g = canvas.gen_start
+    assert seq.tokens.tolist() == canvas.tokens[0, g:].tolist()
+    step, col = remasked[0]
+    pos = seen.deltas[0].start - g + col                          # generated position
+    assert seq.edits is not None and g + pos in seq.edits["col"].tolist()   # edits name canvas columns
+    assert int(seq.state_at(step)[pos]) == 1000                     # masked again right after the re-mask
+
+
+def test_shadow_slot_zero_reads_its_own_state_with_the_option(tiny_dream_model):
+    """Quirk 11: a shifted model's (Dream's) shadow slot 0 reads the canvas' last hidden state; with
+    shadow_shift_within it reads its own. The decoded slot 0's re-scoring confidence changes (on the tiny
+    model no decision flips, so the tokens stay)."""
+    from dlm_engine.core.canvas import Canvas
+    from dlm_engine.core.loop import decode
+    from dlm_engine.core.registry import cache_class, strategy_class
+    from dlm_engine.app.sinks import RecordingSink
+
+    cls = strategy_class("wino")
+    conf = {}
+    for within in (False, True):
+        canvas = Canvas.from_prompts([[406, 710, 869, 657, 230, 402]], 32, 1000, 1001)
+        rec = RecordingSink()
+        decode(tiny_dream_model, canvas, cls(cls.Config(block_length=8, shadow_shift_within=within), 32),
+               cache_class("none")(), sinks=[rec])
+        conf[within] = [d.confidence[0, 0].item() for d in rec.deltas if not d.commit[0, 0]]
+    assert conf[False] and conf[False] != conf[True]
+
+
+def test_reference_positions_number_dream_rows_from_zero():
+    """Quirk 12: the reference's Dream copy gives left-padded rows positions 0..L-1 (RoPE depends on position
+    differences, so this changes outputs only through rounding); the option uses the padding-aware ones."""
+    from dlm_engine.core.canvas import Canvas, ModelInfo
+    from dlm_engine.core.registry import strategy_class
+
+    cls = strategy_class("d2c")
+    canvas = Canvas.from_prompts([[5, 6], [5, 6, 7, 8]], 8, 9, 0)
+    canvas.model_info = ModelInfo("Dream", 1)
+    plan, _ = cls(cls.Config(), 8).plan(canvas, cls(cls.Config(), 8).init_state(canvas))
+    assert torch.equal(plan.position_ids[0], torch.arange(canvas.length))
+    plan, _ = cls(cls.Config(reference_positions=False), 8).plan(canvas, cls(cls.Config(), 8).init_state(canvas))
+    assert plan.position_ids is None                                  # the canvas' cumsum positions
+    canvas.model_info = ModelInfo("llada", 0)
+    assert cls(cls.Config(), 8).plan(canvas, cls(cls.Config(), 8).init_state(canvas))[0].position_ids is None
