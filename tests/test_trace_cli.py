@@ -62,9 +62,14 @@ def test_run_writes_trace_named_in_summary(run):
 
 
 def test_replay_json_matches_results_in_order(run, capsys):
-    _, _, out = run
+    _, ck, out = run
     rows = [json.loads(l) for l in (out / "results.jsonl").read_text().splitlines()]
+    # ck's tokenizer is byte-identical to the embedded one (same digest): text without naming a directory
     assert trace_cli("replay", str(out / "trace.dlmt"), "--json") == 0
+    cap = capsys.readouterr()
+    assert not cap.err
+    assert [r["text"] for r in json.loads(cap.out)] == [r["text"] for r in rows]
+    assert trace_cli("replay", str(out / "trace.dlmt"), "--json", "--tokenizer", str(ck)) == 0
     rep = json.loads(capsys.readouterr().out)
     assert [r["tokens"] for r in rep] == [r["tokens"] for r in rows]
     assert [r["text"] for r in rep] == [r["text"] for r in rows]
@@ -74,6 +79,20 @@ def test_replay_json_matches_results_in_order(run, capsys):
     assert all(sum(t == 3 for t in r["tokens"]) == r["masked"] for r in at2)
     assert trace_cli("replay", str(out / "trace.dlmt"), "--step", "2") == 0
     assert "step 2:" in capsys.readouterr().out
+
+
+def test_header_tokenizer_path_is_never_followed(run, tmp_path):
+    """A tokenizer the installation does not ship is used only from a directory the user names."""
+    from dlm_engine.trace.text import HFText, text_decoder
+
+    _, ck, _ = run
+    notes = []
+    spec = {"kind": "hf", "path": str(ck), "digest": "sha256:" + "0" * 64}
+    assert text_decoder(spec, None, notes) is None
+    assert len(notes) == 1 and "--tokenizer DIR" in notes[0] and str(ck) in notes[0]
+    notes = []
+    dec = text_decoder(spec, ck, notes)
+    assert isinstance(dec, HFText) and dec.decode([45, 46]) == "HI" and "differs" in notes[0]
 
 
 def test_show_html_and_diff(run, capsys, tmp_path):
@@ -105,7 +124,11 @@ def test_verify_rerun_reproduces_then_detects_changed_weight(run, capsys, tmp_pa
     t = str(out / "trace.dlmt")
     assert trace_cli("verify", t) == 0
     assert "intact:" in capsys.readouterr().out
-    assert trace_cli("verify", t, "--rerun") == 0
+    # the checkpoint path recorded in the header is not followed on its own: the user names it
+    assert trace_cli("verify", t, "--rerun") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--model-path" in err[0] and str(ck) in err[0]
+    assert trace_cli("verify", t, "--rerun", "--model-path", str(ck)) == 0
     assert "reproduced" in capsys.readouterr().out
     # change one weight tensor deliberately
     ck2 = tmp_path / "ck2"
