@@ -164,6 +164,57 @@ def test_damaged_files_give_one_line_and_nonzero_exit(run, tmp_path, capsys):
     assert "recovered" in cap.err
 
 
+READ_CHILD = r"""
+import contextlib, io, json, sys
+from dlm_engine.trace.cli import main
+t = sys.argv[1]
+codes = []
+with contextlib.redirect_stdout(io.StringIO()):
+    for cmd in (["show", t], ["replay", t, "--step", "2"], ["replay", t, "--json"], ["diff", t, t],
+                ["html", t, "-o", sys.argv[2]], ["verify", t]):
+        codes.append(main(cmd))
+with open("/proc/self/status") as f:
+    peak = next(int(l.split()[1]) for l in f if l.startswith("VmHWM:"))
+print(json.dumps({"codes": codes, "peak_kb": peak, "heavy": sorted(m for m in ("torch", "transformers") if m in sys.modules)}))
+"""
+
+
+def test_read_commands_import_neither_torch_nor_transformers(run, tmp_path):
+    """show/replay/diff/html/verify: numpy + zstandard only, no warnings, well under 200 MB for a small trace."""
+    import subprocess
+    import sys
+
+    _, _, out = run
+    proc = subprocess.run([sys.executable, "-c", READ_CHILD, str(out / "trace.dlmt"), str(tmp_path / "v.html")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads(proc.stdout)
+    assert rep["codes"] == [0, 0, 0, 0, 0, 0] and rep["heavy"] == []
+    assert proc.stderr == ""                       # no transformers warning, no note
+    assert rep["peak_kb"] < 200 * 1024
+
+
+def test_bad_options_and_outputs_are_one_line(run, tmp_path, capsys):
+    _, _, out = run
+    t = str(out / "trace.dlmt")
+    cases = [(["replay", t, "--step", "-3"], "--step -3 is out of range"),
+             (["replay", t, "--step", "999"], "--step 999 is out of range"),
+             (["show", t, "--seq", "999"], "--seq 999 is out of range: the trace has 3 sequences (valid: 0..2)"),
+             (["show", t, "--seq", "-1"], "--seq -1 is out of range"),
+             (["show", t, "--max", "-2"], "--max -2 is out of range"),
+             (["html", t, "-o", str(tmp_path)], "is a directory"),
+             (["html", t, "-o", str(tmp_path / "missing" / "x.html")], "does not exist"),
+             (["show", str(tmp_path)], "is a directory"),
+             (["show", t, "--tokenizer", str(tmp_path / "nope")], "--tokenizer"),
+             (["verify", t, "--rerun", "--model-path", str(tmp_path / "nope")], str(tmp_path / "nope"))]
+    for cmd, needle in cases:
+        assert trace_cli(*cmd) == 2, cmd
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("dlm-trace: error:") and needle in err[0], (cmd, err)
+    assert not (tmp_path / "missing").exists()
+    assert trace_cli("replay", t, "--step", "0") == 0 and "step 0:" in capsys.readouterr().out
+
+
 def test_record_false_writes_no_trace(tmp_path):
     out = tmp_path / "run"
     proc = run_dlm([f"hydra.run.dir={out}", "device=cpu", "trace.record=false", "prompts=[hi]"], cwd=tmp_path)

@@ -262,9 +262,12 @@ def _read_exact(reader, n: int) -> bytes:
     return bytes(out)
 
 
-def read_bundle_head(payload, max_index: int = MAX_JSON) -> BundleHead:
-    """The metadata and array index of a bundle, decompressing only the index's bytes."""
+def read_bundle_head(payload, max_index: int = MAX_JSON, max_size: Optional[int] = None) -> BundleHead:
+    """The metadata and array index of a bundle, decompressing only the index's bytes. ``max_size`` bounds
+    the frame's declared size (checked first, from the frame header alone)."""
     size = frame_size(payload)
+    if max_size is not None and size > max_size:
+        raise TraceError(f"bundle frame declares {size} bytes, this record may hold at most {max_size}")
     try:
         reader = _DCTX.stream_reader(bytes(payload) if not isinstance(payload, bytes) else payload)
         first = reader.read(min(size, 10))
@@ -627,7 +630,7 @@ def decode_seq(buf: bytes, lim: Optional[SeqLimits] = None) -> SeqData:
 def _in_range(a: np.ndarray, lo: int, hi: int, what: str) -> None:
     if a.size and not (lo <= int(a.min()) and int(a.max()) <= hi):
         bad = a[(a < lo) | (a > hi)][0]
-        raise TraceError(f"{what} {int(bad)} is outside {lo}..{hi}")
+        raise TraceError(f"{what} = {int(bad)} is outside {lo}..{hi}")
 
 
 # --------------------------------------------------------------------------------------------------

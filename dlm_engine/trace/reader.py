@@ -299,6 +299,7 @@ class BatchInfo:
         self.payload = payload
         self._chunks: Dict[int, Tuple[dict, dict, bytes]] = {}   # first step index -> (meta, arrays, payload)
         self.n_steps = 0
+        self.next_slot = 0
         self.steps_lost = False
         self.end: Optional[dict] = None
         self._steps: Optional[StepTable] = None
@@ -593,6 +594,11 @@ def _span(rows) -> str:
     return ", ".join(out) if out else "none"
 
 
+def _rows(rows) -> str:
+    """``row 3`` / ``rows 0..2, 5``."""
+    return ("row " if len(set(rows)) == 1 else "rows ") + _span(rows)
+
+
 class Trace:
     """A trace file opened for reading. ``problems`` lists what is damaged or missing (empty when intact).
 
@@ -621,6 +627,7 @@ class Trace:
             self.limits = check_header(self.header)
         except TraceError as exc:
             raise TraceError(f"{name}: unreadable header ({exc})") from None
+        self._recover = recover
         self.end: Optional[dict] = None
         self._end_offset: Optional[int] = None
         self.batches: Dict[int, BatchInfo] = {}
@@ -629,7 +636,6 @@ class Trace:
         self._conflicts: set = set()       # rows with two different intact sequence records
         self._orphans: set = set()         # rows of sequence records whose batch record is missing
         self._logits: Dict[Tuple[int, int], Tuple[memoryview, fmt.BundleHead]] = {}
-        self._lost_logits = 0
         for r in recs[1:]:
             if self.end is not None and r.kind != fmt.END:
                 self._problem(f"corrupt: a {fmt.KIND_NAMES[r.kind]} record follows the end record at byte {r.offset}",
@@ -640,8 +646,8 @@ class Trace:
                 self._problem(f"corrupt {fmt.KIND_NAMES[r.kind]} record at byte {r.offset} ({exc})", recover)
         for row in self._conflicts:
             self._by_row.pop(row, None)
-        self._seqs: List[Sequence] = sorted(self._by_row.values(), key=lambda s: s.row)
         self._cross_check(recover)
+        self._seqs: List[Sequence] = sorted(self._by_row.values(), key=lambda s: s.row)
         self._tokenizer_dir = tokenizer
         self._text = None
         self._text_loaded = False
@@ -664,7 +670,8 @@ class Trace:
     def _take(self, r: Record) -> None:
         k, lim = r.kind, self.limits
         if k == fmt.BATCH:
-            head = fmt.read_bundle_head(r.payload, max_index=SLACK + 12 * lim.batch)
+            index = SLACK + 12 * lim.batch
+            head = fmt.read_bundle_head(r.payload, max_index=index, max_size=index + 9 * lim.positions)
             b = BatchInfo(head.meta, lim, bytes(r.payload))
             _, arrays = self._bundle(r, b.prompt_bytes, head=head)
             b.attach(arrays, lim)
@@ -680,7 +687,9 @@ class Trace:
             for row in b.rows:
                 self._row_batch[row] = b
         elif k == fmt.STEPS:
-            head = fmt.read_bundle_head(r.payload, max_index=SLACK + STEPS_PER_RECORD * STEP_JSON)
+            index = SLACK + STEPS_PER_RECORD * (STEP_JSON + STEP_ROW_JSON * lim.batch)
+            head = fmt.read_bundle_head(r.payload, max_index=index, max_size=index + SLACK + STEPS_PER_RECORD * (
+                STEP_BYTES + STEP_ROW_BYTES * lim.batch))
             b = self._batch(head.meta.get("batch"))
             n = check_int(head.meta.get("n"), "steps record size", 1, STEPS_PER_RECORD)
             B = len(b.rows)
@@ -719,9 +728,16 @@ class Trace:
                     raise TraceError(f"the sequence record of row {row} appears twice (the copy is ignored)")
                 self._conflicts.add(row)
                 raise TraceError(f"row {row} has two different sequence records")
-            self._by_row[row] = Sequence(self, b, b.rows.index(row), data, r.payload)
+            slot = b.rows.index(row)
+            if slot < b.next_slot:      # the recorder writes a batch's rows in order: a reordered file
+                if not self._recover:
+                    raise TraceError(f"the sequence records of batch {b.index} are out of order")
+                self.problems.append(f"corrupt: the sequence record of row {row} at byte {r.offset} is out of order")
+            b.next_slot = max(b.next_slot, slot + 1)
+            self._by_row[row] = Sequence(self, b, slot, data, r.payload)
         elif k == fmt.BATCH_END:
-            meta, _ = self._bundle(r, 0, SLACK + 12 * lim.batch)
+            head = fmt.read_bundle_head(r.payload, max_index=SLACK + 12 * lim.batch, max_size=SLACK + 12 * lim.batch)
+            meta, _ = self._bundle(r, 0, head=head)
             b = self._batch(meta.get("batch"))
             if b.end is not None:
                 raise TraceError(f"batch {b.index} ends twice")
@@ -756,7 +772,7 @@ class Trace:
         elif k == fmt.END:
             if self.end is not None:
                 raise TraceError("a second end record")
-            meta, _ = self._bundle(r, 0)
+            meta, _ = self._bundle(r, 0, head=fmt.read_bundle_head(r.payload, max_size=fmt.MAX_JSON + 16))
             check_type(meta.get("status"), str, "end record status")
             recs = check_type(meta.get("records"), dict, "end record counts")
             for name, v in recs.items():
@@ -783,7 +799,7 @@ class Trace:
         for row in sorted(self._conflicts):
             self._problem(f"lost: row {row} (two different intact sequence records)", recover)
         if self._orphans:
-            self._problem(f"lost: rows {_span(self._orphans)} (their batch record is damaged)", recover)
+            self._problem(f"lost: {_rows(self._orphans)} (their batch record is damaged)", recover)
         if self.end is None:
             if not self.damage:
                 self._problem("incomplete: no end record (the run was cut off before the trace was closed)", recover)
@@ -815,13 +831,13 @@ class Trace:
                 self._problem(f"lost: batch {b.index} (rows {_span(b.rows)}) has {b.n_steps} step records "
                               "but no sequence records", recover)
             elif missing:
-                self._problem(f"lost: rows {_span(missing)} of batch {b.index} (no intact sequence record; its "
+                self._problem(f"lost: {_rows(missing)} of batch {b.index} (no intact sequence record; its "
                               "batch-end record is missing too)", recover)
             else:
                 self._problem(f"lost: the batch-end record of batch {b.index} (its rows are intact)", recover)
         else:
             if missing:
-                self._problem(f"lost: rows {_span(missing)} of batch {b.index} (no intact sequence record)", recover)
+                self._problem(f"lost: {_rows(missing)} of batch {b.index} (no intact sequence record)", recover)
             if b.end["steps"] > b.n_steps and not b.steps_lost:
                 b.steps_lost = True
                 self._problem(f"lost: step records of batch {b.index} (step indices {b.n_steps}.."
@@ -832,14 +848,28 @@ class Trace:
             elif not b.steps_lost and b.end["nfe"] != sum(int(c[1]["nfe"].sum()) for c in b._chunks.values()):
                 self._problem(f"corrupt: the step NFEs of batch {b.index} do not add up to its batch-end "
                               f"record's {b.end['nfe']}", recover)
-        if b._chunks and not b.steps_lost:
-            last = max((int(a["step"][-1]) if "step" in a else int(m["step0"]) + int(m["n"]) - 1)
-                       for m, a, _ in b._chunks.values())
-            for s in (self._by_row[r] for r in b.rows if r in self._by_row):
-                if max(s.n_steps, s.finish_step) > last:
-                    self._problem(f"corrupt: row {s.row} holds step {max(s.n_steps, s.finish_step)}, after "
-                                  f"batch {b.index}'s last step {last}", recover)
-                    break
+        if not b.steps_lost:
+            self._check_rows(b, recover)
+
+    def _check_rows(self, b: BatchInfo, recover: bool) -> None:
+        """A row must agree with its batch's step records (its commit steps, finish step and NFE); a row that
+        does not is dropped (and named) rather than returned wrong."""
+        tab = b.steps
+        last = int(tab.step[-1]) if len(tab) else 0
+        total = int(tab.nfe.sum())
+        for s in [self._by_row[r] for r in b.rows if r in self._by_row]:
+            fin = np.flatnonzero(tab.finished[:, s.slot])
+            first = int(tab.step[fin[0]]) if fin.size else -1
+            why = None
+            if max(s.n_steps, s.finish_step) > last:
+                why = f"holds step {max(s.n_steps, s.finish_step)}, after batch {b.index}'s last step {last}"
+            elif s.finish_step != first:
+                why = f"finished at step {s.finish_step}, its batch's step records say {first}"
+            elif s.nfe > total:
+                why = f"claims NFE {s.nfe}, its batch ran {total} model calls"
+            if why:
+                self._problem(f"corrupt: row {s.row} {why} (the row is dropped)", recover)
+                del self._by_row[s.row]
 
     def _check_end(self, recover: bool) -> None:
         end, off = self.end, self._end_offset
