@@ -291,16 +291,18 @@ def crafted(base: bytes) -> Dict[str, bytes]:
     out["sequence: step_of -5"] = _edit_seq(recs, lambda s: s.step_of.__setitem__(0, -5))
     out["sequence: committed after the last step"] = _edit_seq(recs, lambda s: s.step_of.__setitem__(0, int(s.step_of.max()) + 1))
     out["sequence: finish step 1e9"] = _edit_seq(recs, lambda s: setattr(s, "finish_step", 10 ** 9))
-    out["sequence: wrong length"] = _edit_seq(recs, lambda s: (setattr(s, "tokens", s.tokens[:-1]),
-                                                              setattr(s, "step_of", s.step_of[:-1])))
+    out["sequence: wrong length"] = _edit_seq(recs, lambda s: [setattr(s, k, getattr(s, k)[:-1]) for k in (
+        "tokens", "step_of", "confidence") if getattr(s, k) is not None])
     out["sequence: row outside every batch"] = _edit_seq(recs, lambda s: setattr(s, "row", 10 ** 6))
     out["sequence: edit column outside the region"] = _edit_seq(recs, lambda s: setattr(s, "edits", {
-        "col": np.array([0]), "token": np.array([1]), "start": np.array([0]), "end": np.array([1])}))
+        "col": np.array([0]), "token": np.array([1]), "start": np.array([0]), "end": np.array([1]),
+        "confidence": np.array([0.5])}))
     out["sequence: edit that ends before it starts"] = _edit_seq(recs, lambda s: setattr(s, "edits", {
-        "col": np.array([batch_meta["gen_start"]]), "token": np.array([1]), "start": np.array([3]), "end": np.array([1])}))
+        "col": np.array([batch_meta["gen_start"]]), "token": np.array([1]), "start": np.array([3]), "end": np.array([1]),
+        "confidence": np.array([0.5])}))
     out["sequence: unknown flags"] = _with(recs, _kinds(recs, fmt.SEQ)[0], seq_payload(row0, L, 1, -1, 64, b""))
     out["sequence: NFE above its batch's model calls"] = _edit_seq(recs, lambda s: setattr(s, "nfe", 10 ** 6))
-    out["sequence: top-k table under capture=tokens"] = _edit_seq(recs, lambda s: (
+    out["sequence: top-k table the capture level has not"] = _edit_seq(recs, lambda s: (
         setattr(s, "topk_ids", np.zeros((int((s.step_of >= 1).sum()), 2), np.int64)),
         setattr(s, "topk_logits", np.zeros((int((s.step_of >= 1).sum()), 2), np.float32))))
 
