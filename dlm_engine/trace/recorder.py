@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from dlm_engine.core.loop import Sink
+from dlm_engine.fsutil import fsync_dir, os_error_message
 from . import format as fmt
 from .format import SeqData, TraceError
 
@@ -212,7 +213,7 @@ class TraceRecorder:
                 os.replace(self.partial_path, self.path)
             except OSError as exc:
                 raise TraceError(_os_message(self.partial_path, exc)) from None
-            _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+            fsync_dir(os.path.dirname(os.path.abspath(self.path)))
         return self.digest
 
     @property
@@ -555,7 +556,9 @@ class TraceRecorder:
 
 def _os_message(path: str, exc: BaseException) -> str:
     """``PATH: No space left on device``: one line naming the file and the errno text."""
-    return f"{getattr(exc, 'filename', None) or path}: {getattr(exc, 'strerror', None) or exc}"
+    if isinstance(exc, OSError) and exc.filename is not None:
+        return os_error_message(exc)
+    return f"{path}: {getattr(exc, 'strerror', None) or exc}"
 
 
 def _open_exclusive(path: str):
@@ -575,19 +578,6 @@ def _open_exclusive(path: str):
         raise TraceError(f"{path}: another process is writing this trace") from None
     os.ftruncate(fd, 0)
     return os.fdopen(fd, "wb")
-
-
-def _fsync_dir(d: str) -> None:
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 class BatchSink(Sink):

@@ -68,7 +68,9 @@ def text_decoder(spec, directory=None, notes: Optional[List[str]] = None):
     if not d.is_dir():
         raise UserError(f"--tokenizer: '{d}' is not a directory")
     from dlm_engine.models.chat import has_tokenizer, load_tokenizer
+    from dlm_engine.models.loader import check_tokenizer_config
 
+    check_tokenizer_config(d)
     if not has_tokenizer(d):
         raise UserError(f"--tokenizer: '{d}' holds no tokenizer (tokenizer.json, or vocab.json + merges.txt)")
     import logging
