@@ -49,10 +49,11 @@ def atomic_write_jsonl(path: str, rows: Iterable[Any]) -> None:
     atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in rows).encode())
 
 
-def os_error_message(exc: OSError) -> str:
-    """``PATH: No space left on device`` (the file and the errno text, no exception class)."""
+def os_error_message(exc: OSError, where=None) -> str:
+    """``PATH: No space left on device`` (the file and the errno text, no exception class); ``where`` names
+    the path when the error does not (a failed write or fsync carries no file name)."""
     what = exc.strerror or str(exc)
-    names = [str(n) for n in (exc.filename, exc.filename2) if n is not None]
+    names = [str(n) for n in (exc.filename, exc.filename2) if n is not None] or ([str(where)] if where else [])
     return (" -> ".join(names) + ": " if names else "") + what
 
 

@@ -53,11 +53,16 @@ def _run_job(job, cfg: DictConfig, out_dir) -> None:
     if job.should_skip():
         return
     job.start()
+    ran = False
     try:
-        job.finish(run(cfg, out_dir))
+        summary = run(cfg, out_dir)
+        ran = True
+        job.finish(summary)
     except Exception as exc:  # in a multirun, a failed job must not end the other jobs of the sweep
         if isinstance(exc, OSError):  # a full, read-only or missing output directory: path + errno text
-            exc = UserError(os_error_message(exc))
+            exc = UserError(os_error_message(exc, out_dir))
+        if ran and not job.multirun:  # result.json could not be written: no completion marker either
+            (out_dir / "summary.json").unlink(missing_ok=True)
         if job.multirun:
             job.fail(exc)  # error.json + one line; the sweep callback lists it and exits non-zero
             if isinstance(exc, UserError):
@@ -110,8 +115,17 @@ def _run_hydra() -> None:
         if isinstance(exc, OSError):
             from dlm_engine.fsutil import os_error_message
 
-            _fail(os_error_message(exc), None)
+            _fail(os_error_message(exc, _hydra_output_dir()), None)   # e.g. a full disk while writing .hydra/
         raise
+
+
+def _hydra_output_dir() -> str:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return str(HydraConfig.get().runtime.output_dir)
+    except Exception:
+        return ""
 
 
 if __name__ == "__main__":

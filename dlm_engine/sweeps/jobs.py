@@ -157,8 +157,8 @@ class JobRecord:
         try:
             if self.lock.acquire():
                 return True
-        except OSError as exc:   # a read-only or unwritable run directory
-            raise UserError(os_error_message(exc)) from None
+        except OSError as exc:   # a read-only, unwritable or full run directory
+            raise UserError(os_error_message(exc, self.lock.path)) from None
         msg = f"{self.out_dir} is in use by {self.lock.holder()}"
         if self.multirun:
             print(f"dlm: {self.label}: skipped, {msg}", flush=True)

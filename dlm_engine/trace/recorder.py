@@ -170,7 +170,10 @@ class TraceRecorder:
             self._write(fmt.HEADER, fmt.zc(header_json, self.level))
             self._f.flush()
         except OSError as exc:
-            self._f.close()
+            try:
+                self._f.close()   # (flushing what is buffered may fail the same way)
+            except OSError:
+                pass
             raise TraceError(_os_message(self.partial_path, exc)) from None
         self._thread = threading.Thread(target=self._run, name="dlm-trace-writer", daemon=True)
         self._thread.start()
