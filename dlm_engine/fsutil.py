@@ -25,7 +25,12 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
     """Write ``data`` to ``path`` so readers see the old file or the whole new one, never a part. The file
     gets the usual permissions (0666 less the umask), not mkstemp's private 0600."""
     d = os.path.dirname(os.path.abspath(path)) or "."
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=d)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=d)
+    except OSError as exc:   # read-only, full or missing directory: name the file the user asked for
+        if exc.errno is None:
+            raise
+        raise type(exc)(exc.errno, exc.strerror, path) from None
     try:
         os.chmod(tmp, FILE_MODE)
         with os.fdopen(fd, "wb") as f:

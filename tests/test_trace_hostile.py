@@ -107,3 +107,19 @@ def test_recover_never_returns_a_wrong_row(corpus, base):
         n, wrong = tc.check_recovered(tr, ref)
         assert wrong == 0, name
         assert tr.problems, name                      # and the damage is reported
+
+
+def test_a_file_of_a_newer_minor_version_is_read_against_its_own_preamble(base):
+    import struct
+
+    from dlm_engine.trace import format as fmt
+
+    recs = tc.parse(base)
+    newer = struct.pack("<HH", fmt.VERSION[0], fmt.VERSION[1] + 3)
+    pre = fmt.MAGIC + newer
+    kind, payload = recs[0]
+    head = struct.pack("<BI", kind, len(payload))
+    header = head + struct.pack("<I", fmt.record_crc(kind, head, payload, pre)) + payload
+    data = pre + header + tc.assemble(recs[1:])[len(fmt.PREAMBLE):]
+    tr = loads(data, recover=True)
+    assert len(tr) == len(loads(base)) and not any("checksum" in p for p in tr.problems), tr.problems

@@ -115,11 +115,21 @@ def _run_hydra() -> None:
         if isinstance(exc, OSError):
             from dlm_engine.fsutil import os_error_message
 
-            _fail(os_error_message(exc, _hydra_output_dir()), None)   # e.g. a full disk while writing .hydra/
+            _fail(os_error_message(exc, _hydra_output_path(exc)), None)   # e.g. a full disk while writing .hydra/
         raise
 
 
-def _hydra_output_dir() -> str:
+def _hydra_output_path(exc: BaseException) -> str:
+    """The file or directory Hydra was writing when a write failed without naming it (a full disk while
+    writing ``.hydra/*.yaml``): from the failing frame's ``output_dir``/``filename``, else the run's directory."""
+    path, tb = "", exc.__traceback__
+    while tb is not None:
+        loc = tb.tb_frame.f_locals
+        if "output_dir" in loc:
+            path = os.path.join(str(loc["output_dir"]), str(loc.get("filename", "")))
+        tb = tb.tb_next
+    if path:
+        return path.rstrip(os.sep)
     try:
         from hydra.core.hydra_config import HydraConfig
 

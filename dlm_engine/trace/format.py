@@ -37,6 +37,7 @@ MAX_RAW = 1 << 26                   # default bound on one frame's decompressed 
 MAX_JSON = 1 << 20                  # a JSON document (header, bundle index): at most 1 MiB ...
 MAX_JSON_DEPTH = 32                 # ... and nested at most this deep
 MAX_DIMS = 4                        # dimensions of a bundle array
+SMALL_FRAME = 1 << 16               # bundles up to this size are decompressed whole when their index is read
 
 # record kinds
 HEADER, BATCH, STEPS, SEQ, BATCH_END, LOGITS, END = 1, 2, 3, 4, 5, 6, 7
@@ -53,9 +54,10 @@ class TraceError(UserError):
 
 # --------------------------------------------------------------------------------------------------
 # framing
-def record_crc(kind: int, head: bytes, payload) -> int:
-    """CRC-32 of a record; the header record's CRC also covers the preamble (magic + version)."""
-    seed = zlib.crc32(PREAMBLE) if kind == HEADER else 0
+def record_crc(kind: int, head: bytes, payload, preamble: bytes = PREAMBLE) -> int:
+    """CRC-32 of a record; the header record's CRC also covers the preamble (magic + version). A reader passes
+    the file's own preamble, so a file of another minor version checks out against its own bytes."""
+    seed = zlib.crc32(preamble) if kind == HEADER else 0
     return zlib.crc32(payload, zlib.crc32(head, seed))
 
 
@@ -194,7 +196,7 @@ def load_json(raw, what: str, max_bytes: int = MAX_JSON, max_depth: int = MAX_JS
             if d > max_depth:
                 raise TraceError(f"{what} is JSON nested more than {max_depth} deep")
             depth = max(depth, d)
-            todo.extend((v, d + 1) for v in (o.values() if isinstance(o, dict) else o))
+            todo.extend((v, d + 1) for v in (o.values() if isinstance(o, dict) else o) if isinstance(v, (dict, list)))
     return obj
 
 
@@ -240,6 +242,7 @@ class BundleHead:
     arrays: List[Tuple[str, str, Tuple[int, ...]]]     # name, dtype code, shape
     offset: int                                        # where the arrays start in the decompressed bytes
     size: int                                          # the frame's declared content size
+    raw: Optional[bytes] = None                        # the decompressed frame, when it was small enough to read whole
 
     def shape(self, name: str) -> Optional[Tuple[int, ...]]:
         for n, _, sh in self.arrays:
@@ -268,17 +271,27 @@ def read_bundle_head(payload, max_index: int = MAX_JSON, max_size: Optional[int]
     size = frame_size(payload)
     if max_size is not None and size > max_size:
         raise TraceError(f"bundle frame declares {size} bytes, this record may hold at most {max_size}")
-    try:
-        reader = _DCTX.stream_reader(bytes(payload) if not isinstance(payload, bytes) else payload)
-        first = reader.read(min(size, 10))
-        n, pos = get_varint(first, 0)
+    raw = None
+    if size <= SMALL_FRAME:            # small: decompress it whole, once (a bounded, tiny allocation)
+        raw = zd(payload, limit=size)
+        n, pos = get_varint(raw, 0)
         if n > max_index:
             raise TraceError(f"bundle index of {n} bytes (at most {max_index})")
         if pos + n > size:
             raise TraceError("bundle index runs past the record")
-        rest = first[pos:] + _read_exact(reader, max(0, pos + n - len(first)))
-    except zstd.ZstdError as exc:
-        raise TraceError(f"bad zstd frame ({exc})") from None
+        rest = raw[pos:pos + n]
+    else:                              # large: decompress only the index's bytes
+        try:
+            reader = _DCTX.stream_reader(bytes(payload) if not isinstance(payload, bytes) else payload)
+            first = reader.read(min(size, 10))
+            n, pos = get_varint(first, 0)
+            if n > max_index:
+                raise TraceError(f"bundle index of {n} bytes (at most {max_index})")
+            if pos + n > size:
+                raise TraceError("bundle index runs past the record")
+            rest = first[pos:] + _read_exact(reader, max(0, pos + n - len(first)))
+        except zstd.ZstdError as exc:
+            raise TraceError(f"bad zstd frame ({exc})") from None
     idx = load_json(rest[:n], "bundle index", max_bytes=max_index)
     if not isinstance(idx, dict) or not isinstance(idx.get("m"), dict) or not isinstance(idx.get("a"), list):
         raise TraceError("bundle index is not {\"m\": {...}, \"a\": [...]}")
@@ -300,7 +313,7 @@ def read_bundle_head(payload, max_index: int = MAX_JSON, max_size: Optional[int]
         arrays.append((name, code, dims))
     if pos + n + total != size:
         raise TraceError(f"bundle arrays need {total} bytes, the frame holds {size - pos - n}")
-    return BundleHead(idx["m"], arrays, pos + n, size)
+    return BundleHead(idx["m"], arrays, pos + n, size, raw)
 
 
 def decode_bundle(payload, limit: int = MAX_RAW, head: Optional[BundleHead] = None
@@ -309,7 +322,7 @@ def decode_bundle(payload, limit: int = MAX_RAW, head: Optional[BundleHead] = No
     head = head or read_bundle_head(payload)
     if head.array_bytes > limit:
         raise TraceError(f"bundle arrays of {head.array_bytes} bytes exceed the {limit} this record may hold")
-    raw = zd(payload, limit=head.size, expect=head.size)
+    raw = head.raw if head.raw is not None else zd(payload, limit=head.size, expect=head.size)
     arrays, pos = {}, head.offset
     for name, code, shape in head.arrays:
         dt = np.dtype(_DTYPES[code]).newbyteorder("<")

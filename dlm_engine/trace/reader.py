@@ -170,7 +170,7 @@ def _frame_at(data, mv, pos: int, n: int) -> Tuple[Optional[Record], str]:
         return None, (f"truncated at byte {pos}: the {fmt.KIND_NAMES[kind]} record there needs {ln} bytes, "
                       f"only {n - pos - H} remain")
     payload = mv[pos + H:pos + H + ln]
-    if fmt.record_crc(kind, bytes(mv[pos:pos + 5]), payload) != crc:
+    if fmt.record_crc(kind, bytes(mv[pos:pos + 5]), payload, bytes(mv[:len(fmt.PREAMBLE)])) != crc:
         return None, f"corrupt {fmt.KIND_NAMES[kind]} record at byte {pos} (checksum mismatch)"
     return Record(pos, kind, payload), ""
 
