@@ -56,6 +56,7 @@ class Tally:
         self.detected = self.accepted = self.crashed = 0
         self.rows_returned: list = []
         self.wrong_rows = 0
+        self.unreadable = 0
         self.examples: list = []
 
     def check(self, data: bytes, ref, total_rows: int, label=None) -> None:
@@ -72,6 +73,7 @@ class Tally:
             tr = loads(data, recover=True)
         except TraceError:
             self.rows_returned.append(0.0)       # nothing readable (e.g. the header itself is damaged)
+            self.unreadable += 1
             return
         except Exception as exc:  # noqa: BLE001
             self.crashed += 1
@@ -84,8 +86,8 @@ class Tally:
     def line(self, n: int) -> str:
         r = np.array(self.rows_returned) if self.rows_returned else np.zeros(1)
         return (f"{self.name} ({n}): detected {self.detected}, accepted {self.accepted}, crashed {self.crashed}; "
-                f"--recover returned {100 * r.mean():.1f}% of rows on average (min {100 * r.min():.1f}%), "
-                f"wrong rows {self.wrong_rows}")
+                f"--recover returned {100 * r.mean():.1f}% of rows on average ({self.unreadable} files unreadable: "
+                f"preamble or header damaged), wrong rows {self.wrong_rows}")
 
 
 def main() -> int:

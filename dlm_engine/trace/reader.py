@@ -56,7 +56,6 @@ class Limits:
     capture: str = "tokens"
     positions: int = DEFAULT_POSITIONS  # rows x canvas length of one batch
 
-
     @property
     def max_steps(self) -> int:
         """Steps of one batch (the step loop stops a decode after 4 * gen_length + 64)."""
@@ -65,10 +64,6 @@ class Limits:
     @property
     def max_rows(self) -> int:
         return self.rows if self.rows is not None else MAX_ROWS
-
-    def describe(self) -> Dict[str, Any]:
-        return {"vocab": self.vocab, "batch": self.batch, "prompt": self.prompt, "gen": self.gen,
-                "rows": self.rows, "steps_per_batch": self.max_steps, "capture": self.capture, "topk": self.topk}
 
 
 # header fields and their JSON types (checked on open, so every reader of ``header`` may rely on them)
