@@ -199,18 +199,28 @@ def bench_replay():
 
 
 def _one_seq_file(s):
+    """A complete one-sequence trace (header, batch, steps, sequence, batch-end, end) that passes every check."""
     import hashlib
     import json
 
+    T, L = int(s.step_of.max()), len(s.tokens)
     parts = [fmt.PREAMBLE, fmt.frame_record(fmt.HEADER, fmt.zc(json.dumps({"model": {"eos_id": None}}).encode()))]
     parts.append(fmt.frame_record(fmt.BATCH, fmt.encode_bundle(
-        {"batch": 0, "rows": [0], "gen_start": 0, "length": len(s.tokens), "mask_id": 126_336},
+        {"batch": 0, "rows": [0], "gen_start": 0, "length": L, "mask_id": 126_336},
         {"prompt_tokens": np.zeros((1, 0), np.int64), "prompt_mask": np.zeros((1, 0), bool)})))
+    fin = np.zeros((T, 1), bool)
+    fin[s.finish_step - 1:] = s.finish_step >= 1
+    parts.append(fmt.frame_record(fmt.STEPS, fmt.encode_bundle(
+        {"batch": 0, "first": 0, "n": T, "events": [], "json_scalars": {}, "step0": 1},
+        {"wall_dus": np.full(T, 10, np.int64), "nfe": np.ones(T, np.int32), "start": np.zeros(T, np.int32),
+         "width": np.full(T, L, np.int32), "active": np.ones((T, 1), bool), "finished": fin})))
     parts.append(fmt.frame_record(fmt.SEQ, fmt.encode_seq(s)))
-    parts.append(fmt.frame_record(fmt.BATCH_END, fmt.encode_bundle({"batch": 0, "rows": [0]})))
+    parts.append(fmt.frame_record(fmt.BATCH_END, fmt.encode_bundle(
+        {"batch": 0, "steps": T, "nfe": T, "wall_time": T * 1e-5, "mismatch": False, "rows": [0]})))
     body = b"".join(parts)
-    parts.append(fmt.frame_record(fmt.END, fmt.encode_bundle({"status": "complete",
-                                                               "sha256_before_end": hashlib.sha256(body).hexdigest()})))
+    parts.append(fmt.frame_record(fmt.END, fmt.encode_bundle({
+        "status": "complete", "records": {"header": 1, "batch": 1, "steps": 1, "sequence": 1, "batch-end": 1},
+        "unfinished_batches": [], "bytes_before_end": len(body), "sha256_before_end": hashlib.sha256(body).hexdigest()})))
     return b"".join(parts)
 
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import FIXTURES, ROOT
+from conftest import FIXTURES
 
 D2C = FIXTURES / "d2cparity"
 STRATEGY_SUITES = ["d2c_vanilla", "d2c_threshold", "d2c_factor", "d2c_pc", "d2c_eb", "d2c_klass", "d2c_wino", "d2c_ar"]

@@ -62,9 +62,14 @@ def test_run_writes_trace_named_in_summary(run):
 
 
 def test_replay_json_matches_results_in_order(run, capsys):
-    _, _, out = run
+    _, ck, out = run
     rows = [json.loads(l) for l in (out / "results.jsonl").read_text().splitlines()]
+    # ck's tokenizer is byte-identical to the embedded one (same digest): text without naming a directory
     assert trace_cli("replay", str(out / "trace.dlmt"), "--json") == 0
+    cap = capsys.readouterr()
+    assert not cap.err
+    assert [r["text"] for r in json.loads(cap.out)] == [r["text"] for r in rows]
+    assert trace_cli("replay", str(out / "trace.dlmt"), "--json", "--tokenizer", str(ck)) == 0
     rep = json.loads(capsys.readouterr().out)
     assert [r["tokens"] for r in rep] == [r["tokens"] for r in rows]
     assert [r["text"] for r in rep] == [r["text"] for r in rows]
@@ -74,6 +79,20 @@ def test_replay_json_matches_results_in_order(run, capsys):
     assert all(sum(t == 3 for t in r["tokens"]) == r["masked"] for r in at2)
     assert trace_cli("replay", str(out / "trace.dlmt"), "--step", "2") == 0
     assert "step 2:" in capsys.readouterr().out
+
+
+def test_header_tokenizer_path_is_never_followed(run, tmp_path):
+    """A tokenizer the installation does not ship is used only from a directory the user names."""
+    from dlm_engine.trace.text import HFText, text_decoder
+
+    _, ck, _ = run
+    notes = []
+    spec = {"kind": "hf", "path": str(ck), "digest": "sha256:" + "0" * 64}
+    assert text_decoder(spec, None, notes) is None
+    assert len(notes) == 1 and "--tokenizer DIR" in notes[0] and str(ck) in notes[0]
+    notes = []
+    dec = text_decoder(spec, ck, notes)
+    assert isinstance(dec, HFText) and dec.decode([45, 46]) == "HI" and "differs" in notes[0]
 
 
 def test_show_html_and_diff(run, capsys, tmp_path):
@@ -105,7 +124,11 @@ def test_verify_rerun_reproduces_then_detects_changed_weight(run, capsys, tmp_pa
     t = str(out / "trace.dlmt")
     assert trace_cli("verify", t) == 0
     assert "intact:" in capsys.readouterr().out
-    assert trace_cli("verify", t, "--rerun") == 0
+    # the checkpoint path recorded in the header is not followed on its own: the user names it
+    assert trace_cli("verify", t, "--rerun") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--model-path" in err[0] and str(ck) in err[0]
+    assert trace_cli("verify", t, "--rerun", "--model-path", str(ck)) == 0
     assert "reproduced" in capsys.readouterr().out
     # change one weight tensor deliberately
     ck2 = tmp_path / "ck2"
@@ -139,6 +162,57 @@ def test_damaged_files_give_one_line_and_nonzero_exit(run, tmp_path, capsys):
     assert trace_cli("replay", str(tmp_path / "truncated.dlmt"), "--recover") == 0
     cap = capsys.readouterr()
     assert "recovered" in cap.err
+
+
+READ_CHILD = r"""
+import contextlib, io, json, sys
+from dlm_engine.trace.cli import main
+t = sys.argv[1]
+codes = []
+with contextlib.redirect_stdout(io.StringIO()):
+    for cmd in (["show", t], ["replay", t, "--step", "2"], ["replay", t, "--json"], ["diff", t, t],
+                ["html", t, "-o", sys.argv[2]], ["verify", t]):
+        codes.append(main(cmd))
+with open("/proc/self/status") as f:
+    peak = next(int(l.split()[1]) for l in f if l.startswith("VmHWM:"))
+print(json.dumps({"codes": codes, "peak_kb": peak, "heavy": sorted(m for m in ("torch", "transformers") if m in sys.modules)}))
+"""
+
+
+def test_read_commands_import_neither_torch_nor_transformers(run, tmp_path):
+    """show/replay/diff/html/verify: numpy + zstandard only, no warnings, well under 200 MB for a small trace."""
+    import subprocess
+    import sys
+
+    _, _, out = run
+    proc = subprocess.run([sys.executable, "-c", READ_CHILD, str(out / "trace.dlmt"), str(tmp_path / "v.html")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads(proc.stdout)
+    assert rep["codes"] == [0, 0, 0, 0, 0, 0] and rep["heavy"] == []
+    assert proc.stderr == ""                       # no transformers warning, no note
+    assert rep["peak_kb"] < 200 * 1024
+
+
+def test_bad_options_and_outputs_are_one_line(run, tmp_path, capsys):
+    _, _, out = run
+    t = str(out / "trace.dlmt")
+    cases = [(["replay", t, "--step", "-3"], "--step -3 is out of range"),
+             (["replay", t, "--step", "999"], "--step 999 is out of range"),
+             (["show", t, "--seq", "999"], "--seq 999 is out of range: the trace has 3 sequences (valid: 0..2)"),
+             (["show", t, "--seq", "-1"], "--seq -1 is out of range"),
+             (["show", t, "--max", "-2"], "--max -2 is out of range"),
+             (["html", t, "-o", str(tmp_path)], "is a directory"),
+             (["html", t, "-o", str(tmp_path / "missing" / "x.html")], "does not exist"),
+             (["show", str(tmp_path)], "is a directory"),
+             (["show", t, "--tokenizer", str(tmp_path / "nope")], "--tokenizer"),
+             (["verify", t, "--rerun", "--model-path", str(tmp_path / "nope")], str(tmp_path / "nope"))]
+    for cmd, needle in cases:
+        assert trace_cli(*cmd) == 2, cmd
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("dlm-trace: error:") and needle in err[0], (cmd, err)
+    assert not (tmp_path / "missing").exists()
+    assert trace_cli("replay", t, "--step", "0") == 0 and "step 0:" in capsys.readouterr().out
 
 
 def test_record_false_writes_no_trace(tmp_path):

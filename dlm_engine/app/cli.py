@@ -13,9 +13,11 @@ from omegaconf import DictConfig  # noqa: E402
 
 
 def _fail(message: str, out_dir, code: int = 2) -> None:
-    """One line on stderr, no traceback, and no run directory left that could pass for a result."""
+    """One line on stderr, no traceback, and no run directory left that could pass for a result (a directory
+    holding an earlier run's outputs, set aside in ``.previous/``, is kept)."""
     print(f"dlm: error: {message}", file=sys.stderr)
-    if out_dir is not None and os.path.isdir(out_dir) and not os.path.exists(os.path.join(out_dir, "summary.json")):
+    if out_dir is not None and os.path.isdir(out_dir) and not os.path.exists(os.path.join(out_dir, "summary.json")) \
+            and not os.path.exists(os.path.join(out_dir, ".previous")):
         shutil.rmtree(out_dir, ignore_errors=True)
     sys.stdout.flush()
     sys.exit(code)
@@ -27,19 +29,40 @@ def _hydra_main(cfg: DictConfig) -> None:
 
     from hydra.core.hydra_config import HydraConfig
 
-    from dlm_engine.app.run import run
     from dlm_engine.errors import UserError
-
     from dlm_engine.sweeps.jobs import JobRecord
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     job = JobRecord(cfg, out_dir)  # multirun: resume check, result.json / error.json
+    try:
+        if not job.claim():  # one writer per directory: another process runs this job (multirun: skipped)
+            return
+    except UserError as exc:
+        _fail(str(exc), None)  # never remove a directory another process is writing
+    try:
+        _run_job(job, cfg, out_dir)
+    finally:
+        job.release()
+
+
+def _run_job(job, cfg: DictConfig, out_dir) -> None:
+    from dlm_engine.app.run import run
+    from dlm_engine.errors import UserError
+    from dlm_engine.fsutil import os_error_message
+
     if job.should_skip():
         return
     job.start()
+    ran = False
     try:
-        job.finish(run(cfg, out_dir))
+        summary = run(cfg, out_dir)
+        ran = True
+        job.finish(summary)
     except Exception as exc:  # in a multirun, a failed job must not end the other jobs of the sweep
+        if isinstance(exc, OSError):  # a full, read-only or missing output directory: path + errno text
+            exc = UserError(os_error_message(exc, out_dir))
+        if ran and not job.multirun:  # result.json could not be written: no completion marker either
+            (out_dir / "summary.json").unlink(missing_ok=True)
         if job.multirun:
             job.fail(exc)  # error.json + one line; the sweep callback lists it and exits non-zero
             if isinstance(exc, UserError):
@@ -64,7 +87,55 @@ def main() -> None:
     except UserError as exc:
         _fail(str(exc), None)
     register_configs()
-    _hydra_main()
+    _run_hydra()
+
+
+def _run_hydra() -> None:
+    """Hydra prints a traceback for errors outside the task function, e.g. creating or writing the output
+    directory (read-only, full disk, a path through a file). Ask it to re-raise instead and report those in
+    one line; its own configuration errors are printed the way Hydra prints them."""
+    import logging
+
+    logging.raiseExceptions = False  # a log line that cannot be written (full disk) is not a second traceback
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":  # the user asked for full tracebacks
+        _hydra_main()
+        return
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        _hydra_main()
+    except Exception as exc:
+        from hydra.errors import CompactHydraException
+        from omegaconf.errors import OmegaConfBaseException
+
+        if isinstance(exc, CompactHydraException):  # (some are OSErrors too: checked first)
+            print(str(exc), file=sys.stderr)
+            if isinstance(exc.__cause__, OmegaConfBaseException):
+                print(str(exc.__cause__), file=sys.stderr)
+            sys.exit(1)
+        if isinstance(exc, OSError):
+            from dlm_engine.fsutil import os_error_message
+
+            _fail(os_error_message(exc, _hydra_output_path(exc)), None)   # e.g. a full disk while writing .hydra/
+        raise
+
+
+def _hydra_output_path(exc: BaseException) -> str:
+    """The file or directory Hydra was writing when a write failed without naming it (a full disk while
+    writing ``.hydra/*.yaml``): from the failing frame's ``output_dir``/``filename``, else the run's directory."""
+    path, tb = "", exc.__traceback__
+    while tb is not None:
+        loc = tb.tb_frame.f_locals
+        if "output_dir" in loc:
+            path = os.path.join(str(loc["output_dir"]), str(loc.get("filename", "")))
+        tb = tb.tb_next
+    if path:
+        return path.rstrip(os.sep)
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return str(HydraConfig.get().runtime.output_dir)
+    except Exception:
+        return ""
 
 
 if __name__ == "__main__":

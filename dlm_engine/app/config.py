@@ -6,6 +6,7 @@ types are rejected by Hydra itself.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -123,3 +124,35 @@ def register_configs() -> None:
     cs.store(group="schema", name="model", node=ModelConfig)
     cs.store(group="schema", name="trace", node=TraceConfig)
     cs.store(group="schema", name="task", node=TaskConfig)
+
+
+INT64_MAX = (1 << 63) - 1
+
+
+def check_values(cfg) -> None:
+    """Value checks Hydra's types cannot make, over the whole composed config: a NaN or infinite float in any
+    option (``strategy.temperature=nan`` would decode garbage), an integer beyond 64 bits, and a seed
+    (``seed``, ``*_seed``) outside 0..2**63-1. Raises ConfigError naming the key."""
+    from omegaconf import OmegaConf
+
+    from dlm_engine.errors import ConfigError
+
+    try:
+        data = OmegaConf.to_container(cfg, resolve=True)
+    except Exception:  # an unresolvable interpolation is reported where it is used; check the literal values
+        data = OmegaConf.to_container(cfg, resolve=False)
+    todo = [("", data)]
+    while todo:
+        path, node = todo.pop()
+        if isinstance(node, dict):
+            todo.extend((f"{path}.{k}" if path else str(k), v) for k, v in node.items())
+        elif isinstance(node, list):
+            todo.extend((f"{path}[{i}]", v) for i, v in enumerate(node))
+        elif isinstance(node, float) and not math.isfinite(node):
+            raise ConfigError(f"{path}={node} is not a finite number")
+        elif isinstance(node, int) and not isinstance(node, bool):
+            name = path.rsplit(".", 1)[-1]
+            if (name == "seed" or name.endswith("_seed")) and not 0 <= node <= INT64_MAX:
+                raise ConfigError(f"{path}={node} is outside 0..{INT64_MAX} (2**63 - 1)")
+            if not -INT64_MAX - 1 <= node <= INT64_MAX:
+                raise ConfigError(f"{path}={node} does not fit in 64 bits")

@@ -32,6 +32,9 @@ def build_cache(cfg: DictConfig):
 
 def validate(cfg: DictConfig):
     """Every check that needs no model; raises ConfigError naming the key."""
+    from dlm_engine.app.config import check_values
+
+    check_values(cfg)  # NaN/inf floats, integers beyond 64 bits, seed range
     if cfg.gen_length <= 0:
         raise ConfigError(f"gen_length={cfg.gen_length} must be a positive integer")
     if cfg.batch_size <= 0:
@@ -52,6 +55,8 @@ def validate(cfg: DictConfig):
         cfg.model.path = str(found)
     if cfg.prompts_file and not Path(cfg.prompts_file).is_file():
         raise ConfigError(f"prompts_file: '{cfg.prompts_file}' does not exist")
+    if cfg.prompts_file:
+        check_text_file(str(cfg.prompts_file), "prompts_file")
     from dlm_engine.models.loader import resolve_device, resolve_dtype
 
     resolve_dtype(cfg.dtype, resolve_device(cfg.device))
@@ -59,6 +64,22 @@ def validate(cfg: DictConfig):
 
     check_config(cfg.trace)
     return make_strategy, make_cache
+
+
+def check_text_file(path: str, key: str) -> None:
+    """A prompts file must be UTF-8 text: a binary file is a ConfigError naming the key, the file and the byte."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise ConfigError(f"{key}: cannot read '{path}' ({exc.strerror or exc})") from None
+    nul = data.find(b"\0")
+    if nul >= 0:
+        raise ConfigError(f"{key}: '{path}' is a binary file (a NUL byte at offset {nul}), not text")
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{key}: '{path}' is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
 
 
 def load_inputs(cfg: DictConfig, lm) -> Dict[str, Any]:
@@ -84,7 +105,6 @@ def load_inputs(cfg: DictConfig, lm) -> Dict[str, Any]:
 def run(cfg: DictConfig, out_dir: Path) -> Dict[str, Any]:
     import torch
 
-    from dlm_engine.fsutil import atomic_write_json, atomic_write_jsonl
     from dlm_engine.app.api import load_model, run_prompts
     from dlm_engine.app.sinks import ProgressSink
 
@@ -129,10 +149,23 @@ def run(cfg: DictConfig, out_dir: Path) -> Dict[str, Any]:
     if correct is not None:
         summary["accuracy"] = correct / len(rows)
         summary["accuracy_by_task"] = accuracy_by_task(rows)
-    atomic_write_jsonl(str(out_dir / "results.jsonl"), rows)
-    atomic_write_json(str(out_dir / "summary.json"), summary)
+    write_outputs(out_dir, rows, summary)
     report(cfg, rows, summary)
     return summary
+
+
+def write_outputs(out_dir: Path, rows: List[dict], summary: Dict[str, Any]) -> None:
+    """results.jsonl, then summary.json (the run's completion marker). If the second cannot be written (full
+    disk), the first is removed too: a run directory never holds results that look complete without it."""
+    from dlm_engine.fsutil import atomic_write_json, atomic_write_jsonl
+
+    results = out_dir / "results.jsonl"
+    atomic_write_jsonl(str(results), rows)
+    try:
+        atomic_write_json(str(out_dir / "summary.json"), summary)
+    except BaseException:
+        results.unlink(missing_ok=True)
+        raise
 
 
 def accuracy_by_task(rows: List[dict]) -> Dict[str, float]:

@@ -11,6 +11,7 @@ from dlm_engine.core.protocol import CallRequest, ForwardCall
 from dlm_engine.core.rows import ActiveRows, call_rows, expand_proposal, idle_proposal, step_rows
 from dlm_engine.core.sampler import Proposal, propose
 from dlm_engine.core.strategy import StepPlan, Strategy
+from dlm_engine.errors import check_finite_logits
 
 
 class Sink:
@@ -116,6 +117,7 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
     state = strategy.init_state(canvas)
     limit = max_steps if max_steps is not None else strategy.max_steps(canvas)
     active = ActiveRows(canvas) if compact else None
+    first_call = True
     t0 = time.perf_counter()
     with torch.inference_mode():
         while True:
@@ -136,6 +138,9 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
                 proposal = idle_proposal(canvas, plan.window, active.vocab)
             else:
                 logits, call = forward(model, canvas, plan, cache, rows=rows, live=live)
+                if first_call:      # NaN weights or fp16 overflow: stop with one line instead of decoding garbage
+                    check_finite_logits(logits)
+                    first_call = False
                 proposal = sample(logits, plan, call, rows)
                 if active is not None:
                     active.seen(logits)

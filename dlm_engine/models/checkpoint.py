@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import UserError
-from .loader import read_config, weight_files
+from .loader import check_tokenizer_config, read_config, weight_files
 
 
 def how_to_set(model_cfg) -> str:
@@ -72,6 +72,7 @@ def check_checkpoint(model_cfg) -> Optional[Path]:
     try:
         raw = read_config(p)
         weight_files(p)
+        check_tokenizer_config(p)
     except UserError as exc:
         raise UserError(f"{exc}; model={name}: {how_to_set(model_cfg)}") from None
     expected = getattr(model_cfg, "model_type", None)

@@ -25,6 +25,25 @@ def architecture(model_type: str) -> Tuple[type, type]:
     return cls.config_class, cls
 
 
+def check_tokenizer_config(path: Path) -> None:
+    """``tokenizer_config.json`` may name files (``tokenizer_file``, ``vocab_file``, ...) that transformers
+    then opens: each must be a plain file name inside the checkpoint directory."""
+    cfg_file = path / "tokenizer_config.json"
+    if not cfg_file.is_file():
+        return
+    try:
+        with open(cfg_file) as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise UserError(f"model.path: '{cfg_file}' is not valid JSON ({str(exc)[:200]})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"model.path: '{cfg_file}' is not a JSON object")
+    for key, v in data.items():
+        if key.endswith(("_file", "_files")) and v is not None:
+            for name in (v if isinstance(v, list) else [v]):
+                _plain_file_name(name, str(cfg_file), key)
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype in ("auto", None, ""):
         if device.type == "cuda":
@@ -49,6 +68,77 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
+# config.json fields of the supported architectures: (kind, required). "pos": an integer >= 1, "id": a token
+# id (>= 0, checked against the vocabulary below), "real": a finite number > 0 (Dream's initializer range may
+# be 0, which "nonneg" allows), "bool", "str". Sizes have generous upper bounds: a typo like 4096000 is caught
+# before a model of that size is built.
+_DIM, _VOCAB, _LAYERS, _POS = 1 << 17, 1 << 24, 1 << 12, 1 << 24
+CONFIG_FIELDS = {
+    "llada": {"d_model": ("pos", True, _DIM), "n_heads": ("pos", True, _DIM), "n_kv_heads": ("pos", False, _DIM),
+              "n_layers": ("pos", True, _LAYERS), "mlp_hidden_size": ("pos", True, 1 << 20),
+              "vocab_size": ("pos", True, _VOCAB), "embedding_size": ("pos", False, _VOCAB),
+              "max_sequence_length": ("pos", False, _POS), "rope_theta": ("real", False, None),
+              "rms_norm_eps": ("real", False, None), "mask_token_id": ("id", True, None),
+              "eos_token_id": ("id", False, None), "pad_token_id": ("id", False, None),
+              "eot_token_id": ("id", False, None), "block_causal_size": ("pos", False, _POS),
+              "weight_tying": ("bool", False, None), "block_type": ("str", False, None),
+              "attention_mode": ("str", False, None)},
+    "Dream": {"hidden_size": ("pos", True, _DIM), "num_attention_heads": ("pos", True, _DIM),
+              "num_key_value_heads": ("pos", False, _DIM), "num_hidden_layers": ("pos", True, _LAYERS),
+              "intermediate_size": ("pos", True, 1 << 20), "vocab_size": ("pos", True, _VOCAB),
+              "max_position_embeddings": ("pos", False, _POS), "rope_theta": ("real", False, None),
+              "rms_norm_eps": ("real", False, None), "initializer_range": ("nonneg", False, None),
+              "mask_token_id": ("id", True, None), "eos_token_id": ("id", False, None),
+              "pad_token_id": ("id", False, None), "bos_token_id": ("id", False, None),
+              "eot_token_id": ("id", False, None), "tie_word_embeddings": ("bool", False, None),
+              "hidden_act": ("str", False, None), "sliding_window": ("pos", False, _POS)},
+}
+
+
+def check_config_json(raw: dict, where: str) -> None:
+    """Types and ranges of a supported architecture's config.json (UserError naming ``where`` -- the file --
+    and the key), so a malformed checkpoint fails in one line instead of deep inside the model's constructor."""
+    import math
+
+    fields = CONFIG_FIELDS.get(raw.get("model_type"), {})
+
+    def bad(key: str, why: str) -> UserError:
+        return UserError(f"{where}: {key}={json.dumps(raw.get(key))[:60]} {why}")
+
+    for key, (kind, required, hi) in fields.items():
+        v = raw.get(key)
+        if v is None:
+            if required:
+                raise UserError(f"{where} has no {key}")
+            continue
+        if kind in ("pos", "id"):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise bad(key, "is not an integer")
+            lo = 1 if kind == "pos" else 0
+            if v < lo or (hi is not None and v > hi):
+                raise bad(key, f"is outside {lo}..{hi if hi is not None else 'the vocabulary'}")
+        elif kind in ("real", "nonneg"):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 \
+                    or (kind == "real" and v == 0):
+                raise bad(key, "is not a finite number " + ("> 0" if kind == "real" else ">= 0"))
+        elif kind == "bool" and not isinstance(v, bool):
+            raise bad(key, "is not true or false")
+        elif kind == "str" and not isinstance(v, str):
+            raise bad(key, "is not a string")
+    if not fields:
+        return
+    vocab = max(raw.get("vocab_size") or 0, raw.get("embedding_size") or 0)
+    for key, (kind, _, _) in fields.items():
+        if kind == "id" and raw.get(key) is not None and raw[key] >= vocab:
+            raise bad(key, f"is outside the vocabulary (0..{vocab - 1})")
+    heads, dim, kv = (("n_heads", "d_model", "n_kv_heads") if raw["model_type"] == "llada"
+                      else ("num_attention_heads", "hidden_size", "num_key_value_heads"))
+    if raw[dim] % raw[heads]:
+        raise bad(dim, f"is not divisible by {heads}={raw[heads]}")
+    if raw.get(kv) is not None and raw[heads] % raw[kv]:
+        raise bad(heads, f"is not a multiple of {kv}={raw[kv]}")
+
+
 def read_config(path: Path) -> dict:
     cfg_file = path / "config.json"
     if not path.is_dir():
@@ -58,11 +148,22 @@ def read_config(path: Path) -> dict:
     try:
         with open(cfg_file) as f:
             data = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(f"model.path: '{cfg_file}' is not valid JSON ({exc})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise UserError(f"model.path: '{cfg_file}' is not valid JSON ({str(exc)[:200]})") from None
     if not isinstance(data, dict) or "model_type" not in data:
         raise UserError(f"model.path: '{cfg_file}' has no model_type")
+    check_config_json(data, f"model.path: '{cfg_file}'")
     return data
+
+
+def _plain_file_name(name, where: str, what: str) -> str:
+    """A file named by a checkpoint's own metadata must be a plain name inside the checkpoint directory: no
+    directory part, no ``..``, not absolute (a crafted index or tokenizer config must not reach elsewhere)."""
+    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name \
+            or "\0" in name or os.path.isabs(name):
+        raise UserError(f"model.path: '{where}' names {what} {json.dumps(name)[:80]} outside the checkpoint "
+                        "directory (only plain file names inside it are read)")
+    return name
 
 
 def weight_files(path: Path) -> list:
@@ -70,9 +171,16 @@ def weight_files(path: Path) -> list:
     if index.is_file():
         try:
             with open(index) as f:
-                names = sorted(set(json.load(f)["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise UserError(f"model.path: '{index}' is malformed ({exc})") from None
+                weight_map = json.load(f)["weight_map"]
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise TypeError(f"weight_map is {type(weight_map).__name__}, not a non-empty object")
+            names = sorted(set(weight_map.values()), key=str)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, KeyError, TypeError) as exc:
+            raise UserError(f"model.path: '{index}' is malformed ({str(exc)[:200]})") from None
+        for n in names:
+            if not (isinstance(n, str) and n.endswith(".safetensors")):
+                raise UserError(f"model.path: '{index}' names weight file {json.dumps(n)[:80]}, not a *.safetensors file")
+            _plain_file_name(n, str(index), "weight file")
         files = [path / n for n in names]
     else:
         files = sorted(path.glob("*.safetensors"))
@@ -124,10 +232,16 @@ def load_pretrained(path, device: str = "cpu", dtype: str = "float32"):
         except Exception as exc:
             raise UserError(f"model.path: cannot read '{f}' ({exc})") from None
         for k, v in shard.items():
-            state[k] = v.to(tdtype) if v.is_floating_point() else v
+            if v.is_floating_point():
+                check_finite_weight(v, k, f)
+                v = v.to(tdtype)
+            state[k] = v
         del shard
-    with torch.device("meta"):
-        model = model_cls(config)
+    try:
+        with torch.device("meta"):
+            model = model_cls(config)
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"model.path: '{path / 'config.json'}' is malformed ({exc})") from None
     expected = set(model.state_dict().keys())
     missing = sorted(expected - set(state))
     unexpected = sorted(set(state) - expected)
@@ -143,11 +257,23 @@ def load_pretrained(path, device: str = "cpu", dtype: str = "float32"):
     return model, raw, weights_digest(files)
 
 
+def check_finite_weight(t: torch.Tensor, name: str, file) -> None:
+    """A weight holding NaN or infinity decodes garbage: refuse it at load, naming the tensor and the file.
+    Checked in chunks of 16M values (a bounded temporary, one device sync per chunk, at load time only)."""
+    flat = t.reshape(-1)
+    for part in flat.split(1 << 24):
+        if not bool(torch.isfinite(part).all()):
+            bad = sum(int((~torch.isfinite(p)).sum()) for p in flat.split(1 << 24))
+            raise UserError(f"model.path: weight '{name}' in '{file}' holds {bad} non-finite value(s) (NaN or "
+                            f"infinity) of {t.numel()}")
+
+
 def build_random(config: dict, seed: int = 0, device: str = "cpu", dtype: str = "float32"):
     """A seeded random model from a config dict (no files needed)."""
     raw = dict(config)
     model_type = raw.pop("model_type", "llada")
     config_cls, model_cls = architecture(model_type)
+    check_config_json(dict(raw, model_type=model_type), "model.random")  # (a preset's random model config)
     dev = resolve_device(device)
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(seed)

@@ -125,6 +125,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         report = aggregate(root, plots=not args.no_plots)
     except BrokenPipeError:  # `dlm-sweep DIR | head`: the files are written before the table is printed
         return 0
+    except OSError as exc:  # a read-only or full sweep directory: the path and the errno text
+        from dlm_engine.fsutil import os_error_message
+
+        print(f"dlm-sweep: error: {os_error_message(exc, root)}", file=sys.stderr)
+        return 2
     return 0 if report["jobs"] else 1
 
 

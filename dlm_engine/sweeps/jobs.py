@@ -146,13 +146,39 @@ class JobRecord:
         print(f"dlm: {self.label}: the config changed since {path} was written, re-running", flush=True)
         return False
 
+    def claim(self) -> bool:
+        """One writer per job directory. True when this process now holds it; False (multirun: the job is
+        skipped, saying who runs it) when another process does; a single run raises UserError naming the
+        holder. Hold it until :meth:`release` (the kernel drops it if the process dies)."""
+        from dlm_engine.errors import UserError
+        from dlm_engine.fsutil import DirLock, os_error_message
+
+        self.lock = DirLock(self.out_dir)
+        try:
+            if self.lock.acquire():
+                return True
+        except OSError as exc:   # a read-only, unwritable or full run directory
+            raise UserError(os_error_message(exc, self.lock.path)) from None
+        msg = f"{self.out_dir} is in use by {self.lock.holder()}"
+        if self.multirun:
+            print(f"dlm: {self.label}: skipped, {msg}", flush=True)
+            return False
+        raise UserError(f"run directory {msg}")
+
+    def release(self) -> None:
+        lock = getattr(self, "lock", None)
+        if lock is not None:
+            lock.release()
+
     def start(self) -> None:
-        """Remove the outcome of an earlier attempt so a crash now cannot leave a stale result behind."""
-        for name in (RESULT, ERROR):
-            try:
-                (self.out_dir / name).unlink()
-            except FileNotFoundError:
-                pass
+        """Set the outputs of an earlier attempt aside (``.previous/``) before anything is written, so a crash
+        now cannot leave a stale result, or an older run's complete files beside this run's partial ones."""
+        from omegaconf import OmegaConf
+
+        from dlm_engine.fsutil import set_aside
+
+        trace = str(OmegaConf.select(self.cfg, "trace.filename", default="trace.dlmt"))
+        set_aside(self.out_dir, [RESULT, ERROR, "summary.json", "results.jsonl", trace, trace + ".partial"])
 
     def finish(self, summary: Dict[str, Any]) -> Dict[str, Any]:
         from omegaconf import OmegaConf
@@ -190,6 +216,9 @@ class JobRecord:
             "host": _hostname(),
         }
         atomic_write_json(str(self.out_dir / RESULT), result)
+        from dlm_engine.fsutil import drop_previous
+
+        drop_previous(self.out_dir)
         return result
 
     def fail(self, exc: BaseException) -> None:
@@ -204,13 +233,18 @@ class JobRecord:
             config = {k: v for k, v in OmegaConf.to_container(self.cfg, resolve=True).items() if k not in NEUTRAL_KEYS}
         except Exception:  # an unresolvable config is itself a possible cause of the failure
             config = {}
-        atomic_write_json(str(self.out_dir / ERROR), {
-            "status": "failed", "job": self.job, "overrides": self.overrides,
-            "error": str(exc), "error_type": type(exc).__name__,
-            "strategy": config.get("strategy"), "cache": config.get("cache"),
-            "model": (config.get("model") or {}).get("name"), "task": (config.get("task") or {}).get("name"),
-            "config": config, "config_digest": self.digest,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": _hostname()})
+        try:
+            atomic_write_json(str(self.out_dir / ERROR), {
+                "status": "failed", "job": self.job, "overrides": self.overrides,
+                "error": str(exc), "error_type": type(exc).__name__,
+                "strategy": config.get("strategy"), "cache": config.get("cache"),
+                "model": (config.get("model") or {}).get("name"), "task": (config.get("task") or {}).get("name"),
+                "config": config, "config_digest": self.digest,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": _hostname()})
+        except OSError as werr:   # a full or read-only disk: say so, the job's failure is reported below
+            from dlm_engine.fsutil import os_error_message
+
+            print(f"dlm: {self.label}: cannot write {ERROR} ({os_error_message(werr)})", file=sys.stderr, flush=True)
         print(f"dlm: {self.label} failed: {exc}", file=sys.stderr, flush=True)
 
 

@@ -1,14 +1,18 @@
 """``dlm-trace``: inspect, replay, verify, compare and view trace files.
 
-    dlm-trace show TRACE [--seq I] [--max N]
-    dlm-trace replay TRACE [--step T] [--json]
+    dlm-trace show TRACE [--seq I] [--max N] [--tokenizer DIR]
+    dlm-trace replay TRACE [--step T] [--json] [--tokenizer DIR]
     dlm-trace verify TRACE [--rerun [--device D] [--model-path DIR]]
     dlm-trace diff A B [--json]
     dlm-trace html TRACE [-o OUT.html] [--max N]
 
-Damaged, truncated or wrong-version files: one line naming the problem on stderr, exit 2
-(``--recover`` reads every complete record of a damaged file instead and reports what was lost).
-``verify`` and ``diff`` exit 1 when the check fails or the traces differ.
+Damaged, truncated or wrong-version files, bad options and unwritable outputs: one line naming the problem
+on stderr, exit 2 (``--recover`` reads every intact complete row of a damaged file instead and reports
+what was lost). ``verify`` and ``diff`` exit 1 when the check fails or the traces differ.
+
+The read commands import numpy and zstandard only (no torch, no transformers): text comes from the
+embedded character tokenizer, or from a tokenizer directory named with ``--tokenizer`` (a path recorded
+in a trace header is never followed). ``verify --rerun`` loads torch and the model, and only then.
 """
 from __future__ import annotations
 
@@ -22,21 +26,33 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def _open(path: str, recover: bool):
+def _open(path: str, recover: bool, tokenizer: Optional[str] = None):
     from .reader import open_trace
 
-    tr = open_trace(path, recover=True)
+    tr = open_trace(path, recover=True, tokenizer=tokenizer)
     if tr.problems:
         if not recover:
             from .format import TraceError
 
-            raise TraceError(f"{path}: {tr.problems[0]}" + (" (--recover reads the complete records)"
+            raise TraceError(f"{path}: {tr.problems[0]}" + (" (--recover reads the intact rows)"
                                                              if len(tr) else ""))
         for p in tr.problems:
             print(f"dlm-trace: warning: {path}: {p}", file=sys.stderr)
         print(f"dlm-trace: warning: {path}: recovered {len(tr)} sequences from {len(tr.records)} intact records",
               file=sys.stderr)
+    tr.tokenizer  # noqa: B018 - loads the one named by --tokenizer now, so its problems come first
+    for n in tr.notes:
+        print(f"dlm-trace: note: {n}", file=sys.stderr)
     return tr
+
+
+def _check_option(name: str, value: Optional[int], lo: int, hi: int, what: str) -> None:
+    """``--step 999``: a one-line error naming the option and its valid range."""
+    from ..errors import UserError
+
+    if value is not None and not lo <= value <= hi:
+        valid = f"{lo}..{hi}" if hi >= lo else "none"
+        raise UserError(f"{name} {value} is out of range: {what} (valid: {valid})")
 
 
 def _short(s: str, n: int = 60) -> str:
@@ -47,13 +63,16 @@ def _short(s: str, n: int = 60) -> str:
 def cmd_show(a) -> int:
     import numpy as np
 
-    tr = _open(a.trace, a.recover)
+    _check_option("--max", a.max, 0, 1 << 62, "the number of sequences listed")
+    _check_option("--max-steps", a.max_steps, 0, 1 << 62, "the number of steps listed")
+    tr = _open(a.trace, a.recover, a.tokenizer)
+    _check_option("--seq", a.seq, 0, len(tr) - 1, f"the trace has {len(tr)} sequences")
     h = tr.header
-    m = h.get("model", {})
+    m = h.get("model") or {}
     cfg = tr.config
-    git = h.get("package", {}).get("git", {})
+    git = (h.get("package") or {}).get("git") or {}
     print(f"trace      {tr.name}  ({tr.size} bytes, status {tr.status}, capture {tr.capture})")
-    print(f"created    {h.get('created_at')}  dlm_engine {h.get('package', {}).get('version')}"
+    print(f"created    {h.get('created_at')}  dlm_engine {(h.get('package') or {}).get('version')}"
           f"  git {git.get('commit') or '-'}{' (dirty)' if git.get('dirty') else ''}")
     print(f"model      {m.get('name')}  weights {m.get('digest')}  tokenizer {m.get('tokenizer_digest')}")
     print(f"run        device {h.get('device')}  dtype {h.get('dtype')}  seed {h.get('seed')}  "
@@ -62,7 +81,7 @@ def cmd_show(a) -> int:
     print(f"cache      {json.dumps(cfg.get('cache'))}")
     if h.get("overrides"):
         print(f"overrides  {' '.join(h['overrides'])}")
-    v = h.get("versions", {})
+    v = h.get("versions") or {}
     print("versions   " + "  ".join(f"{k} {v[k]}" for k in sorted(v)))
     print()
     print(f"{'row':>4} {'L':>5} {'steps':>5} {'NFE':>5} {'gen':>5} {'conf':>6}  text")
@@ -74,7 +93,7 @@ def cmd_show(a) -> int:
         print(f"... {len(tr) - a.max} more sequences")
     if not len(tr):
         return 0
-    s = tr[min(a.seq, len(tr) - 1)]
+    s = tr[a.seq or 0]
     st = s.steps
     print()
     print(f"steps of row {s.row} (batch {s.batch.index}):")
@@ -110,9 +129,10 @@ def _fmt_scalar(x) -> str:
 
 
 def cmd_replay(a) -> int:
-    tr = _open(a.trace, a.recover)
+    tr = _open(a.trace, a.recover, a.tokenizer)
+    _check_option("--step", a.step, 0, tr.max_step, f"the trace's sequences hold steps 0..{tr.max_step}")
     out = []
-    mask = tr.header.get("model", {}).get("mask_id")
+    mask = (tr.header.get("model") or {}).get("mask_id")
     for s in tr:
         if a.step is None:
             toks, text = s.tokens, s.text
@@ -178,7 +198,8 @@ def cmd_verify(a) -> int:
 def cmd_diff(a) -> int:
     from .tools import describe_divergence, diff
 
-    ta, tb = _open(a.a, a.recover), _open(a.b, a.recover)
+    _check_option("--max", a.max, 0, 1 << 62, "the number of differing rows listed")
+    ta, tb = _open(a.a, a.recover, a.tokenizer), _open(a.b, a.recover, a.tokenizer)
     d = diff(ta, tb)
     if a.json:
         print(json.dumps(d, default=str))
@@ -203,11 +224,18 @@ def cmd_diff(a) -> int:
 
 
 def cmd_html(a) -> int:
+    from ..errors import UserError
     from ..fsutil import atomic_write_bytes
     from .tools import to_html
 
-    tr = _open(a.trace, a.recover)
+    _check_option("--max", a.max, 0, 1 << 62, "the number of sequences shown")
     out = a.output or (os.path.splitext(a.trace.replace(".partial", ""))[0] + ".html")
+    if os.path.isdir(out):
+        raise UserError(f"-o {out}: is a directory (give the page's file name, e.g. {os.path.join(out, 'trace.html')})")
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        raise UserError(f"-o {out}: directory '{parent}' does not exist")
+    tr = _open(a.trace, a.recover, a.tokenizer)
     atomic_write_bytes(out, to_html(tr, max_sequences=a.max).encode())
     print(out)
     return 0
@@ -217,22 +245,25 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dlm-trace", description="Inspect, replay, verify and compare dlm_engine traces.")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    def add(name, fn, help_):
+    def add(name, fn, help_, text=True):
         q = sub.add_parser(name, help=help_)
         q.set_defaults(fn=fn)
-        q.add_argument("--recover", action="store_true", help="read the complete records of a damaged/truncated file")
+        q.add_argument("--recover", action="store_true", help="read the intact rows of a damaged/truncated file")
+        if text:
+            q.add_argument("--tokenizer", metavar="DIR", default=None,
+                           help="checkpoint directory whose tokenizer shows text (header paths are not followed)")
         return q
 
     q = add("show", cmd_show, "header, per-sequence summary and the per-step table of one sequence")
     q.add_argument("trace")
-    q.add_argument("--seq", type=int, default=0, help="sequence (results.jsonl order) whose steps are listed")
+    q.add_argument("--seq", type=int, default=None, help="sequence (results.jsonl order) whose steps are listed")
     q.add_argument("--max", type=int, default=20, help="sequences listed")
     q.add_argument("--max-steps", type=int, default=200, help="steps listed")
     q = add("replay", cmd_replay, "final outputs (or the canvas at --step T) without the model")
     q.add_argument("trace")
     q.add_argument("--step", type=int, default=None)
     q.add_argument("--json", action="store_true", help="JSON list, one object per sequence, results.jsonl order")
-    q = add("verify", cmd_verify, "integrity check; --rerun re-runs the decode with the model and compares")
+    q = add("verify", cmd_verify, "integrity check; --rerun re-runs the decode with the model and compares", text=False)
     q.add_argument("trace")
     q.add_argument("--rerun", action="store_true")
     q.add_argument("--device", default=None, help="re-run on this device instead of the recorded one")
@@ -261,6 +292,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         code = 2
     except BrokenPipeError:
         code = 0
+    except OSError as exc:   # an unwritable output, a full disk: the path and the errno text
+        print(f"dlm-trace: error: {exc.filename or args.cmd}: {exc.strerror or exc}", file=sys.stderr)
+        code = 2
     except KeyboardInterrupt:
         print("dlm-trace: interrupted", file=sys.stderr)
         code = 130

@@ -8,24 +8,36 @@ A file is ``PREAMBLE`` (magic + version) followed by framed records::
 length or kind) is detected; a record whose length runs past the end of the file is a truncation.
 Payloads are either zstd frames (content size + content checksum, decompressed with a size bound)
 or the compact per-sequence encoding of :func:`encode_seq`. No pickle anywhere.
+
+Decoding is bounded: a frame's declared size is compared with what the record may legitimately hold
+*before* anything is decompressed (the reader derives those limits from the header's shape facts, see
+``reader.Limits``); JSON is size- and depth-limited; every integer that sizes an allocation is range-checked
+with Python integers (no overflow). Anything malformed raises :class:`TraceError`.
 """
 from __future__ import annotations
 
 import json
+import math
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import zstandard as zstd
+
+from ..errors import UserError
 
 MAGIC = b"\x89DLMT\r\n\x1a"          # PNG-style: catches text-mode transfers and truncated starts
 VERSION = (1, 0)                    # major, minor: readers accept the same major, any minor
 PREAMBLE = MAGIC + struct.pack("<HH", *VERSION)
 REC_HEAD = struct.Struct("<BII")    # kind, length, crc32
 MAX_PAYLOAD = 1 << 31               # bound on one record's payload (compressed or not)
-MAX_RAW = 1 << 32                   # bound on one record's decompressed size
+MAX_RAW = 1 << 26                   # default bound on one frame's decompressed size (64 MiB); readers pass tighter ones
+MAX_JSON = 1 << 20                  # a JSON document (header, bundle index): at most 1 MiB ...
+MAX_JSON_DEPTH = 32                 # ... and nested at most this deep
+MAX_DIMS = 4                        # dimensions of a bundle array
+SMALL_FRAME = 1 << 16               # bundles up to this size are decompressed whole when their index is read
 
 # record kinds
 HEADER, BATCH, STEPS, SEQ, BATCH_END, LOGITS, END = 1, 2, 3, 4, 5, 6, 7
@@ -36,15 +48,16 @@ CAPTURE_LEVELS = ("tokens", "confidence", "topk", "logits")
 ZSTD_LEVEL = 9
 
 
-class TraceError(Exception):
-    """A trace file is unreadable: the message names the file problem in one line."""
+class TraceError(UserError):
+    """A trace file is unreadable (or cannot be written): the message names the problem in one line."""
 
 
 # --------------------------------------------------------------------------------------------------
 # framing
-def record_crc(kind: int, head: bytes, payload) -> int:
-    """CRC-32 of a record; the header record's CRC also covers the preamble (magic + version)."""
-    seed = zlib.crc32(PREAMBLE) if kind == HEADER else 0
+def record_crc(kind: int, head: bytes, payload, preamble: bytes = PREAMBLE) -> int:
+    """CRC-32 of a record; the header record's CRC also covers the preamble (magic + version). A reader passes
+    the file's own preamble, so a file of another minor version checks out against its own bytes."""
+    seed = zlib.crc32(preamble) if kind == HEADER else 0
     return zlib.crc32(payload, zlib.crc32(head, seed))
 
 
@@ -84,19 +97,26 @@ def zc(data: bytes, level: int = ZSTD_LEVEL) -> bytes:
 _DCTX = zstd.ZstdDecompressor()
 
 
-def zd(data: bytes, limit: int = MAX_RAW, expect: Optional[int] = None) -> bytes:
-    """Decompress one zstd frame; the declared content size must exist and stay within ``limit``."""
+def frame_size(data) -> int:
+    """The content size a zstd frame declares (it must declare one)."""
     try:
-        size = zstd.frame_content_size(data)
+        size = zstd.frame_content_size(bytes(data[:18]))
     except zstd.ZstdError as exc:
         raise TraceError(f"bad zstd frame ({exc})") from None
     if size < 0:
         raise TraceError("zstd frame without content size")
+    return size
+
+
+def zd(data: bytes, limit: int = MAX_RAW, expect: Optional[int] = None) -> bytes:
+    """Decompress one zstd frame; the declared content size must exist and stay within ``limit``
+    (checked before anything is allocated)."""
+    size = frame_size(data)
     if size > limit or (expect is not None and size != expect):
         raise TraceError(f"zstd frame declares {size} bytes (expected {expect if expect is not None else f'<= {limit}'})")
     try:
-        out = _DCTX.decompress(data, max_output_size=max(size, 1))
-    except zstd.ZstdError as exc:
+        out = _DCTX.decompress(data, max_output_size=max(size, 1), allow_extra_data=False)
+    except (zstd.ZstdError, MemoryError) as exc:
         raise TraceError(f"bad zstd frame ({exc})") from None
     if len(out) != size:
         raise TraceError("zstd frame decompressed to the wrong size")
@@ -158,31 +178,158 @@ def encode_bundle(meta: Dict[str, Any], arrays: Optional[Dict[str, np.ndarray]] 
     return zc(bytes(head) + js + b"".join(blobs), level)
 
 
-def decode_bundle(payload: bytes, limit: int = MAX_RAW) -> Tuple[Dict[str, Any], Dict[str, np.ndarray]]:
-    raw = zd(payload, limit)
-    n, pos = get_varint(raw, 0)
-    if pos + n > len(raw):
-        raise TraceError("bundle index runs past the record")
+# --------------------------------------------------------------------------------------------------
+# JSON documents: size- and depth-limited, integers range-checked by the caller (see ``check_int``)
+def load_json(raw, what: str, max_bytes: int = MAX_JSON, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    if len(raw) > max_bytes:
+        raise TraceError(f"{what} is {len(raw)} bytes of JSON (at most {max_bytes})")
     try:
-        idx = json.loads(raw[pos:pos + n])
-        meta, index = idx["m"], idx["a"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise TraceError(f"bundle index is not valid JSON ({exc})") from None
-    pos += n
-    arrays = {}
-    for name, code, shape in index:
+        obj = json.loads(bytes(raw))
+    except RecursionError:
+        raise TraceError(f"{what} is JSON nested more than {max_depth} deep") from None
+    except (ValueError, UnicodeDecodeError) as exc:   # JSONDecodeError, over-long integer literals
+        raise TraceError(f"{what} is not valid JSON ({exc})") from None
+    depth, todo = 0, [(obj, 1)]
+    while todo:                                        # iterative: no recursion on hostile nesting
+        o, d = todo.pop()
+        if isinstance(o, (dict, list)):
+            if d > max_depth:
+                raise TraceError(f"{what} is JSON nested more than {max_depth} deep")
+            depth = max(depth, d)
+            todo.extend((v, d + 1) for v in (o.values() if isinstance(o, dict) else o) if isinstance(v, (dict, list)))
+    return obj
+
+
+def check_int(v: Any, what: str, lo: int = 0, hi: int = (1 << 62)) -> int:
+    """``v`` as an int in ``[lo, hi]``; bools, floats (1e400, NaN), strings and out-of-range values raise."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TraceError(f"{what} is {_show(v)}, not an integer")
+    if not lo <= v <= hi:
+        raise TraceError(f"{what} = {_show(v)} is outside {lo}..{hi}")
+    return v
+
+
+def check_float(v: Any, what: str, lo: float = -math.inf, hi: float = math.inf, finite: bool = True) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TraceError(f"{what} is {_show(v)}, not a number")
+    v = float(v)
+    if (finite and not math.isfinite(v)) or not (lo <= v <= hi):
+        raise TraceError(f"{what} = {_show(v)} is outside {lo}..{hi}")
+    return v
+
+
+def check_type(v: Any, typ, what: str, optional: bool = False):
+    if v is None and optional:
+        return v
+    if not isinstance(v, typ) or (isinstance(v, bool) and typ is not bool):
+        name = {dict: "an object", list: "a list", str: "a string"}.get(typ, getattr(typ, "__name__", str(typ)))
+        raise TraceError(f"{what} is {_show(v)}, not {name}")
+    return v
+
+
+def _show(v: Any) -> str:
+    r = repr(v) if not isinstance(v, (dict, list)) else f"a JSON {'object' if isinstance(v, dict) else 'list'}"
+    return r if len(r) <= 40 else r[:37] + "..."
+
+
+# --------------------------------------------------------------------------------------------------
+# bundle decoding: the JSON index is read first (a bounded prefix of the frame), the arrays it declares are
+# sized with Python integers and compared with the frame's declared size and the caller's limit; only then
+# is the frame decompressed.
+@dataclass
+class BundleHead:
+    meta: Dict[str, Any]
+    arrays: List[Tuple[str, str, Tuple[int, ...]]]     # name, dtype code, shape
+    offset: int                                        # where the arrays start in the decompressed bytes
+    size: int                                          # the frame's declared content size
+    raw: Optional[bytes] = None                        # the decompressed frame, when it was small enough to read whole
+
+    def shape(self, name: str) -> Optional[Tuple[int, ...]]:
+        for n, _, sh in self.arrays:
+            if n == name:
+                return sh
+        return None
+
+    @property
+    def array_bytes(self) -> int:
+        return self.size - self.offset
+
+
+def _read_exact(reader, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = reader.read(n - len(out))
+        if not chunk:
+            raise TraceError("bundle index runs past the record")
+        out += chunk
+    return bytes(out)
+
+
+def read_bundle_head(payload, max_index: int = MAX_JSON, max_size: Optional[int] = None) -> BundleHead:
+    """The metadata and array index of a bundle, decompressing only the index's bytes. ``max_size`` bounds
+    the frame's declared size (checked first, from the frame header alone)."""
+    size = frame_size(payload)
+    if max_size is not None and size > max_size:
+        raise TraceError(f"bundle frame declares {size} bytes, this record may hold at most {max_size}")
+    raw = None
+    if size <= SMALL_FRAME:            # small: decompress it whole, once (a bounded, tiny allocation)
+        raw = zd(payload, limit=size)
+        n, pos = get_varint(raw, 0)
+        if n > max_index:
+            raise TraceError(f"bundle index of {n} bytes (at most {max_index})")
+        if pos + n > size:
+            raise TraceError("bundle index runs past the record")
+        rest = raw[pos:pos + n]
+    else:                              # large: decompress only the index's bytes
+        try:
+            reader = _DCTX.stream_reader(bytes(payload) if not isinstance(payload, bytes) else payload)
+            first = reader.read(min(size, 10))
+            n, pos = get_varint(first, 0)
+            if n > max_index:
+                raise TraceError(f"bundle index of {n} bytes (at most {max_index})")
+            if pos + n > size:
+                raise TraceError("bundle index runs past the record")
+            rest = first[pos:] + _read_exact(reader, max(0, pos + n - len(first)))
+        except zstd.ZstdError as exc:
+            raise TraceError(f"bad zstd frame ({exc})") from None
+    idx = load_json(rest[:n], "bundle index", max_bytes=max_index)
+    if not isinstance(idx, dict) or not isinstance(idx.get("m"), dict) or not isinstance(idx.get("a"), list):
+        raise TraceError("bundle index is not {\"m\": {...}, \"a\": [...]}")
+    arrays, seen, total = [], set(), 0
+    for ent in idx["a"]:
+        if not (isinstance(ent, list) and len(ent) == 3 and isinstance(ent[0], str) and isinstance(ent[1], str)
+                and isinstance(ent[2], list)):
+            raise TraceError("bundle array entry is not [name, dtype, shape]")
+        name, code, shape = ent
         if code not in _DTYPES:
-            raise TraceError(f"bundle array '{name}' has unknown dtype '{code}'")
+            raise TraceError(f"bundle array '{name[:40]}' has unknown dtype '{code[:8]}'")
+        if name in seen or len(name) > 128:
+            raise TraceError(f"bundle array name '{name[:40]}' is repeated or too long")
+        seen.add(name)
+        if len(shape) > MAX_DIMS:
+            raise TraceError(f"bundle array '{name}' has {len(shape)} dimensions")
+        dims = tuple(check_int(d, f"bundle array '{name}' dimension", 0, 1 << 40) for d in shape)
+        total += math.prod(dims) * np.dtype(_DTYPES[code]).itemsize
+        arrays.append((name, code, dims))
+    if pos + n + total != size:
+        raise TraceError(f"bundle arrays need {total} bytes, the frame holds {size - pos - n}")
+    return BundleHead(idx["m"], arrays, pos + n, size, raw)
+
+
+def decode_bundle(payload, limit: int = MAX_RAW, head: Optional[BundleHead] = None
+                  ) -> Tuple[Dict[str, Any], Dict[str, np.ndarray]]:
+    """Metadata and arrays of a bundle; its arrays may use at most ``limit`` bytes."""
+    head = head or read_bundle_head(payload)
+    if head.array_bytes > limit:
+        raise TraceError(f"bundle arrays of {head.array_bytes} bytes exceed the {limit} this record may hold")
+    raw = head.raw if head.raw is not None else zd(payload, limit=head.size, expect=head.size)
+    arrays, pos = {}, head.offset
+    for name, code, shape in head.arrays:
         dt = np.dtype(_DTYPES[code]).newbyteorder("<")
-        count = int(np.prod(shape)) if shape else 1
-        nbytes = count * dt.itemsize
-        if pos + nbytes > len(raw):
-            raise TraceError(f"bundle array '{name}' runs past the record")
+        count = math.prod(shape)
         arrays[name] = np.frombuffer(raw, dtype=dt, count=count, offset=pos).reshape(shape)
-        pos += nbytes
-    if pos != len(raw):
-        raise TraceError("bundle has trailing bytes")
-    return meta, arrays
+        pos += count * dt.itemsize
+    return head.meta, arrays
 
 
 # --------------------------------------------------------------------------------------------------
@@ -279,14 +426,14 @@ def decode_ints(buf, pos: int, n: int) -> Tuple[np.ndarray, int]:
     ln, pos = get_varint(buf, pos + 2)
     if pos + ln > len(buf):
         raise TraceError("integer stream runs past the record")
+    if m in (M_PLANES, M_ZPLANES) and not 1 <= param <= 8:
+        raise TraceError("integer stream has a bad byte width")
     if m == M_PLANES:
-        if ln != n * param or param > 8:
+        if ln != n * param:
             raise TraceError("integer stream has the wrong size")
         v = unplanes(buf, n, param, pos)
     elif m == M_ZPLANES:
-        if param > 8:
-            raise TraceError("integer stream has a bad byte width")
-        raw = zd(bytes(buf[pos:pos + ln]), expect=n * param)
+        raw = zd(bytes(buf[pos:pos + ln]), limit=n * param, expect=n * param)
         v = unplanes(raw, n, param)
     elif m == M_BITS:
         if param > 63 or ln != (n * param + 7) // 8:
@@ -388,14 +535,34 @@ def encode_seq(s: SeqData, level: int = ZSTD_LEVEL) -> bytes:
     return bytes(out)
 
 
-def decode_seq(buf: bytes) -> SeqData:
+@dataclass
+class SeqLimits:
+    """What a sequence record may hold, from the header and its batch record (see ``reader.Limits``)."""
+
+    length: Optional[int] = None       # the exact number of positions (None: up to ``max_length``)
+    max_length: int = 1 << 20
+    vocab: int = 1 << 31               # token ids < vocab
+    max_step: int = 1 << 30            # step_of, finish_step and edit steps <= max_step
+    topk: Optional[int] = None         # the exact k of top-k tables (None: 1..1024)
+    col_lo: int = 0                    # edit columns lie in [col_lo, col_hi) (the generation region)
+    col_hi: int = 1 << 40
+
+
+def decode_seq(buf: bytes, lim: Optional[SeqLimits] = None) -> SeqData:
+    """Decode and range-check one sequence record; every size is checked against ``lim`` before use."""
+    lim = lim or SeqLimits()
     row, pos = get_varint(buf, 0)
     L, pos = get_varint(buf, pos)
     nfe, pos = get_varint(buf, pos)
     fin, pos = get_varint(buf, pos)
     flags, pos = get_varint(buf, pos)
-    if L > (1 << 26):
+    if lim.length is not None and L != lim.length:
+        raise TraceError(f"sequence record of row {row} has {L} positions, its batch has {lim.length}")
+    if L > lim.max_length:
         raise TraceError(f"sequence record claims {L} positions")
+    if flags & ~(F_CONF | F_EDITS | F_TOPK):
+        raise TraceError(f"sequence record has unknown flags {flags}")
+    check_int(nfe, "sequence NFE", 0, 1 << 40)
     if pos >= len(buf):
         raise TraceError("sequence record is cut short")
     layout = buf[pos]
@@ -404,12 +571,12 @@ def decode_seq(buf: bytes) -> SeqData:
         if pos + 2 > len(buf):
             raise TraceError("sequence record is cut short")
         tb, sb = buf[pos], buf[pos + 1]
-        if tb > 8 or sb > 8:
+        if not (1 <= tb <= 8 and 1 <= sb <= 8):
             raise TraceError("sequence record has a bad byte width")
         ln, pos = get_varint(buf, pos + 2)
         if pos + ln > len(buf):
             raise TraceError("sequence stream runs past the record")
-        raw = zd(buf[pos:pos + ln], expect=L * (tb + sb))
+        raw = zd(buf[pos:pos + ln], limit=L * (tb + sb), expect=L * (tb + sb))
         pos += ln
         tok = unplanes(raw, L, tb)
         zs = unplanes(raw, L, sb, offset=L * tb)
@@ -422,13 +589,18 @@ def decode_seq(buf: bytes) -> SeqData:
             raise TraceError("sequence record has a bad dictionary size")
         gaps, pos = decode_ints(buf, pos, nu)
         idx, pos = decode_ints(buf, pos, L)
-        if L and int(idx.max()) >= nu:
+        if L and not 0 <= int(idx.min()) <= int(idx.max()) < nu:
             raise TraceError("sequence record has a dictionary index out of range")
+        if nu and int(gaps.min()) < 0:
+            raise TraceError("sequence record has a bad token dictionary")
         tok = np.cumsum(gaps)[idx]
         zs, pos = decode_ints(buf, pos, L)
     else:
         raise TraceError(f"unknown sequence layout {layout}")
     step_of = np.cumsum(unzigzag(zs))
+    _in_range(tok, 0, lim.vocab - 1, f"token id of row {row}")
+    _in_range(step_of, -1, lim.max_step, f"commit step of row {row}")
+    check_int(fin - 1, f"finish step of row {row}", -1, lim.max_step)
     s = SeqData(row=row, tokens=tok, step_of=step_of, nfe=nfe, finish_step=fin - 1)
     if flags & F_CONF:
         committed = step_of >= 1
@@ -438,25 +610,40 @@ def decode_seq(buf: bytes) -> SeqData:
         s.confidence = conf
     if flags & F_EDITS:
         n, pos = get_varint(buf, pos)
-        if n > (1 << 30):
-            raise TraceError("edit list too long")
+        if n > max(L, 1) * (min(lim.max_step, 1 << 20) + 1):
+            raise TraceError(f"sequence record of row {row} claims {n} edits")
         e = {}
         for key in ("col", "token", "start", "end"):
             e[key], pos = decode_ints(buf, pos, n)
         if flags & F_CONF:
             e["confidence"], pos = decode_f16(buf, pos, n)
+        _in_range(e["col"], lim.col_lo, lim.col_hi - 1, f"edit column of row {row}")
+        _in_range(e["token"], 0, lim.vocab - 1, f"edit token id of row {row}")
+        _in_range(e["start"], 0, lim.max_step, f"edit step of row {row}")
+        _in_range(e["end"], 0, lim.max_step, f"edit step of row {row}")
+        if n and bool((e["end"] < e["start"]).any()):
+            raise TraceError(f"sequence record of row {row} has an edit that ends before it starts")
         s.edits = e
     if flags & F_TOPK:
         n, pos = get_varint(buf, pos)
         k, pos = get_varint(buf, pos)
-        if n * k > (1 << 30):
-            raise TraceError("top-k table too large")
+        if n != int((step_of >= 1).sum()):
+            raise TraceError(f"sequence record of row {row} has {n} top-k rows for {int((step_of >= 1).sum())} commits")
+        if (lim.topk is not None and k != lim.topk) or not 1 <= k <= 1024:
+            raise TraceError(f"sequence record of row {row} has top-k tables of k={k}")
         ids, pos = decode_ints(buf, pos, n * k)
         lg, pos = decode_f32(buf, pos, n * k)
+        _in_range(ids, 0, lim.vocab - 1, f"top-k token id of row {row}")
         s.topk_ids, s.topk_logits = ids.reshape(n, k), lg.reshape(n, k)
     if pos != len(buf):
         raise TraceError("sequence record has trailing bytes")
     return s
+
+
+def _in_range(a: np.ndarray, lo: int, hi: int, what: str) -> None:
+    if a.size and not (lo <= int(a.min()) and int(a.max()) <= hi):
+        bad = a[(a < lo) | (a > hi)][0]
+        raise TraceError(f"{what} = {int(bad)} is outside {lo}..{hi}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -496,17 +683,21 @@ def dequant(q: np.ndarray, step: float) -> np.ndarray:
 
 
 def dequantize_logits(meta: Dict[str, Any], arrays: Dict[str, np.ndarray]) -> np.ndarray:
-    shape = [int(s) for s in meta["shape"]]
-    n = int(np.prod(shape)) if shape else 1
-    nb = int(meta["nb"])
-    if nb > 8 or arrays["q"].size != n * nb:
+    shape = [check_int(d, "logits shape", 0, 1 << 40) for d in check_type(meta.get("shape"), list, "logits shape")]
+    n = math.prod(shape)
+    nb = check_int(meta.get("nb"), "logits byte width", 1, 8)
+    bound = check_float(meta.get("bound"), "logits error bound", 0.0)
+    qstep = check_float(meta.get("qstep"), "logits quantisation step", 0.0)
+    max_error = check_float(meta.get("max_error"), "logits error", 0.0)
+    q, ei, ev = arrays.get("q"), arrays.get("exc_index"), arrays.get("exc_value")
+    if q is None or ei is None or ev is None or q.size != n * nb or ei.shape != ev.shape or ei.ndim != 1:
         raise TraceError("logits record has the wrong size")
-    if not meta["max_error"] <= meta["bound"]:
-        raise TraceError(f"logits record claims error {meta['max_error']} above its bound {meta['bound']}")
-    q = unzigzag(unplanes(arrays["q"].tobytes(), n, nb))
-    out = dequant(q, float(meta["qstep"]))
-    idx = arrays["exc_index"].astype(np.int64)
+    if not max_error <= bound:
+        raise TraceError(f"logits record claims error {max_error} above its bound {bound}")
+    q = unzigzag(unplanes(q.tobytes(), n, nb))
+    out = dequant(q, qstep)
+    idx = ei.astype(np.int64)
     if idx.size and (idx.min() < 0 or idx.max() >= n):
         raise TraceError("logits exception index out of range")
-    out[idx] = arrays["exc_value"].astype("<u4").view("<f4")
+    out[idx] = ev.astype("<u4").view("<f4")
     return out.reshape(shape)

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from dlm_engine.core.loop import Sink
+from dlm_engine.fsutil import fsync_dir, os_error_message
 from . import format as fmt
 from .format import SeqData, TraceError
 
@@ -157,12 +158,23 @@ class TraceRecorder:
         header["capture"] = {"level": capture, "topk": self.topk if self.wants_logits else None,
                              "logit_error_bound": self.bound if capture == "logits" else None}
         self.header = header
-        d = os.path.dirname(os.path.abspath(self.path))
-        os.makedirs(d, exist_ok=True)
-        self._f = open(self.partial_path, "wb")
-        self._write_raw(fmt.PREAMBLE)
-        self._write(fmt.HEADER, fmt.zc(json.dumps(header, sort_keys=True, default=str).encode(), self.level))
-        self._f.flush()
+        header_json = json.dumps(header, sort_keys=True, default=str).encode()
+        from .reader import check_header
+
+        # the limits a reader will apply to this file: batches that exceed them are refused while writing
+        self.limits = check_header(json.loads(header_json))
+        self._f = _open_exclusive(self.partial_path)
+        self._ino = os.fstat(self._f.fileno()).st_ino
+        try:
+            self._write_raw(fmt.PREAMBLE)
+            self._write(fmt.HEADER, fmt.zc(header_json, self.level))
+            self._f.flush()
+        except OSError as exc:
+            try:
+                self._f.close()   # (flushing what is buffered may fail the same way)
+            except OSError:
+                pass
+            raise TraceError(_os_message(self.partial_path, exc)) from None
         self._thread = threading.Thread(target=self._run, name="dlm-trace-writer", daemon=True)
         self._thread.start()
         self._closed = False
@@ -198,8 +210,13 @@ class TraceRecorder:
             raise TraceError(f"trace writer failed: {self._chan.error}")
         self.status = status
         if status == "complete":
-            os.replace(self.partial_path, self.path)
-            _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+            try:
+                if os.stat(self.partial_path).st_ino != self._ino:
+                    raise TraceError(f"{self.partial_path} was replaced by another process while this run wrote it")
+                os.replace(self.partial_path, self.path)
+            except OSError as exc:
+                raise TraceError(_os_message(self.partial_path, exc)) from None
+            fsync_dir(os.path.dirname(os.path.abspath(self.path)))
         return self.digest
 
     @property
@@ -241,7 +258,7 @@ class TraceRecorder:
                     else:
                         self._handle(item)
             except BaseException as exc:  # never die silently: the producer sees it on its next put
-                chan.error = exc
+                chan.error = TraceError(_os_message(self.partial_path, exc)) if isinstance(exc, OSError) else exc
             chan.done()
             if is_close:
                 self.writer_cpu = time.thread_time()   # CPU seconds the writer thread used (benchmarks)
@@ -347,6 +364,7 @@ class TraceRecorder:
         if event is not None:
             event.synchronize()
         tokens, step_of, attn = (_np(self._host(t)) for t in (tokens, step_of, attn))
+        self._check_shape(batch, tokens.shape[0], gen_start, tokens.shape[1])
         st = _BatchState(batch, rows, tokens, step_of, gen_start, mask_id, self.capture, self.topk)
         self._batches[batch] = st
         P = gen_start
@@ -358,6 +376,15 @@ class TraceRecorder:
             "prompt_mask": np.ascontiguousarray(attn[:, :P]).astype(np.bool_),
             # tokens given inside the generation region (constraints) are part of the sequence records
         }, self.level))
+
+    def _check_shape(self, batch: int, B: int, P: int, L: int) -> None:
+        """A batch the header's shape facts do not allow would make the file unreadable: refuse it now."""
+        lim = self.limits
+        for what, v, hi in (("rows", B, lim.batch), ("prompt positions", P, lim.prompt),
+                            ("generated positions", L - P, lim.gen), ("positions", B * L, lim.positions)):
+            if v > hi:
+                raise TraceError(f"trace: batch {batch} has {v} {what}, the trace header allows {hi} "
+                                 "(header 'shape' section)")
 
     def _on_delta(self, st: _BatchState, delta) -> None:
         s = int(delta.start)
@@ -484,6 +511,9 @@ class TraceRecorder:
         mismatch = not (np.array_equal(tokens[:, P:], st.tok[:, P:]) and np.array_equal(step_of[:, P:], st.step[:, P:]))
         final_tok = tokens.astype(np.int64) if mismatch else st.tok
         final_step = step_of.astype(np.int64) if mismatch else st.step
+        if final_tok.size and int(final_tok.max()) >= self.limits.vocab:
+            raise TraceError(f"trace: batch {batch} holds token id {int(final_tok.max())}, the header's vocabulary "
+                             f"has {self.limits.vocab}")
         edits_by_row: Dict[int, List[tuple]] = {}
         for e in st.edits:
             edits_by_row.setdefault(e[0], []).append(e)
@@ -527,17 +557,30 @@ class TraceRecorder:
         self.digest = "sha256:" + self._hash.hexdigest()
 
 
-def _fsync_dir(d: str) -> None:
+def _os_message(path: str, exc: BaseException) -> str:
+    """``PATH: No space left on device``: one line naming the file and the errno text."""
+    if isinstance(exc, OSError) and exc.filename is not None:
+        return os_error_message(exc)
+    return f"{path}: {getattr(exc, 'strerror', None) or exc}"
+
+
+def _open_exclusive(path: str):
+    """Open ``path`` for writing, held by this process alone: a second writer of the same trace fails at
+    once (``flock``; released when the file is closed or the process dies) instead of interleaving records."""
+    import fcntl
+
     try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o666)
+    except OSError as exc:
+        raise TraceError(_os_message(path, exc)) from None
     try:
-        os.fsync(fd)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        pass
-    finally:
         os.close(fd)
+        raise TraceError(f"{path}: another process is writing this trace") from None
+    os.ftruncate(fd, 0)
+    return os.fdopen(fd, "wb")
 
 
 class BatchSink(Sink):

@@ -61,14 +61,21 @@ def rng_state() -> Dict[str, Any]:
 
 
 def restore_rng(state: Dict[str, Any]) -> None:
+    import binascii
+
     import torch
 
-    if state.get("torch_cpu_b64"):
-        raw = base64.b64decode(state["torch_cpu_b64"])
-        torch.random.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
-    if state.get("torch_cuda_b64") and torch.cuda.is_available():
-        raw = base64.b64decode(state["torch_cuda_b64"])
-        torch.cuda.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+    from ..errors import UserError
+
+    try:
+        if state.get("torch_cpu_b64"):
+            raw = base64.b64decode(state["torch_cpu_b64"], validate=True)
+            torch.random.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+        if state.get("torch_cuda_b64") and torch.cuda.is_available():
+            raw = base64.b64decode(state["torch_cuda_b64"], validate=True)
+            torch.cuda.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+    except (binascii.Error, TypeError, ValueError, RuntimeError) as exc:
+        raise UserError(f"the trace's recorded RNG state cannot be restored ({str(exc).splitlines()[0][:120]})") from None
 
 
 def hydra_overrides() -> List[str]:
@@ -80,8 +87,12 @@ def hydra_overrides() -> List[str]:
         return []
 
 
-def build_header(cfg, lm, rows_expected: Optional[int] = None) -> Dict[str, Any]:
-    """Provenance of a run: package, git, model + weights digest, tokenizer, config, seed + RNG state, ..."""
+def build_header(cfg, lm, rows_expected: Optional[int] = None, prompt_length: Optional[int] = None) -> Dict[str, Any]:
+    """Provenance of a run: package, git, model + weights digest, tokenizer, config, seed + RNG state, ...
+
+    ``shape`` holds the facts a reader bounds its decoding by (see ``reader.Limits``): the vocabulary
+    (logits width), rows per batch, the longest prompt (``prompt_length``, when known) and the generated
+    positions per row."""
     import numpy
     import torch
     import transformers
@@ -106,7 +117,7 @@ def build_header(cfg, lm, rows_expected: Optional[int] = None) -> Dict[str, Any]
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "numpy": numpy.__version__,
                      "zstandard": zstandard.__version__, "python": platform.python_version()},
         "model": {"name": lm.name, "digest": lm.digest, "tokenizer_digest": lm.tokenizer_digest,
-                  "mask_id": lm.mask_id, "eos_id": lm.eos_id, "pad_id": lm.pad_id,
+                  "mask_id": lm.mask_id, "eos_id": lm.eos_id, "pad_id": lm.pad_id, "vocab_size": vocab_size(lm),
                   "path": str(Path(model_path).expanduser().resolve()) if model_path else None},
         "tokenizer": tok,
         "config": OmegaConf.to_container(cfg, resolve=True),
@@ -116,7 +127,16 @@ def build_header(cfg, lm, rows_expected: Optional[int] = None) -> Dict[str, Any]
         "device": str(lm.device),
         "dtype": str(lm.dtype).replace("torch.", ""),
         "rows_expected": rows_expected,
+        "shape": {"vocab_size": vocab_size(lm), "batch_size": int(cfg.batch_size), "gen_length": int(cfg.gen_length),
+                  "prompt_length": None if prompt_length is None else max(int(prompt_length), 1)},
     }
+
+
+def vocab_size(lm) -> Optional[int]:
+    """The width of the model's logits: the largest token id a decode can produce, plus one."""
+    raw = getattr(lm, "config", None) or {}
+    sizes = [v for v in (raw.get("vocab_size"), raw.get("embedding_size")) if isinstance(v, int) and v > 0]
+    return max(sizes) if sizes else None
 
 
 def open_run_recorder(cfg, out_dir, lm, prompt_ids: Sequence) -> Optional[TraceRecorder]:
@@ -126,7 +146,8 @@ def open_run_recorder(cfg, out_dir, lm, prompt_ids: Sequence) -> Optional[TraceR
     t = cfg.trace
     if not t.record:
         return None
-    header = build_header(cfg, lm, rows_expected=len(prompt_ids))
+    header = build_header(cfg, lm, rows_expected=len(prompt_ids),
+                          prompt_length=max((len(p) for p in prompt_ids), default=1))
     return TraceRecorder(str(Path(out_dir) / t.filename), header, capture=t.capture, topk=t.topk,
                          logit_error_bound=t.logit_error_bound, queue_size=t.queue_size)
 
@@ -144,13 +165,19 @@ def config_from_header(header: Dict[str, Any]):
     if not isinstance(rec, dict):
         raise UserError("trace header has no recorded config")
     rec = dict(rec)
-    groups = {"model": ModelConfig, "strategy": strategy_class(rec["strategy"]["name"]).Config,
-              "cache": cache_class(rec["cache"]["name"]).Config}
-    top = {k: v for k, v in rec.items() if k not in groups}
-    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), top)
-    for k, schema in groups.items():
-        node = OmegaConf.merge(OmegaConf.structured(schema), rec[k])
-        OmegaConf.set_struct(cfg, False)
-        cfg[k] = node
-    OmegaConf.set_struct(cfg, True)
+    try:
+        groups = {"model": ModelConfig, "strategy": strategy_class(rec["strategy"]["name"]).Config,
+                  "cache": cache_class(rec["cache"]["name"]).Config}
+        top = {k: v for k, v in rec.items() if k not in groups}
+        cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), top)
+        for k, schema in groups.items():
+            node = OmegaConf.merge(OmegaConf.structured(schema), rec[k])
+            OmegaConf.set_struct(cfg, False)
+            cfg[k] = node
+        OmegaConf.set_struct(cfg, True)
+    except UserError:
+        raise
+    except Exception as exc:   # a config this version cannot rebuild (or a crafted one): one line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"the trace's recorded config cannot be rebuilt ({first})") from None
     return cfg

@@ -17,22 +17,15 @@ from .reader import Sequence, Trace, open_trace
 # --------------------------------------------------------------------------------------------------
 # integrity
 def verify_integrity(tr: Trace) -> Dict[str, Any]:
-    """Decode every record fully (sequences, step tables, logits with their error bound); raise on any problem."""
+    """Everything the reader checks (checksums, the end digest and record counts, every value against the
+    header's limits, rows against their batch's step records), that the run completed, and every logits
+    record decoded within its error bound. Raises :class:`TraceError` naming the first problem."""
     if tr.problems:
         raise TraceError(f"{tr.name}: {tr.problems[0]}")
     if tr.status != "complete":
         raise TraceError(f"{tr.name}: the recorded run did not complete (status: {tr.status})")
-    for s in tr:
-        s.tokens  # noqa: B018 - decodes and checks the record
-        if (s.step_of < -1).any() or (s.tokens < 0).any():
-            raise TraceError(f"{tr.name}: sequence of row {s.row} holds invalid values")
-    for b in tr.batches.values():
-        b.steps  # noqa: B018
     for key in tr.logit_steps():
         tr.logits(*key)
-    exp = tr.header.get("rows_expected")
-    if exp is not None and len(tr) != int(exp):
-        raise TraceError(f"{tr.name}: {len(tr)} sequences recorded, the run had {exp}")
     return {"sequences": len(tr), "batches": len(tr.batches), "records": len(tr.records), "bytes": tr.size,
             "sha256": hashlib.sha256(tr.data).hexdigest()}
 
@@ -85,13 +78,8 @@ def token_str(tr: Trace, tid: Optional[int], mask_id: Optional[int] = None) -> s
     if mask_id is not None and tid == mask_id:
         return "[MASK]"
     tok = tr.tokenizer
-    if tok is None:
-        return str(tid)
-    try:
-        out = tok.convert_ids_to_tokens([int(tid)])[0]
-        return str(tid) if out is None else str(out)
-    except Exception:
-        return str(tid)
+    out = None if tok is None else tok.token(int(tid))
+    return str(tid) if out is None else out
 
 
 def diff(a: Trace, b: Trace) -> Dict[str, Any]:
@@ -134,7 +122,7 @@ def describe_divergence(tr: Trace, d: Dict[str, Any], other: Optional[Trace] = N
     if d.get("position") is None:
         return f"row {d['row']}: {d.get('reason', 'differs')}"
     other = other or tr
-    mask = tr.header.get("model", {}).get("mask_id")
+    mask = (tr.header.get("model") or {}).get("mask_id")
     ta = token_str(tr, d["token_a"], mask)
     tb = token_str(other, d["token_b"], mask)
     return (f"row {d['row']} step {d['step']} position {d['position']} (column {d['column']}): "
@@ -143,6 +131,30 @@ def describe_divergence(tr: Trace, d: Dict[str, Any], other: Optional[Trace] = N
 
 # --------------------------------------------------------------------------------------------------
 # verified re-run with the model
+def rerun_model_path(model_cfg, given: Optional[str], notes: list) -> Optional[str]:
+    """The checkpoint a re-run loads. A path recorded in a trace header is never followed on its own (a trace
+    may come from anyone): the user names it with ``--model-path``, unless the recorded model is a seeded
+    random model, a preset found in the local Hugging Face cache, or an embedded checkpoint of this
+    installation."""
+    from dlm_engine.checkpoints import embedded_path
+    from dlm_engine.errors import UserError
+
+    if given is not None:
+        return str(given)
+    recorded = model_cfg.path
+    if not recorded:
+        return None
+    name = str(model_cfg.name)
+    local = embedded_path(name) if name.isidentifier() else None   # a plain name, never a path
+    if local:
+        if str(local) != str(recorded):
+            notes.append(f"model: this installation's embedded '{model_cfg.name}' checkpoint ({local}), "
+                         f"recorded at {recorded}")
+        return str(local)
+    raise UserError(f"verify --rerun: the trace was recorded with the checkpoint in '{recorded}'; pass "
+                    "--model-path DIR to re-run with it (paths in a trace header are not followed)")
+
+
 def rerun(tr: Trace, device: Optional[str] = None, model_path: Optional[str] = None,
           out_path: Optional[str] = None) -> Dict[str, Any]:
     """Re-run the recorded decode (config, prompts, seed and RNG state from the trace) and compare.
@@ -162,12 +174,12 @@ def rerun(tr: Trace, device: Optional[str] = None, model_path: Optional[str] = N
     cfg = config_from_header(tr.header)
     if device is not None:
         cfg.device = device
-    if model_path is not None:
-        cfg.model.path = model_path
+    notes = []
+    cfg.model.path = rerun_model_path(cfg.model, model_path, notes)
+    cfg.prompts, cfg.prompts_file = None, None       # the prompts come from the trace
     make_strategy, make_cache = validate(cfg)
     lm = load_model(cfg.model, cfg.device, cfg.dtype)
-    notes = []
-    rec_model = tr.header.get("model", {})
+    rec_model = tr.header.get("model") or {}
     if rec_model.get("digest") != lm.digest:
         notes.append(f"weights digest differs: recorded {rec_model.get('digest')}, now {lm.digest}")
     if rec_model.get("tokenizer_digest") != lm.tokenizer_digest:
@@ -177,14 +189,14 @@ def rerun(tr: Trace, device: Optional[str] = None, model_path: Optional[str] = N
                      f"now {lm.device}/{str(lm.dtype).replace('torch.', '')}")
     ids = [s.prompt_ids.tolist() for s in tr]
     torch.manual_seed(int(tr.header.get("seed", 0)))
-    restore_rng(tr.header.get("rng", {}))
+    restore_rng(tr.header.get("rng") or {})
     tmpdir = None
     if out_path is None:
         tmpdir = tempfile.mkdtemp(prefix="dlm-trace-rerun-")
         out_path = os.path.join(tmpdir, "rerun.dlmt")
-    header = build_header(cfg, lm, rows_expected=len(ids))
-    header["rng"] = tr.header.get("rng", {})
-    cap = tr.header.get("capture", {})
+    header = build_header(cfg, lm, rows_expected=len(ids), prompt_length=max((len(i) for i in ids), default=1))
+    header["rng"] = tr.header.get("rng") or {}
+    cap = tr.header.get("capture") or {}
     rec = TraceRecorder(out_path, header, capture=cap.get("level", "tokens"), topk=cap.get("topk") or 5,
                         logit_error_bound=cap.get("logit_error_bound") or 1e-2)
     error = None
@@ -272,11 +284,11 @@ def to_html(tr: Trace, max_sequences: int = 50, title: Optional[str] = None) -> 
             conf = [None if not np.isfinite(x) else round(float(x), 4) for x in s.confidence]
         data.append({"row": s.row, "nfe": s.nfe, "steps": s.n_steps, "tok": s.tokens.tolist(), "so": s.step_of.tolist(),
                      "prompt": s.prompt_ids.tolist(), "edits": ed, "conf": conf, "text": s.text})
-    mask = tr.header.get("model", {}).get("mask_id")
+    mask = (tr.header.get("model") or {}).get("mask_id")
     vocab = {int(t): _display(token_str(tr, int(t), mask)) for t in used}
     tmax = max([s.n_steps for s in seqs] + [1])
     payload = {"tmax": tmax, "seqs": data, "vocab": vocab, "mask": "\u2592"}
-    t = title or f"{os.path.basename(tr.name)} - {tr.config.get('strategy', {}).get('name', '')}"
+    t = title or f"{os.path.basename(tr.name)} - {(tr.config.get('strategy') or {}).get('name', '')}"
     js = json.dumps(payload).replace("</", "<\\/")
     return (_PAGE.replace("__TITLE__", html.escape(t)).replace("__TMAX__", str(tmax)).replace("__DATA__", js))
 

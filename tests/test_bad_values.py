@@ -1,0 +1,95 @@
+"""Values Hydra's types let through: NaN/inf floats, integers beyond 64 bits, seeds; non-finite weights at
+load and non-finite logits at the first forward."""
+import math
+import re
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from conftest import run_dlm
+from dlm_engine.app.config import check_values
+from dlm_engine.errors import ConfigError, NonFiniteError, UserError, check_finite_logits
+
+
+@pytest.mark.parametrize("cfg, needle", [
+    ({"strategy": {"temperature": math.nan}}, "strategy.temperature=nan is not a finite number"),
+    ({"strategy": {"temperature": math.inf}}, "strategy.temperature=inf is not a finite number"),
+    ({"cache": {"ratios": [0.5, -math.inf]}}, "cache.ratios[1]=-inf is not a finite number"),
+    ({"seed": 1 << 64}, "seed=18446744073709551616 is outside 0..9223372036854775807"),
+    ({"seed": -1}, "seed=-1 is outside"),
+    ({"model": {"random_seed": 1 << 63}}, "model.random_seed=9223372036854775808 is outside"),
+    ({"gen_length": 10 ** 30}, "gen_length=1000000000000000000000000000000 does not fit in 64 bits"),
+])
+def test_check_values_names_the_key(cfg, needle):
+    with pytest.raises(ConfigError) as exc:
+        check_values(OmegaConf.create(cfg))
+    assert needle in str(exc.value)
+
+
+def test_finite_values_pass():
+    check_values(OmegaConf.create({"seed": (1 << 63) - 1, "strategy": {"temperature": 0.7, "k": [1, 2.5]},
+                                   "flag": True, "name": "nan"}))
+
+
+def test_temperature_nan_on_the_command_line_is_one_line(tmp_path):
+    proc = run_dlm([f"hydra.run.dir={tmp_path / 'r'}", "device=cpu", "prompts=[hi]", "strategy.temperature=nan"],
+                   cwd=tmp_path)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and lines == ["dlm: error: strategy.temperature=nan is not a finite number"], proc.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_non_finite_weights_are_refused_at_load(tmp_path):
+    from test_bad_checkpoints import tiny_checkpoint
+
+    from safetensors.torch import load_file, save_file
+
+    from dlm_engine.models.loader import load_pretrained
+
+    ck = tiny_checkpoint(tmp_path / "ck")
+    w = load_file(str(ck / "model.safetensors"))
+    key = sorted(k for k in w if w[k].is_floating_point())[0]
+    w[key] = torch.full_like(w[key], float("nan"))
+    save_file(w, str(ck / "model.safetensors"))
+    with pytest.raises(UserError) as exc:
+        load_pretrained(ck)
+    msg = str(exc.value)
+    assert f"weight '{key}'" in msg and "model.safetensors" in msg and f"{w[key].numel()} non-finite" in msg
+
+
+def test_first_forward_logits_check():
+    ok = torch.randn(2, 3, 8)
+    ok[..., 5] = float("-inf")                          # a suppressed token: normal
+    check_finite_logits(ok)
+    for poison, needle in ((float("nan"), "1 NaN"), (float("inf"), "1 +inf")):
+        bad = ok.clone()
+        bad[1, 2, 0] = poison
+        with pytest.raises(NonFiniteError, match=re.escape(needle)):
+            check_finite_logits(bad)
+    dead = ok.clone()
+    dead[0, 1, :] = float("-inf")
+    with pytest.raises(NonFiniteError, match="1 positions with only -inf"):
+        check_finite_logits(dead)
+
+
+def test_non_finite_logits_at_the_first_forward_stop_the_decode(tiny_llada):
+    """The loop checks the first forward's logits: a model producing NaN stops with one NonFiniteError."""
+    from dlm_engine.core.canvas import Canvas
+    from dlm_engine.core.loop import decode
+    from dlm_engine.core.registry import strategy_class
+    from dlm_engine.errors import NonFiniteError, UserError
+
+    class NaNModel:
+        logits_shift = 0
+
+        def __call__(self, *a, **kw):
+            call = tiny_llada(*a, **kw)
+            call.logits = call.logits * float("nan")
+            return call
+
+    cls = strategy_class("threshold")
+    canvas = Canvas.from_prompts([[5, 6, 7]], 8, 1000, 1001)
+    with pytest.raises(NonFiniteError, match="non-finite logits at the first forward") as err:
+        decode(NaNModel(), canvas, cls(cls.Config(), 8))
+    assert isinstance(err.value, UserError) and canvas.step == 0
