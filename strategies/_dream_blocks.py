@@ -29,7 +29,8 @@ class DreamBlockLoop:
         commit = torch.zeros((B, W), dtype=torch.bool, device=x0.device)
         commit[:, bs - lo] = x0[:, bs - lo] != canvas.mask_id    # unconditionally (a mask id stays masked)
         ev = [BlockEvent("opened", st.block, bs, be)]
-        return self._delta(canvas, lo, commit, x0, cval.float(), events=ev), \
+        commit &= plan.rows[:, None]
+        return self._delta(canvas, lo, commit, x0, cval.float(), events=ev, active=plan.rows), \
             dataclasses.replace(st, block_start=False, i=1)
 
     @staticmethod
@@ -53,7 +54,7 @@ class DreamBlockLoop:
     def _block_threshold(self, canvas, plan, proposal, st):
         bs, be = self._block(canvas, st.block)
         lo, hi = plan.window
-        mask = canvas.masked()[:, lo:hi]                          # window masks (later blocks too in "rest")
+        mask = canvas.masked()[:, lo:hi] & plan.rows[:, None]     # window masks (later blocks too in "rest")
         cval, x0 = self._propose(proposal.logits[mask])           # draws over every mask of the window
         tokens = self._scatter(x0, mask, canvas.mask_id)
         scores = self._scatter(cval, mask, float("-inf"))
@@ -69,7 +70,7 @@ class DreamBlockLoop:
             commit &= mask
         nxt, ev = self._after_step(canvas, st, bs, be, lo, commit)
         done = nxt.block >= self.num_blocks
-        return self._delta(canvas, lo, commit, tokens, scores.float(), done=done, events=ev), nxt
+        return self._delta(canvas, lo, commit, tokens, scores.float(), done=done, events=ev, active=plan.rows), nxt
 
     def _block_schedule(self, canvas, plan, proposal, st):
         bs, be = self._block(canvas, st.block)
@@ -81,8 +82,8 @@ class DreamBlockLoop:
             ev = [BlockEvent("completed", st.block, bs, be)]
             empty = torch.zeros((B, hi - lo), dtype=torch.bool, device=canvas.device)
             return self._delta(canvas, lo, empty, proposal.x0, None, done=nxt.block >= self.num_blocks,
-                               events=ev), nxt
-        mask = canvas.masked()[:, lo:hi].clone()
+                               events=ev, active=plan.rows), nxt
+        mask = canvas.masked()[:, lo:hi] & plan.rows[:, None]
         mask[:, be - lo:] = False                                 # only the block's masks
         cval, x0 = self._propose(proposal.logits[mask], "entropy")
         tokens = self._scatter(x0, mask, canvas.mask_id)
@@ -103,4 +104,4 @@ class DreamBlockLoop:
         nxt, ev = self._after_step(canvas, st, bs, be, lo, commit, remask)
         conf = scores[:, lo - bs:].float()
         return self._delta(canvas, lo, commit, tokens, conf, remask=remask, done=nxt.block >= self.num_blocks,
-                           events=ev), nxt
+                           events=ev, active=plan.rows), nxt

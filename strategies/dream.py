@@ -172,7 +172,9 @@ class Dream(DreamBlockLoop, Strategy):
             # state (j - 1 for a shifted model) lies inside the recomputed span
             end = L if self.cfg.window == Window.rest else be
             window = (min(bs + 1, end), end)
-        return StepPlan(window=window, temperature=0.0, confidence="prob", cache=d), st
+        # rows whose block is already full sit the step out (their trajectory is the one they have alone)
+        return StepPlan(window=window, temperature=0.0, confidence="prob", cache=d,
+                        rows=canvas.masked()[:, bs:be].any(-1)), st
 
     # -- select ----------------------------------------------------------------------------------------
     def select(self, canvas, plan, proposal, st: DreamState):
@@ -207,8 +209,10 @@ class Dream(DreamBlockLoop, Strategy):
             return torch.topk(scores, k, dim=-1).indices
         return sample_positions(scores, k, float(at))
 
-    def _delta(self, canvas, start: int, commit, tokens, conf, *, remask=None, done=False, events=()) -> FrameDelta:
-        """A delta over columns ``[start, start + W)``; rows without masks afterwards (or all, when done) finish."""
+    def _delta(self, canvas, start: int, commit, tokens, conf, *, remask=None, done=False, events=(),
+               active=None) -> FrameDelta:
+        """A delta over columns ``[start, start + W)``; rows without masks afterwards (or all, when done) finish;
+        ``active``: the rows that took part (default: every unfinished row)."""
         m = canvas.masked().clone()
         W = commit.shape[1]
         if remask is not None:
@@ -216,7 +220,8 @@ class Dream(DreamBlockLoop, Strategy):
         m[:, start:start + W] &= ~commit
         finished = (~m.any(-1) | done) & ~canvas.finished
         return FrameDelta(step=canvas.step + 1, nfe=1, start=start, commit=commit, tokens=tokens,
-                          active=~canvas.finished, finished=finished, confidence=conf, remask=remask,
+                          active=~canvas.finished if active is None else active & ~canvas.finished,
+                          finished=finished, confidence=conf, remask=remask,
                           block_events=list(events), scalars={"committed": commit.sum(-1)})
 
     @staticmethod

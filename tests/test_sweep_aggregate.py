@@ -177,7 +177,7 @@ def _sweeper_params(overrides):
 
 @pytest.mark.parametrize("preset, n, keys", [
     ("threshold_grid", 12, {"strategy", "strategy.threshold", "strategy.block_length"}),
-    ("all_strategies", 6, {"strategy"}),
+    ("all_strategies", 13, {"strategy"}),
     ("block_buffer_sizes", 8, {"strategy", "strategy.block_length", "strategy.buffer_size", "strategy.accept_threshold"}),
 ])
 def test_presets_expand_to_valid_jobs(preset, n, keys):
@@ -191,8 +191,9 @@ def test_presets_expand_to_valid_jobs(preset, n, keys):
     if preset == "all_strategies":
         from dlm_engine.core.registry import STRATEGIES
 
-        core = {"low_confidence", "threshold", "factor", "early_exit", "cadllm", "block_buffer"}
-        assert {c.strategy.name for c in configs} == core and core <= set(STRATEGIES)
+        every = {"low_confidence", "threshold", "factor", "early_exit", "cadllm", "block_buffer", "d2c", "klass",
+                 "ar", "wino"}
+        assert {c.strategy.name for c in configs} == every and every <= set(STRATEGIES)
 
 
 def test_slurm_preset_composes():

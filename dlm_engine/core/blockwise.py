@@ -68,11 +68,14 @@ class FillBlocks(Strategy):
         else:
             return None, cur
         c = self.cfg
+        # rows whose block is already full sit the step out (no forward, no NFE): each row's trajectory is the
+        # one it has alone
+        waiting = canvas.masked()[:, s:e].any(-1)
         return StepPlan(
             window=(s, e), temperature=c.temperature,
             confidence="random" if c.remasking == Remasking.random else "prob", softmax_dtype="float64",
             cache=CacheDirective(block=(s, e), block_start=cur.step == 0, step_in_block=cur.step),
-            suppress=eos_suppress(c, canvas),
+            suppress=eos_suppress(c, canvas), rows=waiting,
         ), cur
 
     def select(self, canvas, plan, proposal, cur: BlockCursor):
@@ -80,7 +83,8 @@ class FillBlocks(Strategy):
         cand = candidates(canvas, proposal, e)
         conf = eos_confidence(self.cfg, canvas, plan, proposal)
         commit = self.rule(conf, cand, cur, proposal.row_span) & cand
-        delta = eos_stop(self.cfg, canvas, self.delta(canvas, proposal, commit, confidence=conf))
+        active = plan.rows & ~canvas.finished if plan.rows is not None else None
+        delta = eos_stop(self.cfg, canvas, self.delta(canvas, proposal, commit, confidence=conf, active=active))
         # rows finished by this step (stop_at_eos fills their remaining masks) leave nothing in the block
         left = canvas.masked()[:, s:e] & ~commit & ~delta.finished[:, None]
         nxt, events = cur.advance((s, e), done=not bool(left.any()))

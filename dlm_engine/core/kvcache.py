@@ -57,7 +57,7 @@ class RowStore:
         """Align with ``call``; returns True when the store starts afresh (new batch or length)."""
         req = call.request
         full = call.batch_size if req.full_batch is None else int(req.full_batch)
-        live = req.live if req.live is not None else req.rows
+        live = req.live                          # None: every row of the full batch is live
         n_live = full if live is None else int(live.numel())
         fresh = self.shape != (full, call.length)
         if fresh:

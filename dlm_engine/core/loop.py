@@ -59,6 +59,8 @@ def forward(model, canvas: Canvas, plan: StepPlan, cache, rows: Optional[torch.T
     if rows is not None:
         request.rows, request.full_batch = call_rows(rows, canvas.batch_size, cfg)
         request.live = None if live is None else call_rows(live, canvas.batch_size, cfg)[0]
+    elif live is not None:                      # cannot happen: rows default to the live rows
+        raise AssertionError("live rows without call rows")
     call = model(ids, attention_mask=attn if canvas.is_padded else None, position_ids=pos, hooks=cache,
                  logits_range=plan.window, request=request)
     logits = call.logits
