@@ -170,3 +170,30 @@ def test_reference_positions_number_dream_rows_from_zero():
     assert plan.position_ids is None                                  # the canvas' cumsum positions
     canvas.model_info = ModelInfo("llada", 0)
     assert cls(cls.Config(), 8).plan(canvas, cls(cls.Config(), 8).init_state(canvas))[0].position_ids is None
+
+
+def test_wino_run_through_dlm_and_the_trace_tools(tmp_path):
+    """A WINO run through `dlm` records its re-masks: `replay --step` marks re-masked positions (░) apart from
+    never-decoded ones (▒), `show` counts the edits, the HTML page styles them, `verify --rerun` reproduces it."""
+    from conftest import run_dlm
+
+    out = tmp_path / "run"
+    proc = run_dlm(["strategy=wino", "strategy.wide_in_thres=0.4", "strategy.narrow_out_thres=0.99",
+                    'prompts=["sum 13:","name a color:","123+456="]', f"hydra.run.dir={out}", "device=cpu"],
+                   cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    trace = str(out / "trace.dlmt")
+    steps = [run_dlm(["replay", "--step", str(k), "--json", trace], cwd=tmp_path, exe="dlm-trace") for k in range(1, 6)]
+    assert all(p.returncode == 0 for p in steps)
+    rows = [r for p in steps for r in json.loads(p.stdout)]
+    hit = [r for r in rows if r["remasked"]]
+    assert hit, "this configuration re-masks on the tiny model"
+    text = run_dlm(["replay", "--step", str(hit[0]["step"]), trace], cwd=tmp_path, exe="dlm-trace").stdout
+    assert "\u2591" in text and "re-masked" in text
+    show = run_dlm(["show", trace], cwd=tmp_path, exe="dlm-trace").stdout
+    assert "edits" in show
+    page = tmp_path / "t.html"
+    assert run_dlm(["html", trace, "-o", str(page)], cwd=tmp_path, exe="dlm-trace").returncode == 0
+    assert 'class="c r"' in page.read_text() and "re-masked at step" in page.read_text()
+    ver = run_dlm(["verify", "--rerun", trace], cwd=tmp_path, exe="dlm-trace")
+    assert ver.returncode == 0 and "reproduced" in ver.stdout, ver.stdout + ver.stderr

@@ -84,11 +84,15 @@ def cmd_show(a) -> int:
     v = h.get("versions") or {}
     print("versions   " + "  ".join(f"{k} {v[k]}" for k in sorted(v)))
     print()
-    print(f"{'row':>4} {'L':>5} {'steps':>5} {'NFE':>5} {'gen':>5} {'conf':>6}  text")
+    edits = any(s.edits is not None and len(s.edits["col"]) for s in tr)
+    print(f"{'row':>4} {'L':>5} {'steps':>5} {'NFE':>5} {'gen':>5} {'conf':>6}" + (f" {'edits':>5}" if edits else "")
+          + "  text")
     for s in list(tr)[:a.max]:
         c = s.confidence
         mc = f"{np.nanmean(c):.3f}" if c is not None and np.isfinite(c).any() else "-"
-        print(f"{s.row:>4} {s.gen_length:>5} {s.n_steps:>5} {s.nfe:>5} {s.generated_tokens():>5} {mc:>6}  {_short(s.text)!r}")
+        n_ed = f" {len(s.edits['col']) if s.edits is not None else 0:>5}" if edits else ""   # re-masked / overwritten
+        print(f"{s.row:>4} {s.gen_length:>5} {s.n_steps:>5} {s.nfe:>5} {s.generated_tokens():>5} {mc:>6}{n_ed}  "
+              f"{_short(s.text)!r}")
     if len(tr) > a.max:
         print(f"... {len(tr) - a.max} more sequences")
     if not len(tr):
@@ -141,8 +145,11 @@ def cmd_replay(a) -> int:
         else:
             toks = s.state_at(a.step)
             shown = [t for t in toks.tolist() if t != mask]
+            import numpy as np
+
+            again = s.remasked_at(a.step)
             out.append({"row": s.row, "step": a.step, "tokens": toks.tolist(), "text": tr.decode_text(shown),
-                        "masked": int((toks == mask).sum())})
+                        "masked": int((toks == mask).sum()), "remasked": np.flatnonzero(again).tolist()})
     if a.json:
         print(json.dumps(out))
         return 0
@@ -152,8 +159,11 @@ def cmd_replay(a) -> int:
         if a.step is None:
             print(f"[{o['row']}] {o['text']!r}  (nfe {o['nfe']}, steps {o['steps']})")
         else:
-            cells = "".join(("\u2592" if t == mask else _vis(token_str(tr, t))) for t in o["tokens"])
-            print(f"[{o['row']}] step {a.step}: {cells}  ({o['masked']} masked)")
+            again = set(o["remasked"])
+            cells = "".join(("\u2591" if i in again else "\u2592") if t == mask else _vis(token_str(tr, t))
+                            for i, t in enumerate(o["tokens"]))
+            note = f", {len(again)} of them re-masked (\u2591)" if again else ""
+            print(f"[{o['row']}] step {a.step}: {cells}  ({o['masked']} masked{note})")
     return 0
 
 

@@ -524,6 +524,17 @@ class Sequence:
                 out[e["col"][sel] - self.batch.gen_start] = e["token"][sel]
         return out
 
+    def remasked_at(self, t: int) -> np.ndarray:
+        """``[gen_length]`` bool: positions masked after step ``t`` that had been decoded before (re-masked,
+        e.g. by WINO), as opposed to positions never decoded yet."""
+        out = np.zeros(self.gen_length, dtype=bool)
+        e = self._data.edits
+        if e is not None and len(e["end"]):
+            held = e["end"] <= t
+            out[e["col"][held] - self.batch.gen_start] = True
+            out &= self.state_at(t) == self.batch.mask_id
+        return out
+
     def canvas_at(self, t: int) -> np.ndarray:
         """The whole canvas row (left-padded prompt + generation region) after step ``t``."""
         return np.concatenate([self.batch.prompt_tokens[self.slot], self.state_at(t)])

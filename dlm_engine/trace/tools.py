@@ -227,6 +227,7 @@ body{font-family:system-ui,sans-serif;margin:1.2em;color:#222}
 .c{font-family:ui-monospace,monospace;font-size:13px;padding:2px 3px;border-radius:3px;min-width:0.7em;
    white-space:pre;border:1px solid rgba(0,0,0,.08)}
 .m{background:#e8e8e8;color:#aaa}.p{background:#fff;color:#777;border-style:dashed}
+.r{background:repeating-linear-gradient(45deg,#f3c9b0,#f3c9b0 3px,#fff 3px,#fff 6px);color:#b0461c}
 #bar{position:sticky;top:0;background:#fff;padding:6px 0;border-bottom:1px solid #ddd;z-index:1}
 #legend{display:inline-block;width:220px;height:10px;vertical-align:middle;
         background:linear-gradient(90deg,hsl(230,75%,62%),hsl(130,65%,55%),hsl(50,90%,55%),hsl(0,80%,60%))}
@@ -234,7 +235,8 @@ body{font-family:system-ui,sans-serif;margin:1.2em;color:#222}
 <h3>__TITLE__</h3>
 <div id="bar">step <input id="t" type="range" min="0" max="__TMAX__" value="__TMAX__" style="width:45%">
 <b id="tv"></b> &nbsp; <label><input id="pr" type="checkbox"> prompt</label>
-&nbsp; commit step: 1 <span id="legend"></span> __TMAX__</div>
+&nbsp; commit step: 1 <span id="legend"></span> __TMAX__
+&nbsp; <span class="c m">__MASK__</span> masked <span class="c r">__MASK__</span> re-masked</div>
 <div id="seqs"></div>
 <script>
 const D = __DATA__;
@@ -252,10 +254,13 @@ function render(){
     for (let i=0;i<s.tok.length;i++){
       let tok=null, st=s.so[i];
       if (st>=0 && st<=t) tok=s.tok[i];
-      for (const e of s.edits) if (e[0]===i && e[2]<=t && t<e[3]) { tok=e[1]; st=e[2]; }
+      let again=0;
+      for (const e of s.edits) { if (e[0]===i && e[2]<=t && t<e[3]) { tok=e[1]; st=e[2]; }
+                                 if (e[0]===i && e[3]<=t) again=Math.max(again, e[3]); }
       const title='position '+i+(s.so[i]>=0?' committed at step '+s.so[i]:' never committed')+
+                  (again?' (re-masked at step '+again+')':'')+
                   (s.conf && s.conf[i]!==null?' conf '+s.conf[i].toFixed(3):'');
-      if (tok===null) h += '<span class="c m" title="'+title+'">'+esc(D.mask)+'</span>';
+      if (tok===null) h += '<span class="c '+(again?'r':'m')+'" title="'+title+'">'+esc(D.mask)+'</span>';
       else h += '<span class="c" style="background:'+col(st)+'" title="'+title+'">'+esc(D.vocab[tok]??String(tok))+'</span>';
     }
     h += '</div></div>';
@@ -290,7 +295,8 @@ def to_html(tr: Trace, max_sequences: int = 50, title: Optional[str] = None) -> 
     payload = {"tmax": tmax, "seqs": data, "vocab": vocab, "mask": "\u2592"}
     t = title or f"{os.path.basename(tr.name)} - {(tr.config.get('strategy') or {}).get('name', '')}"
     js = json.dumps(payload).replace("</", "<\\/")
-    return (_PAGE.replace("__TITLE__", html.escape(t)).replace("__TMAX__", str(tmax)).replace("__DATA__", js))
+    return (_PAGE.replace("__TITLE__", html.escape(t)).replace("__TMAX__", str(tmax)).replace("__MASK__", "\u2592")
+            .replace("__DATA__", js))
 
 
 def _display(s: str) -> str:
