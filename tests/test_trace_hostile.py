@@ -7,6 +7,7 @@ import sys
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import trace_corpus as tc  # noqa: E402
@@ -55,10 +56,28 @@ def base(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def corpus(base):
-    files = tc.crafted(base)
-    assert len(files) >= 80
-    return files
+def base_v1():
+    with open(tc.V1_BASE, "rb") as f:
+        return f.read()
+
+
+@pytest.fixture(scope="module")
+def corpus(base, base_v1):
+    """The crafted files of the 2.x layout the recorder writes, and of the 1.x layout the reader still takes."""
+    v2, v1 = tc.crafted(base), tc.crafted(base_v1)
+    assert len(v2) >= 110 and len(v1) >= 80
+    return {**{f"2.x: {k}": v for k, v in v2.items()}, **{f"1.x: {k}": v for k, v in v1.items()}}
+
+
+def test_the_1x_base_is_read_as_it_was_written(base_v1):
+    """A 1.0 trace (JSON bundles, written before format 2.0) reads intact: rows, steps, wall times, capture."""
+    tr = loads(base_v1, recover=False)
+    verify_integrity(tr)
+    assert tr.major == 1 and len(tr) == 8 and len(tr.batches) == 3 and tr.capture == "confidence"
+    assert [s.text for s in tr][:2] == ["tt!tt!<<", "WttWttttWWZZWWWW"]
+    s = tr[0]
+    assert s.steps.nfe.tolist() == [1] * 8 and s.n_steps == 8 and s.finish_step == 8
+    assert np.isfinite(s.confidence[s.step_of >= 1]).all() and (np.diff(s.steps.wall_time) > 0).all()
 
 
 def test_every_crafted_file_is_refused(corpus):
@@ -97,9 +116,10 @@ def test_crafted_files_give_one_line_no_traceback_and_bounded_memory(corpus, bas
             assert names[f] != "" and not os.path.exists(str(d / f) + ".html"), where   # nothing written
 
 
-def test_recover_never_returns_a_wrong_row(corpus, base):
-    ref = loads(base, recover=False)
+def test_recover_never_returns_a_wrong_row(corpus, base, base_v1):
+    refs = {"2.x": loads(base, recover=False), "1.x": loads(base_v1, recover=False)}
     for name, data in corpus.items():
+        ref = refs[name[:3]]
         try:
             tr = loads(data, recover=True)
         except TraceError:

@@ -29,7 +29,8 @@ import zstandard as zstd
 from ..errors import UserError
 
 MAGIC = b"\x89DLMT\r\n\x1a"          # PNG-style: catches text-mode transfers and truncated starts
-VERSION = (1, 0)                    # major, minor: readers accept the same major, any minor
+VERSION = (2, 0)                    # major, minor of what this version writes
+READ_MAJORS = (1, 2)                # majors this version reads (any minor of each)
 PREAMBLE = MAGIC + struct.pack("<HH", *VERSION)
 REC_HEAD = struct.Struct("<BII")    # kind, length, crc32
 MAX_PAYLOAD = 1 << 31               # bound on one record's payload (compressed or not)
@@ -61,15 +62,16 @@ def record_crc(kind: int, head: bytes, payload, preamble: bytes = PREAMBLE) -> i
     return zlib.crc32(payload, zlib.crc32(head, seed))
 
 
-def frame_record(kind: int, payload: bytes) -> bytes:
+def frame_record(kind: int, payload: bytes, preamble: bytes = PREAMBLE) -> bytes:
     if len(payload) >= MAX_PAYLOAD:
         raise TraceError(f"record of {len(payload)} bytes exceeds the format limit")
     head = struct.pack("<BI", kind, len(payload))
-    crc = record_crc(kind, head, payload)
+    crc = record_crc(kind, head, payload, preamble)
     return head + struct.pack("<I", crc) + payload
 
 
-def check_preamble(data: bytes, name: str = "trace") -> None:
+def check_preamble(data: bytes, name: str = "trace") -> int:
+    """Check the magic number and version; returns the file's major version."""
     if len(data) < len(PREAMBLE):
         if MAGIC.startswith(bytes(data[:len(MAGIC)])):
             raise TraceError(f"{name}: truncated before the end of the file preamble ({len(data)} bytes)")
@@ -77,9 +79,10 @@ def check_preamble(data: bytes, name: str = "trace") -> None:
     if bytes(data[:len(MAGIC)]) != MAGIC:
         raise TraceError(f"{name}: not a dlm_engine trace (bad magic)")
     major, minor = struct.unpack_from("<HH", data, len(MAGIC))
-    if major != VERSION[0]:
+    if major not in READ_MAJORS:
         raise TraceError(f"{name}: unsupported trace format version {major}.{minor} "
-                         f"(this dlm_engine reads {VERSION[0]}.x)")
+                         f"(this dlm_engine reads {' and '.join(f'{m}.x' for m in READ_MAJORS)})")
+    return major
 
 
 # --------------------------------------------------------------------------------------------------
@@ -401,11 +404,73 @@ def bitunpack(buf, n: int, width: int, offset: int = 0) -> np.ndarray:
 
 
 # stream methods
-M_PLANES, M_ZPLANES, M_BITS = 0, 1, 2
+M_PLANES, M_ZPLANES, M_BITS, M_RICE = 0, 1, 2, 3
+RICE_QMAX = 15          # a Rice quotient of 15 or more is an escape: the value is stored whole
+
+
+def _rice_size(v: np.ndarray, k: int, vmax: int) -> int:
+    q = v >> k
+    esc = int((q >= RICE_QMAX).sum())
+    unary = int(np.minimum(q, RICE_QMAX).sum()) + v.size
+    return 1 + (unary + 7) // 8 + (v.size * k + 7) // 8 + (esc * (vmax.bit_length() if esc else 0) + 7) // 8
+
+
+def _rice(v: np.ndarray, k: int) -> bytes:
+    """Rice code with parameter ``k``: ``w:u8 unary rem exc`` (see ``docs/trace_format.md``)."""
+    q = v >> k
+    esc = q >= RICE_QMAX
+    ends = np.cumsum(np.minimum(q, RICE_QMAX) + 1) - 1      # where each value's terminating 0 bit is
+    bits = np.ones(int(ends[-1]) + 1 if v.size else 0, dtype=np.uint8)
+    bits[ends] = 0
+    ev = v[esc]
+    w = int(ev.max()).bit_length() if ev.size else 0
+    return bytes((w,)) + np.packbits(bits, bitorder="little").tobytes() + bitpack(v & ((1 << k) - 1), k) \
+        + bitpack(ev, w)
+
+
+def _unrice(buf, pos: int, ln: int, n: int, k: int) -> np.ndarray:
+    """Decode ``n`` Rice-coded values from ``buf[pos:pos + ln]``; the unary part is scanned in chunks, so
+    nothing larger than the ``n`` values is allocated whatever the stream claims."""
+    if k > 56 or ln < 1:
+        raise TraceError("integer stream has a bad Rice parameter")
+    end = pos + ln
+    w = buf[pos]
+    pos += 1
+    if w > 63:
+        raise TraceError("integer stream has a bad escape width")
+    avail = min(end - pos, (n * (RICE_QMAX + 1) + 7) // 8)
+    found, off, parts, chunk = 0, 0, [], 1 << 15
+    while found < n:
+        if off >= avail:
+            raise TraceError("integer stream is cut short")
+        c = np.unpackbits(np.frombuffer(buf, dtype=np.uint8, count=min(chunk, avail - off), offset=pos + off),
+                          bitorder="little")
+        z = np.flatnonzero(c == 0)[:n - found] + 8 * off
+        parts.append(z)
+        found += z.size
+        off += chunk
+    ends = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    q = np.diff(ends, prepend=-1) - 1
+    if n and int(q.max()) > RICE_QMAX:
+        raise TraceError("integer stream has an over-long Rice quotient")
+    ub = (int(ends[-1]) + 8) // 8 if n else 0
+    esc = q == RICE_QMAX
+    ne = int(esc.sum())
+    if 1 + ub + (n * k + 7) // 8 + (ne * w + 7) // 8 != ln:
+        raise TraceError("integer stream has the wrong size")
+    v = (q << k) | bitunpack(buf, n, k, pos + ub)
+    if ne:
+        ev = bitunpack(buf, ne, w, pos + ub + (n * k + 7) // 8)
+        if int((ev >> k).min()) < RICE_QMAX:
+            raise TraceError("integer stream has a bad Rice escape")
+        v[esc] = ev
+    return v
 
 
 def encode_ints(v: np.ndarray, level: int = ZSTD_LEVEL) -> bytes:
-    """Smallest of raw byte planes, zstd byte planes and bit packing: ``method:u8 param:u8 len:varint data``."""
+    """Smallest of raw byte planes, zstd byte planes, bit packing and Rice coding:
+    ``method:u8 param:u8 len:varint data``."""
+    v = np.asarray(v).astype(np.int64, copy=False) if v.dtype != np.uint64 else v
     vmax = int(v.max()) if v.size else 0
     nb = nbytes_for(vmax)
     width = vmax.bit_length()
@@ -413,6 +478,11 @@ def encode_ints(v: np.ndarray, level: int = ZSTD_LEVEL) -> bytes:
     cands = [(M_PLANES, nb, p), (M_BITS, width, bitpack(v, width))]
     if len(p) > 24:
         cands.append((M_ZPLANES, nb, zc(p, level)))
+    if v.size and width < 63:
+        vi = v.astype(np.int64, copy=False)
+        k = min(range(max(0, width - 8), width + 1), key=lambda k: _rice_size(vi, k, vmax))
+        if _rice_size(vi, k, vmax) < min(len(c[2]) for c in cands):
+            cands.append((M_RICE, k, _rice(vi, k)))
     m, param, data = min(cands, key=lambda c: len(c[2]))
     out = bytearray((m, param))
     put_varint(out, len(data))
@@ -439,9 +509,114 @@ def decode_ints(buf, pos: int, n: int) -> Tuple[np.ndarray, int]:
         if param > 63 or ln != (n * param + 7) // 8:
             raise TraceError("integer stream has the wrong size")
         v = bitunpack(buf, n, param, pos)
+    elif m == M_RICE:
+        v = _unrice(buf, pos, ln, n, param)
     else:
         raise TraceError(f"unknown integer stream method {m}")
     return v, pos + ln
+
+
+# --------------------------------------------------------------------------------------------------
+# integer columns (any sign): constant, a few runs, runs, plain or delta-coded, whichever is smallest
+C_CONST, C_RUNS, C_PLAIN, C_DELTA, C_FEW = 0, 1, 2, 3, 4
+FEW_RUNS = 8
+
+
+def put_zz(out: bytearray, v: int) -> None:
+    v = int(v)
+    put_varint(out, (v << 1) if v >= 0 else ((-v) << 1) - 1)
+
+
+def get_zz(buf, pos: int) -> Tuple[int, int]:
+    v, pos = get_varint(buf, pos)
+    return (v >> 1) ^ -(v & 1), pos
+
+
+def encode_col(v, level: int = ZSTD_LEVEL) -> bytes:
+    """``method:u8`` and the data of a column of int64 values."""
+    v = np.asarray(v).astype(np.int64, copy=False).ravel()
+    out = bytearray()
+    if v.size == 0 or not (v != v[0]).any():
+        out.append(C_CONST)
+        put_zz(out, int(v[0]) if v.size else 0)
+        return bytes(out)
+    starts = np.concatenate(([0], np.flatnonzero(v[1:] != v[:-1]) + 1))
+    cands = []
+    if starts.size <= FEW_RUNS:            # a few runs: (value, length - 1) pairs as varints
+        lens = np.diff(np.append(starts, v.size))
+        few = bytearray((C_FEW,))
+        put_varint(few, starts.size)
+        for x, ln in zip(v[starts].tolist(), lens.tolist()):
+            put_zz(few, x)
+            put_varint(few, ln - 1)
+        cands.append(few)
+    elif starts.size < v.size // 2:
+        lens = np.diff(np.append(starts, v.size))
+        runs = bytearray((C_RUNS,))
+        put_varint(runs, starts.size)
+        runs += encode_ints(zigzag(v[starts]), level) + encode_ints(lens - 1, level)
+        cands.append(runs)
+    cands.append(bytes((C_PLAIN,)) + encode_ints(zigzag(v), level))
+    delta = bytearray((C_DELTA,))
+    put_zz(delta, int(v[0]))
+    delta += encode_ints(zigzag(v[1:] - v[:-1]), level)
+    cands.append(delta)
+    return bytes(min(cands, key=len))
+
+
+def decode_col(buf, pos: int, n: int, what: str = "column", charge=None) -> Tuple[np.ndarray, int]:
+    """``n`` int64 values of a column. ``charge(nbytes, what)`` is called before each allocation (a caller's
+    memory budget); run counts are bounded by ``n``. Arithmetic wraps on hostile input: callers range-check."""
+    charge = charge or (lambda nbytes, w: None)
+    if pos >= len(buf):
+        raise TraceError(f"record ends inside its {what}")
+    m = buf[pos]
+    pos += 1
+    if m == C_CONST:
+        v0, pos = get_zz(buf, pos)
+        check_int(v0, what, -(1 << 63), (1 << 63) - 1)
+        charge(8 * n, what)
+        return np.full(n, v0, dtype=np.int64), pos
+    if m in (C_RUNS, C_FEW):
+        r, pos = get_varint(buf, pos)
+        if r > (n if m == C_RUNS else min(n, FEW_RUNS)) or (n and not r):
+            raise TraceError(f"{what} has {r} runs for {n} values")
+        if m == C_FEW:
+            vals, lens = [], []
+            for _ in range(r):
+                x, pos = get_zz(buf, pos)
+                ln, pos = get_varint(buf, pos)
+                vals.append(check_int(x, what, -(1 << 63), (1 << 63) - 1))
+                lens.append(check_int(ln, f"{what} run", 0, n))
+            vals, lens = np.array(vals, dtype=np.int64), np.array(lens, dtype=np.int64)
+        else:
+            charge(16 * r, what)
+            z, pos = decode_ints(buf, pos, r)
+            vals = unzigzag(z)
+            lens, pos = decode_ints(buf, pos, r)
+            if r and (int(lens.min()) < 0 or int(lens.max()) >= n):
+                raise TraceError(f"{what} has a run longer than its {n} values")
+        if int(lens.sum()) + r != n:
+            raise TraceError(f"{what} runs cover {int(lens.sum()) + r} values, not {n}")
+        charge(8 * n, what)
+        return np.repeat(vals, lens + 1), pos
+    if m == C_PLAIN:
+        charge(8 * n, what)
+        z, pos = decode_ints(buf, pos, n)
+        return unzigzag(z), pos
+    if m == C_DELTA:
+        v0, pos = get_zz(buf, pos)
+        check_int(v0, what, -(1 << 63), (1 << 63) - 1)
+        charge(16 * n, what)
+        z, pos = decode_ints(buf, pos, max(n - 1, 0))
+        if not n:
+            raise TraceError(f"{what} is delta-coded but empty")
+        out = np.empty(n, dtype=np.int64)
+        out[0] = v0
+        np.cumsum(unzigzag(z), out=out[1:])
+        out[1:] += np.int64(v0)
+        return out, pos
+    raise TraceError(f"{what} has unknown column method {m}")
 
 
 def encode_f16(x: np.ndarray, level: int = ZSTD_LEVEL) -> bytes:
@@ -497,20 +672,14 @@ def encode_seq(s: SeqData, level: int = ZSTD_LEVEL) -> bytes:
     if L and int(tok.min()) < 0:
         raise ValueError("negative token id")
     zs = zigzag(delta0(s.step_of))
-    # joint frame (token planes + step planes) or two separate streams, whichever is smaller
-    tb, sb = nbytes_for(int(tok.max()) if L else 0), nbytes_for(int(zs.max()) if L else 0)
-    steps = encode_ints(zs, level)
-    cands = [b"\x00" + encode_ints(tok, level) + steps]            # separate streams
-    if L:
-        joint = zc(planes(tok, tb) + planes(zs, sb), level)          # one frame of token + step planes
+    # layout 4: the smallest token coding and the smallest step coding, chosen independently
+    cands = [b"\x04" + _encode_tokens(tok, level) + _encode_steps(s.step_of, zs, level)]
+    if L:   # layout 1: one zstd frame of token + step byte planes
+        tb, sb = nbytes_for(int(tok.max())), nbytes_for(int(zs.max()))
+        joint = zc(planes(tok, tb) + planes(zs, sb), level)
         head = bytearray((1, tb, sb))
         put_varint(head, len(joint))
         cands.append(bytes(head) + joint)
-        # a sorted dictionary of the distinct ids (delta-coded) + one index per position
-        uniq, idx = np.unique(tok, return_inverse=True)
-        head = bytearray((2,))
-        put_varint(head, len(uniq))
-        cands.append(bytes(head) + encode_ints(delta0(uniq), level) + encode_ints(idx.ravel(), level) + steps)
     out += min(cands, key=len)
     if flags & F_CONF:
         committed = s.step_of >= 1
@@ -533,6 +702,167 @@ def encode_seq(s: SeqData, level: int = ZSTD_LEVEL) -> bytes:
         out += encode_ints(ids.ravel(), level)
         out += encode_f32(np.asarray(s.topk_logits, dtype=np.float32).ravel(), level)
     return bytes(out)
+
+
+def _encode_tokens(tok: np.ndarray, level: int) -> bytes:
+    """``method:u8`` then: 0 ints(ids); 1 / 2 a sorted dictionary of the distinct ids (``varint U``, ints of
+    its gaps) and each position's index into it as ints (1) or as a column (2: runs, e.g. an EOS tail)."""
+    cands = [b"\x00" + encode_ints(tok, level)]
+    if tok.size:
+        uniq, idx = np.unique(tok, return_inverse=True)
+        head = bytearray()
+        put_varint(head, len(uniq))
+        head += encode_ints(delta0(uniq), level)
+        cands.append(b"\x01" + head + encode_ints(idx.ravel(), level))
+        cands.append(b"\x02" + head + encode_col(idx.ravel(), level))
+    return min(cands, key=len)
+
+
+def _decode_tokens(buf, pos: int, L: int) -> Tuple[np.ndarray, int]:
+    if pos >= len(buf):
+        raise TraceError("sequence record is cut short")
+    m = buf[pos]
+    pos += 1
+    if m == 0:
+        return decode_ints(buf, pos, L)
+    if m not in (1, 2):
+        raise TraceError(f"sequence record has unknown token coding {m}")
+    return _decode_dict(buf, pos, L, as_col=m == 2)
+
+
+def _decode_dict(buf, pos: int, L: int, as_col: bool) -> Tuple[np.ndarray, int]:
+    """Token ids as a sorted dictionary (``varint U``, ints of its gaps) and an index per position."""
+    nu, pos = get_varint(buf, pos)
+    if nu > L or (L and nu == 0):
+        raise TraceError("sequence record has a bad dictionary size")
+    gaps, pos = decode_ints(buf, pos, nu)
+    idx, pos = decode_col(buf, pos, L, "token index") if as_col else decode_ints(buf, pos, L)
+    if L and not 0 <= int(idx.min()) <= int(idx.max()) < nu:
+        raise TraceError("sequence record has a dictionary index out of range")
+    if nu and int(gaps.min()) < 0:
+        raise TraceError("sequence record has a bad token dictionary")
+    return np.cumsum(gaps)[idx], pos
+
+
+ORDER_WORK = 1 << 24      # commit-order coding: committed positions x steps that commit any, at most
+ORDER_CHUNK = 64          # values per mixed-radix integer
+
+
+def _encode_steps(step_of: np.ndarray, zs: np.ndarray, level: int) -> bytes:
+    """``method:u8`` then: 0 ints(zigzag deltas); 1 a column; 2 / 3 the commit order (:func:`_commit_order`)."""
+    cands = [b"\x00" + encode_ints(zs, level), b"\x01" + encode_col(step_of, level)]
+    order = _commit_order(step_of, level)
+    if order is not None:
+        head, vals, radix = order
+        cands.append(b"\x02" + head + _pack_radix(vals, radix))
+        cands.append(b"\x03" + head + encode_ints(np.asarray(vals, dtype=np.int64), level))
+    return min(cands, key=len)
+
+
+def _pack_radix(vals: List[int], radix: List[int]) -> bytes:
+    out = bytearray()
+    for c in range(0, len(vals), ORDER_CHUNK):
+        acc, mult = 0, 1
+        for v, b in zip(vals[c:c + ORDER_CHUNK], radix[c:c + ORDER_CHUNK]):
+            acc += v * mult
+            mult *= b
+        put_varint(out, (acc.bit_length() + 7) // 8)
+        out += acc.to_bytes((acc.bit_length() + 7) // 8, "little")
+    return bytes(out)
+
+
+def _commit_order(so: np.ndarray, level: int) -> Optional[Tuple[bytes, List[int], List[int]]]:
+    """The commit steps as the order positions were committed in: a class per position (0 committed at a
+    step, 1 given, 2 still masked); the steps that commit anything (``varint S``, a column of their gaps
+    ``s[i] - s[i-1] - 1`` from ``s[-1] = 0``, a column of their commit counts - 1); and for each such step
+    the rank of each position it commits among the positions still to commit (ascending within the step, so
+    each rank is coded as the gap to the previous one, with the radix that leaves room for the rest). Method 2
+    packs these gaps as mixed-radix integers of ``ORDER_CHUNK`` values, each ``varint nbytes`` + its
+    little-endian bytes: close to log2 of the number of possible orders (a permutation of 128 positions takes
+    ~90 bytes, zigzag deltas ~130). Method 3 writes them as ints: smaller when the ranks are small (a block
+    at a time, left to right). Returns the header, the gaps and their radixes."""
+    if so.size and int(so.min()) < -1:
+        return None
+    committed = np.flatnonzero(so >= 1)
+    busy, cnt = np.unique(so[committed], return_counts=True)
+    if committed.size * busy.size > ORDER_WORK:
+        return None
+    out = bytearray(encode_col(np.where(so >= 1, 0, np.where(so == 0, 1, 2)), level))
+    put_varint(out, busy.size)
+    out += encode_col(np.diff(busy, prepend=0) - 1, level) + encode_col(cnt - 1, level)
+    order = committed[np.lexsort((committed, so[committed]))]      # by step, then by position
+    rem, at, vals, radix = committed, 0, [], []
+    for k in cnt.tolist():
+        r = np.searchsorted(rem, order[at:at + k])
+        at += k
+        prev = -1
+        for j, rj in enumerate(r.tolist()):
+            vals.append(rj - prev - 1)
+            radix.append(rem.size - k + j - prev)
+            prev = rj
+        rem = np.delete(rem, r)
+    return bytes(out), vals, radix
+
+
+def _decode_steps(buf, pos: int, L: int, max_step: int) -> Tuple[np.ndarray, int]:
+    if pos >= len(buf):
+        raise TraceError("sequence record is cut short")
+    m = buf[pos]
+    pos += 1
+    if m == 0:
+        zs, pos = decode_ints(buf, pos, L)
+        return np.cumsum(unzigzag(zs)), pos
+    if m == 1:
+        return decode_col(buf, pos, L, "commit steps")
+    if m not in (2, 3):
+        raise TraceError(f"sequence record has unknown step coding {m}")
+    cls, pos = decode_col(buf, pos, L, "position classes")
+    if L and not 0 <= int(cls.min()) <= int(cls.max()) <= 2:
+        raise TraceError("sequence record has a bad position class")
+    committed = np.flatnonzero(cls == 0)
+    S, pos = get_varint(buf, pos)
+    if S > committed.size or (committed.size and not S) or committed.size * S > ORDER_WORK:
+        raise TraceError(f"sequence record has {S} commit steps for {committed.size} commits")
+    gaps, pos = decode_col(buf, pos, S, "commit steps")
+    cnt, pos = decode_col(buf, pos, S, "commits per step")
+    if S and (int(gaps.min()) < 0 or int(gaps.max()) > max_step or int(cnt.min()) < 0 or int(cnt.max()) >= L):
+        raise TraceError("sequence record has a bad commit step or count")
+    busy = np.cumsum(gaps + 1)
+    cnt = cnt + 1
+    if int(cnt.sum()) != committed.size:
+        raise TraceError("sequence record commit counts do not match its positions")
+    ranks = None
+    if m == 3:
+        ranks, pos = decode_ints(buf, pos, committed.size)
+        ranks = ranks.tolist()
+    step_of = np.where(cls == 1, 0, -1).astype(np.int64)
+    rem, acc, left, i = committed, 0, 0, 0
+    for t, k in zip(busy.tolist(), cnt.tolist()):
+        r, prev = [], -1
+        for j in range(k):
+            radix = rem.size - k + j - prev
+            if ranks is not None:
+                v = ranks[i]
+                i += 1
+                if not 0 <= v < radix:
+                    raise TraceError("sequence record has a bad commit order")
+            else:
+                if not left:
+                    if acc:
+                        raise TraceError("sequence record has a bad commit order")
+                    nb, pos = get_varint(buf, pos)
+                    if nb > 8 * ORDER_CHUNK or pos + nb > len(buf):
+                        raise TraceError("sequence record commit order runs past the record")
+                    acc, pos, left = int.from_bytes(bytes(buf[pos:pos + nb]), "little"), pos + nb, ORDER_CHUNK
+                acc, v = divmod(acc, radix)
+                left -= 1
+            prev += v + 1
+            r.append(prev)
+        step_of[rem[r]] = t
+        rem = np.delete(rem, r)
+    if acc:
+        raise TraceError("sequence record has a bad commit order")
+    return step_of, pos
 
 
 @dataclass
@@ -584,20 +914,16 @@ def decode_seq(buf: bytes, lim: Optional[SeqLimits] = None) -> SeqData:
         tok, pos = decode_ints(buf, pos, L)
         zs, pos = decode_ints(buf, pos, L)
     elif layout == 2:
-        nu, pos = get_varint(buf, pos)
-        if nu > L or (L and nu == 0):
-            raise TraceError("sequence record has a bad dictionary size")
-        gaps, pos = decode_ints(buf, pos, nu)
-        idx, pos = decode_ints(buf, pos, L)
-        if L and not 0 <= int(idx.min()) <= int(idx.max()) < nu:
-            raise TraceError("sequence record has a dictionary index out of range")
-        if nu and int(gaps.min()) < 0:
-            raise TraceError("sequence record has a bad token dictionary")
-        tok = np.cumsum(gaps)[idx]
+        tok, pos = _decode_dict(buf, pos, L, as_col=False)
         zs, pos = decode_ints(buf, pos, L)
+    elif layout == 4:
+        tok, pos = _decode_tokens(buf, pos, L)
+        step_of, pos = _decode_steps(buf, pos, L, lim.max_step)
+        zs = None
     else:
         raise TraceError(f"unknown sequence layout {layout}")
-    step_of = np.cumsum(unzigzag(zs))
+    if zs is not None:
+        step_of = np.cumsum(unzigzag(zs))
     _in_range(tok, 0, lim.vocab - 1, f"token id of row {row}")
     _in_range(step_of, -1, lim.max_step, f"commit step of row {row}")
     check_int(fin - 1, f"finish step of row {row}", -1, lim.max_step)

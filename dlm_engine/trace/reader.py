@@ -18,6 +18,7 @@ lost. Nothing here imports torch or transformers.
 from __future__ import annotations
 
 import hashlib
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
@@ -25,6 +26,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 import numpy as np
 
 from . import format as fmt
+from . import records
 from .format import SeqData, TraceError, check_float, check_int, check_type
 
 # --------------------------------------------------------------------------------------------------
@@ -150,7 +152,8 @@ class Record:
 
 
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
-_ZSTD_KINDS = frozenset(k for k in fmt.KIND_NAMES if k != fmt.SEQ)
+# record kinds whose payload is a zstd frame: every kind but sequences in 1.x files, header and logits in 2.x
+_ZSTD_KINDS = {1: frozenset(k for k in fmt.KIND_NAMES if k != fmt.SEQ), 2: frozenset((fmt.HEADER, fmt.LOGITS))}
 
 
 def _frame_at(data, mv, pos: int, n: int) -> Tuple[Optional[Record], str]:
@@ -170,7 +173,7 @@ def _frame_at(data, mv, pos: int, n: int) -> Tuple[Optional[Record], str]:
     return Record(pos, kind, payload), ""
 
 
-def _candidates(data, start: int, n: int, chunk: int = 1 << 20):
+def _candidates(data, start: int, n: int, zstd_kinds, chunk: int = 1 << 20):
     """Offsets >= start where a record header could begin: a known kind, a length that fits the file and,
     for zstd kinds, a payload that starts with the zstd magic number (vectorised, in chunks)."""
     H = fmt.REC_HEAD.size
@@ -187,7 +190,7 @@ def _candidates(data, start: int, n: int, chunk: int = 1 << 20):
               | (a[p + 4].astype(np.int64) << 24))
         keep = p + H + ln <= n
         p, ln = p[keep], ln[keep]
-        z = np.isin(a[p], list(_ZSTD_KINDS))
+        z = np.isin(a[p], list(zstd_kinds))
         if z.any():
             pz = p[z]
             good = ln[z] >= 4
@@ -206,7 +209,7 @@ def scan_frames(data, name: str = "trace") -> Tuple[List[Record], List[Tuple[int
     After a damaged record the scan tries the offset its length field points to, then every later offset
     that can start a record; checksum work spent resynchronising is bounded by 16x the file size.
     """
-    fmt.check_preamble(data, name)
+    major = fmt.check_preamble(data, name)
     mv = memoryview(data)
     n = len(data)
     pos = len(fmt.PREAMBLE)
@@ -226,7 +229,7 @@ def scan_frames(data, name: str = "trace") -> Tuple[List[Record], List[Tuple[int
             if jump < n and _frame_at(data, mv, jump, n)[0] is not None:
                 nxt = jump
         if nxt is None:
-            for p in _candidates(data, pos + 1, n):
+            for p in _candidates(data, pos + 1, n, _ZSTD_KINDS[major]):
                 _, ln, _ = fmt.REC_HEAD.unpack_from(data, p)
                 budget -= ln + fmt.REC_HEAD.size
                 if budget < 0:
@@ -634,6 +637,8 @@ class Trace:
         except TraceError as exc:
             raise TraceError(f"{name}: unreadable header ({exc})") from None
         self._recover = recover
+        self.major = struct.unpack_from("<H", data, len(fmt.MAGIC))[0]
+        self._batch_defaults = records.batch_defaults(self.header)   # what a 2.x batch record may leave out
         self.end: Optional[dict] = None
         self._end_offset: Optional[int] = None
         self.batches: Dict[int, BatchInfo] = {}
@@ -676,10 +681,14 @@ class Trace:
     def _take(self, r: Record) -> None:
         k, lim = r.kind, self.limits
         if k == fmt.BATCH:
-            index = SLACK + 12 * lim.batch
-            head = fmt.read_bundle_head(r.payload, max_index=index, max_size=index + 9 * lim.positions)
-            b = BatchInfo(head.meta, lim, bytes(r.payload))
-            _, arrays = self._bundle(r, b.prompt_bytes, head=head)
+            if self.major == 1:
+                index = SLACK + 12 * lim.batch
+                head = fmt.read_bundle_head(r.payload, max_index=index, max_size=index + 9 * lim.positions)
+                b = BatchInfo(head.meta, lim, bytes(r.payload))
+                _, arrays = self._bundle(r, b.prompt_bytes, head=head)
+            else:
+                meta, arrays = records.decode_batch(r.payload, lim, self._batch_defaults, SLACK)
+                b = BatchInfo(meta, lim, bytes(r.payload))
             b.attach(arrays, lim)
             old = self.batches.get(b.index)
             if old is not None:
@@ -693,29 +702,21 @@ class Trace:
             for row in b.rows:
                 self._row_batch[row] = b
         elif k == fmt.STEPS:
-            index = SLACK + STEPS_PER_RECORD * (STEP_JSON + STEP_ROW_JSON * lim.batch)
-            head = fmt.read_bundle_head(r.payload, max_index=index, max_size=index + SLACK + STEPS_PER_RECORD * (
-                STEP_BYTES + STEP_ROW_BYTES * lim.batch))
-            b = self._batch(head.meta.get("batch"))
-            n = check_int(head.meta.get("n"), "steps record size", 1, STEPS_PER_RECORD)
-            B = len(b.rows)
-            if len(r.payload) and head.offset > SLACK + n * (STEP_JSON + STEP_ROW_JSON * B):
-                raise TraceError(f"steps record of batch {b.index} has a {head.offset}-byte index for {n} steps")
-            meta, arrays = self._bundle(r, SLACK + n * (STEP_BYTES + STEP_ROW_BYTES * B), head=head)
-            check_steps(meta, arrays, b, lim)
-            first = int(meta["first"])
-            old = b._chunks.get(first)
-            if old is not None:
-                if old[2] == bytes(r.payload):
-                    raise TraceError(f"step records of batch {b.index} from step index {first} appear twice "
-                                     "(the copy is ignored)")
-                b.steps_lost = True
-                raise TraceError(f"step records of batch {b.index} from step index {first} appear twice with "
-                                 "different contents")
-            if b.n_steps + n > lim.max_steps:
-                raise TraceError(f"batch {b.index} has more than {lim.max_steps} steps")
-            b._chunks[first] = (meta, arrays, bytes(r.payload))
-            b.n_steps += n
+            if self.major == 1:
+                index = SLACK + STEPS_PER_RECORD * (STEP_JSON + STEP_ROW_JSON * lim.batch)
+                head = fmt.read_bundle_head(r.payload, max_index=index, max_size=index + SLACK + STEPS_PER_RECORD * (
+                    STEP_BYTES + STEP_ROW_BYTES * lim.batch))
+                b = self._batch(head.meta.get("batch"))
+                n = check_int(head.meta.get("n"), "steps record size", 1, STEPS_PER_RECORD)
+                B = len(b.rows)
+                if len(r.payload) and head.offset > SLACK + n * (STEP_JSON + STEP_ROW_JSON * B):
+                    raise TraceError(f"steps record of batch {b.index} has a {head.offset}-byte index for {n} steps")
+                meta, arrays = self._bundle(r, SLACK + n * (STEP_BYTES + STEP_ROW_BYTES * B), head=head)
+            else:
+                c = records.Cursor(r.payload)
+                b = self._batch(c.varint("batch index", MAX_ROWS))
+                meta, arrays = self._table(c, b)
+            self._add_steps(b, meta, arrays, bytes(r.payload))
         elif k == fmt.SEQ:
             row, _ = fmt.get_varint(r.payload, 0)
             b = self._row_batch.get(row)
@@ -742,8 +743,14 @@ class Trace:
             b.next_slot = max(b.next_slot, slot + 1)
             self._by_row[row] = Sequence(self, b, slot, data, r.payload)
         elif k == fmt.BATCH_END:
-            head = fmt.read_bundle_head(r.payload, max_index=SLACK + 12 * lim.batch, max_size=SLACK + 12 * lim.batch)
-            meta, _ = self._bundle(r, 0, head=head)
+            table = None
+            if self.major == 1:
+                head = fmt.read_bundle_head(r.payload, max_index=SLACK + 12 * lim.batch, max_size=SLACK + 12 * lim.batch)
+                meta, _ = self._bundle(r, 0, head=head)
+            else:
+                meta, c, has_table = records.decode_batch_end_head(r.payload, lim, lim.max_steps)
+                if has_table:
+                    table = c
             b = self._batch(meta.get("batch"))
             if b.end is not None:
                 raise TraceError(f"batch {b.index} ends twice")
@@ -752,6 +759,13 @@ class Trace:
             check_float(meta.get("wall_time"), "batch-end wall time", 0.0)
             if meta.get("rows") != b.rows:
                 raise TraceError(f"batch-end record of batch {b.index} lists other rows than its batch record")
+            if table is not None:      # the batch's last step table travels with its totals (2.x)
+                try:
+                    tmeta, arrays = self._table(table, b)
+                    self._add_steps(b, tmeta, arrays, bytes(r.payload))
+                except TraceError:
+                    b.steps_lost = True
+                    raise
             b.end = meta
         elif k == fmt.LOGITS:
             # only the small index is read here; the logits are decoded on demand (Trace.logits)
@@ -778,7 +792,10 @@ class Trace:
         elif k == fmt.END:
             if self.end is not None:
                 raise TraceError("a second end record")
-            meta, _ = self._bundle(r, 0, head=fmt.read_bundle_head(r.payload, max_size=fmt.MAX_JSON + 16))
+            if self.major == 1:
+                meta, _ = self._bundle(r, 0, head=fmt.read_bundle_head(r.payload, max_size=fmt.MAX_JSON + 16))
+            else:
+                meta = records.decode_end(r.payload, records.time_origin(self.header))
             check_type(meta.get("status"), str, "end record status")
             recs = check_type(meta.get("records"), dict, "end record counts")
             for name, v in recs.items():
@@ -791,6 +808,30 @@ class Trace:
             self._end_offset = r.offset
         elif k == fmt.HEADER:
             raise TraceError("a second header record")
+
+    def _table(self, c, b: BatchInfo):
+        """A 2.x step table of batch ``b`` under the same byte limits as a 1.x steps record."""
+        B = len(b.rows)
+        return records.decode_table(c, B, STEPS_PER_RECORD, self.limits.max_steps,
+                                    lambda n: SLACK + n * (STEP_BYTES + STEP_ROW_BYTES * B),
+                                    lambda n: SLACK + n * (STEP_JSON + STEP_ROW_JSON * B))
+
+    def _add_steps(self, b: BatchInfo, meta: dict, arrays: dict, payload: bytes) -> None:
+        meta["batch"] = b.index
+        n = check_steps(meta, arrays, b, self.limits)
+        first = int(meta["first"])
+        old = b._chunks.get(first)
+        if old is not None:
+            if old[2] == payload:
+                raise TraceError(f"step records of batch {b.index} from step index {first} appear twice "
+                                 "(the copy is ignored)")
+            b.steps_lost = True
+            raise TraceError(f"step records of batch {b.index} from step index {first} appear twice with "
+                             "different contents")
+        if b.n_steps + n > self.limits.max_steps:
+            raise TraceError(f"batch {b.index} has more than {self.limits.max_steps} steps")
+        b._chunks[first] = (meta, arrays, payload)
+        b.n_steps += n
 
     def _batch(self, i) -> BatchInfo:
         check_int(i, "batch index", 0, MAX_ROWS)
@@ -833,6 +874,8 @@ class Trace:
             pos = max(pos, first + int(b._chunks[first][0]["n"]))
         missing = [row for row in b.rows if row not in self._by_row]
         if b.end is None:
+            if self.major >= 2:     # its last step table went with it: the rows cannot be checked against steps
+                b.steps_lost = True
             if len(missing) == len(b.rows):
                 self._problem(f"lost: batch {b.index} (rows {_span(b.rows)}) has {b.n_steps} step records "
                               "but no sequence records", recover)
@@ -840,7 +883,9 @@ class Trace:
                 self._problem(f"lost: {_rows(missing)} of batch {b.index} (no intact sequence record; its "
                               "batch-end record is missing too)", recover)
             else:
-                self._problem(f"lost: the batch-end record of batch {b.index} (its rows are intact)", recover)
+                self._problem(f"lost: the batch-end record of batch {b.index} (its rows are intact)"
+                              if self.major == 1 else f"lost: the batch-end record of batch {b.index} (its totals and "
+                              "last step table; its rows are intact)", recover)
         else:
             if missing:
                 self._problem(f"lost: {_rows(missing)} of batch {b.index} (no intact sequence record)", recover)
@@ -882,7 +927,8 @@ class Trace:
         if end.get("bytes_before_end") != off:
             self._problem(f"corrupt: the end record says it starts at byte {end.get('bytes_before_end')}, "
                           f"it starts at {off}", recover)
-        elif end["sha256_before_end"] != hashlib.sha256(memoryview(self.data)[:off]).hexdigest():
+        elif end["sha256_before_end"] != hashlib.sha256(memoryview(self.data)[:off]).hexdigest()[
+                :64 if self.major == 1 else 2 * records.DIGEST_BYTES]:
             self._problem("corrupt: records were reordered, removed or replaced (file digest mismatch)", recover)
         counts: Dict[str, int] = {}
         for r in self.records:

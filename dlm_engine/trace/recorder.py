@@ -24,11 +24,12 @@ import torch
 from dlm_engine.core.loop import Sink
 from dlm_engine.fsutil import fsync_dir, os_error_message
 from . import format as fmt
+from . import records
 from .format import SeqData, TraceError
 
-STEP_CHUNK = 64          # steps per STEPS record
+STEP_CHUNK = 1024        # steps per step table (a batch's last table travels in its batch-end record)
 HOLD = 32                # same-window deltas applied together by the writer
-FLUSH_SECONDS = 1.0      # a STEPS record at least every second of decoding (long batches)
+FLUSH_SECONDS = 10.0     # a mid-batch steps record at least every 10 s of decoding (long batches)
 FSYNC_SECONDS = 5.0      # fsync at most this often before the final one
 
 
@@ -110,6 +111,7 @@ class _BatchState:
         self.topk_logits = np.full((B, L, topk), np.nan, dtype=np.float32) if self.topk_ids is not None else None
         self.finish_step = np.full(B, -1, dtype=np.int64)
         self.edits: List[tuple] = []      # (row, col, token, start, end, conf)
+        self.wall_prev = 0                # decode time (us) after the last step written
         self.pending: List[tuple] = []    # per-step metadata not yet written
         self.held: List[Any] = []         # deltas of one window not applied yet (applied together)
         self.first_pending = 0
@@ -163,6 +165,7 @@ class TraceRecorder:
 
         # the limits a reader will apply to this file: batches that exceed them are refused while writing
         self.limits = check_header(json.loads(header_json))
+        self._batch_defaults = records.batch_defaults(json.loads(header_json))
         self._f = _open_exclusive(self.partial_path)
         self._ino = os.fstat(self._f.fileno()).st_ino
         try:
@@ -357,8 +360,7 @@ class TraceRecorder:
             st.nfe += int(d.nfe)
         st.n_steps += len(ds)
         st.wall = float(ds[-1].wall_time)
-        if len(st.pending) >= STEP_CHUNK or st.wall - st.last_flush >= FLUSH_SECONDS:
-            self._flush_steps(st)
+        self._flush_full(st)
 
     def _on_begin(self, batch, rows, tokens, step_of, attn, gen_start, mask_id, info, rng, event) -> None:
         if event is not None:
@@ -369,13 +371,11 @@ class TraceRecorder:
         self._batches[batch] = st
         P = gen_start
         meta = {"batch": batch, "rows": rows, "gen_start": P, "length": int(tokens.shape[1]), "mask_id": mask_id,
-                "info": {k: (v if isinstance(v, (int, float, str, bool)) or v is None else str(v)) for k, v in info.items()},
-                "rng_sha256": None if rng is None else hashlib.sha256(rng).hexdigest()}
-        self._write(fmt.BATCH, fmt.encode_bundle(meta, {
-            "prompt_tokens": np.ascontiguousarray(tokens[:, :P]).astype(np.int64),
-            "prompt_mask": np.ascontiguousarray(attn[:, :P]).astype(np.bool_),
-            # tokens given inside the generation region (constraints) are part of the sequence records
-        }, self.level))
+                "info": {k: (v if isinstance(v, (int, float, str, bool)) or v is None else str(v)) for k, v in info.items()}}
+        # tokens given inside the generation region (constraints) are part of the sequence records
+        fp = None if rng is None else records.rng_fingerprint(rng)
+        self._write(fmt.BATCH, records.encode_batch(meta, tokens[:, :P], attn[:, :P], fp, self._batch_defaults,
+                                                    self.level))
 
     def _check_shape(self, batch: int, B: int, P: int, L: int) -> None:
         """A batch the header's shape facts do not allow would make the file unreadable: refuse it now."""
@@ -426,8 +426,7 @@ class TraceRecorder:
         st.n_steps += 1
         st.nfe += int(delta.nfe)
         st.wall = float(delta.wall_time)
-        if len(st.pending) >= STEP_CHUNK or st.wall - st.last_flush >= FLUSH_SECONDS:
-            self._flush_steps(st)
+        self._flush_full(st)
 
     @staticmethod
     def _note_edits(st: _BatchState, where: np.ndarray, s: int, tok, so, cw, t: int) -> None:
@@ -452,16 +451,26 @@ class TraceRecorder:
             meta.update(batch=st.batch, step=int(delta.step), start=s)
             self._write(fmt.LOGITS, fmt.encode_bundle(meta, arrays, level=3))
 
-    def _flush_steps(self, st: _BatchState) -> None:
+    def _flush_full(self, st: _BatchState) -> None:
+        """Steps records of ``STEP_CHUNK`` steps while that many wait, and of what waits every ``FLUSH_SECONDS``
+        of decoding; the rest goes with the batch-end record."""
+        while len(st.pending) >= STEP_CHUNK:
+            self._flush_steps(st, limit=STEP_CHUNK)
+        if st.pending and st.wall - st.last_flush >= FLUSH_SECONDS:
+            self._flush_steps(st)
+
+    def _flush_steps(self, st: _BatchState, final: bool = False, limit: Optional[int] = None) -> Optional[bytes]:
+        """Write the pending steps (the first ``limit``) as a steps record, or (``final``) return their table for
+        the batch-end record."""
         if not st.pending:
-            return
-        rows = st.pending
+            return None
+        rows, st.pending = st.pending[:limit], st.pending[len(st.pending) if limit is None else limit:]
         n = len(rows)
         steps = np.array([r[0] for r in rows], dtype=np.int64)
-        wall_us = np.rint(np.array([r[2] for r in rows], dtype=np.float64) * 1e6).astype(np.int64)
         arrays = {
-            # wall time (seconds since decode start) in microseconds, delta-coded within the chunk
-            "wall_dus": np.diff(wall_us, prepend=0).astype(np.int64),
+            # wall time (seconds since decode start) in microseconds; quantised by records.encode_table
+            "wall_us": np.rint(np.array([r[2] for r in rows], dtype=np.float64) * 1e6).astype(np.int64),
+            "step": steps,
             "nfe": np.array([r[1] for r in rows], dtype=np.int32),
             "start": np.array([r[3] for r in rows], dtype=np.int32),
             "width": np.array([r[4] for r in rows], dtype=np.int32),
@@ -491,21 +500,24 @@ class TraceRecorder:
                 json_scalars[k] = [None if v is None else (np.asarray(v).tolist()) for v in vals]
         events = [[i, e.kind, int(e.block), int(e.start), int(e.end), int(e.row)]
                   for i, r in enumerate(rows) for e in r[8]]
-        meta = {"batch": st.batch, "first": st.first_pending, "n": n, "events": events, "json_scalars": json_scalars}
-        if n and np.array_equal(steps, np.arange(steps[0], steps[0] + n)):
-            meta["step0"] = int(steps[0])             # consecutive steps: no array needed
-        else:
-            arrays["step"] = steps.astype(np.int32)
-        self._write(fmt.STEPS, fmt.encode_bundle(meta, arrays, self.level))
+        meta = {"first": st.first_pending, "events": events, "json_scalars": json_scalars}
+        table = records.encode_table(meta, arrays, st.wall_prev, self.level)
+        st.wall_prev = max(st.wall_prev, int(arrays["wall_us"].max()))
         st.first_pending += n
-        st.pending = []
         st.last_flush = st.wall
+        if final:
+            return table
+        head = bytearray()
+        fmt.put_varint(head, st.batch)
+        self._write(fmt.STEPS, bytes(head) + table)
+        self._f.flush()              # a mid-batch table reaches the OS now, not at the batch's end
+        return None
 
     def _on_end(self, batch, tokens, step_of, row_nfe, event) -> None:
         if event is not None:
             event.synchronize()
         st = self._batches.pop(batch)
-        self._flush_steps(st)
+        table = self._flush_steps(st, final=True)
         tokens, step_of, row_nfe = (_np(self._host(t)) for t in (tokens, step_of, row_nfe))
         P = st.gen_start
         mismatch = not (np.array_equal(tokens[:, P:], st.tok[:, P:]) and np.array_equal(step_of[:, P:], st.step[:, P:]))
@@ -533,9 +545,9 @@ class TraceRecorder:
                 sd.topk_ids = np.maximum(st.topk_ids[i, P:][committed], 0)
                 sd.topk_logits = st.topk_logits[i, P:][committed]
             self._write(fmt.SEQ, fmt.encode_seq(sd, self.level))
-        self._write(fmt.BATCH_END, fmt.encode_bundle(
+        self._write(fmt.BATCH_END, records.encode_batch_end(
             {"batch": batch, "steps": st.n_steps, "nfe": st.nfe, "wall_time": st.wall, "mismatch": bool(mismatch),
-             "rows": st.rows}, {}, self.level))
+             "rows": st.rows}, table, self.level))
         self._f.flush()
         if time.perf_counter() - self._last_fsync >= FSYNC_SECONDS:
             os.fsync(self._f.fileno())
@@ -549,8 +561,8 @@ class TraceRecorder:
         meta = {"status": status, "records": {fmt.KIND_NAMES[k]: v for k, v in self.records.items()},
                 "unfinished_batches": unfinished, "sha256_before_end": self._hash.hexdigest(),
                 "bytes_before_end": self.bytes_written, "queue": {"size": self._chan.maxsize, "blocked_puts": self._chan.blocked},
-                "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        self._write(fmt.END, fmt.encode_bundle(meta, {}, self.level))
+                "finished_after": max(0, int(time.time()) - records.time_origin(self.header))}
+        self._write(fmt.END, records.encode_end(meta, {v: k for k, v in fmt.KIND_NAMES.items()}))
         self._f.flush()
         os.fsync(self._f.fileno())
         self._f.close()
