@@ -1,18 +1,21 @@
 """Trace recorder benchmark: size, replay speed and recording overhead against docs/specs/trace.md's targets.
 
-    .venv/bin/python experiments/bench_trace.py            # everything (a few minutes on 2 CPU cores)
-    .venv/bin/python experiments/bench_trace.py --quick    # fewer sizes and pairs
+    .venv/bin/python experiments/bench_trace.py            # everything (~30 min on 2 loaded CPU cores)
+    .venv/bin/python experiments/bench_trace.py --quick    # fewer sizes, runs and pairs
+    .venv/bin/python experiments/bench_trace.py --skip sizes,replay,real   # the overhead only
 
 1. Bytes per generated token of synthetic trajectories shaped like real ones (V = 126,464; L in
    {64,128,256,1024,2048}; T in {32,64,128}; block-wise and threshold-style schedules; Zipf tokens with a
    frequency-ordered vocabulary as BPE vocabularies roughly are, and with a random id permutation as the
    worst case). "trajectory" = the framed per-sequence record (final tokens + step_of, lossless);
-   "+conf" = extra bytes of float16 confidences; "steps" = the per-step records (NFE, wall time, window,
-   active/finished, scalars) of a batch of 1, and per token of a batch of 8.
+   "+conf" = extra bytes of float16 confidences; "steps" = the step table (NFE, wall time, window,
+   active/finished, scalars) in its batch-end record, per generated position of a batch of 1 and of 8.
 2. Replay to the final output from the record's bytes (CRC check + decode) and state at a step once decoded.
-3. Real traces of the default model (the file as written by ``dlm``).
-4. Recording overhead: the same decode run with recording on and off, alternated, median of >= 10 pairs;
-   the on-run includes the recorder's start, encoding, the end record, fsync and rename.
+3. Real `dlm` runs (the CLI, default capture): the trace file's bytes per generated position, header
+   excluded, at batch 1, gen 128 and 1024, on the embedded model and a LLaDA-shaped random model (V = 4,096).
+4. Recording overhead at batch 1 and 8 on the embedded model: the same decode run with recording on and off,
+   >= 15 interleaved pairs, median and spread of the pair ratios; the on-run includes the recorder's start,
+   encoding, the end record, fsync and rename. Host syncs on the step loop's thread, counted with and without.
 """
 from __future__ import annotations
 
@@ -81,18 +84,19 @@ def synthetic_seq(rng, draw, L, T, sched, row=0):
 
 
 def steps_record(rng, T, B):
-    """A realistic STEPS record of one batch (what the recorder writes per 64 steps)."""
+    """The bytes a batch's step table adds to its batch-end record (realistic: 4 ms steps with 7% jitter,
+    8-step blocks with their events, two scalars)."""
+    from dlm_engine.trace import records
+
     wall_us = np.rint(np.cumsum(rng.normal(0.004, 0.0003, T)) * 1e6).astype(np.int64)
-    arrays = {"wall_dus": np.diff(wall_us, prepend=0), "nfe": np.ones(T, np.int32), "start": np.full(T, 100, np.int32),
-              "width": np.full(T, 32, np.int32), "active": np.ones((T, B), bool),
+    arrays = {"wall_us": wall_us, "step": np.arange(1, T + 1), "nfe": np.ones(T, np.int32),
+              "start": np.full(T, 100, np.int32), "width": np.full(T, 32, np.int32), "active": np.ones((T, B), bool),
               "finished": np.arange(T)[:, None] >= T - 1 + np.zeros((1, B), int),
               "s:block": (np.arange(T) // 8).astype(np.int64), "s:committed": np.full((T, B), 2, np.int64)}
-    total = 0
-    for c in range(0, T, 64):
-        meta = {"batch": 0, "first": c, "n": min(64, T - c), "events": [], "json_scalars": {}, "step0": c + 1}
-        part = {k: v[c:c + 64] for k, v in arrays.items()}
-        total += len(fmt.frame_record(fmt.STEPS, fmt.encode_bundle(meta, part)))
-    return total
+    events = [[i, kind, i // 8, 100 + 4 * (i // 8), 104 + 4 * (i // 8), -1] for i in range(T)
+              for kind in (("opened",) if i % 8 == 0 else ()) + (("completed",) if i % 8 == 7 else ())]
+    table = records.encode_table({"first": 0, "events": events, "json_scalars": {}}, arrays, 0)
+    return len(table)
 
 
 def bench_sizes(quick):
@@ -199,28 +203,32 @@ def bench_replay():
 
 
 def _one_seq_file(s):
-    """A complete one-sequence trace (header, batch, steps, sequence, batch-end, end) that passes every check."""
+    """A complete one-sequence trace (header, batch, sequence, batch-end with its step table, end) that passes
+    every check."""
     import hashlib
     import json
 
+    from dlm_engine.trace import records
+
     T, L = int(s.step_of.max()), len(s.tokens)
     parts = [fmt.PREAMBLE, fmt.frame_record(fmt.HEADER, fmt.zc(json.dumps({"model": {"eos_id": None}}).encode()))]
-    parts.append(fmt.frame_record(fmt.BATCH, fmt.encode_bundle(
-        {"batch": 0, "rows": [0], "gen_start": 0, "length": L, "mask_id": 126_336},
-        {"prompt_tokens": np.zeros((1, 0), np.int64), "prompt_mask": np.zeros((1, 0), bool)})))
+    parts.append(fmt.frame_record(fmt.BATCH, records.encode_batch(
+        {"batch": 0, "rows": [0], "gen_start": 0, "length": L, "mask_id": 126_336}, np.zeros((1, 0), np.int64),
+        np.zeros((1, 0), bool), None, ({}, None))))
+    parts.append(fmt.frame_record(fmt.SEQ, fmt.encode_seq(s)))
     fin = np.zeros((T, 1), bool)
     fin[s.finish_step - 1:] = s.finish_step >= 1
-    parts.append(fmt.frame_record(fmt.STEPS, fmt.encode_bundle(
-        {"batch": 0, "first": 0, "n": T, "events": [], "json_scalars": {}, "step0": 1},
-        {"wall_dus": np.full(T, 10, np.int64), "nfe": np.ones(T, np.int32), "start": np.zeros(T, np.int32),
-         "width": np.full(T, L, np.int32), "active": np.ones((T, 1), bool), "finished": fin})))
-    parts.append(fmt.frame_record(fmt.SEQ, fmt.encode_seq(s)))
-    parts.append(fmt.frame_record(fmt.BATCH_END, fmt.encode_bundle(
-        {"batch": 0, "steps": T, "nfe": T, "wall_time": T * 1e-5, "mismatch": False, "rows": [0]})))
+    table = records.encode_table({"first": 0, "events": [], "json_scalars": {}}, {
+        "wall_us": np.arange(1, T + 1) * 10, "step": np.arange(1, T + 1), "nfe": np.ones(T, np.int32),
+        "start": np.zeros(T, np.int32), "width": np.full(T, L, np.int32), "active": np.ones((T, 1), bool),
+        "finished": fin}, 0)
+    parts.append(fmt.frame_record(fmt.BATCH_END, records.encode_batch_end(
+        {"batch": 0, "steps": T, "nfe": T, "wall_time": T * 1e-5, "mismatch": False, "rows": [0]}, table)))
     body = b"".join(parts)
-    parts.append(fmt.frame_record(fmt.END, fmt.encode_bundle({
-        "status": "complete", "records": {"header": 1, "batch": 1, "steps": 1, "sequence": 1, "batch-end": 1},
-        "unfinished_batches": [], "bytes_before_end": len(body), "sha256_before_end": hashlib.sha256(body).hexdigest()})))
+    parts.append(fmt.frame_record(fmt.END, records.encode_end({
+        "status": "complete", "records": {"header": 1, "batch": 1, "sequence": 1, "batch-end": 1},
+        "unfinished_batches": [], "bytes_before_end": len(body), "sha256_before_end": hashlib.sha256(body).hexdigest(),
+        "queue": {"blocked_puts": 0}, "finished_after": 0}, {v: k for k, v in fmt.KIND_NAMES.items()})))
     return b"".join(parts)
 
 
@@ -255,118 +263,186 @@ def load_default(extra):
     return cfg, ms, mc, lm, inputs
 
 
-def bench_real(quick):
-    import torch
+R4K = ["model=tiny_random", "model.random.vocab_size=4096", "model.random.embedding_size=4096",
+       "model.random.d_model=256", "model.random.n_layers=4", "model.random.mlp_hidden_size=512",
+       "model.random.n_heads=4", "model.random.max_sequence_length=2048"]
+# (label, dlm overrides): real `dlm` runs whose trace.dlmt is measured (batch 1 unless said)
+REAL_RUNS = [
+    ("embedded, 1 prompt", ["batch_size=1", "gen_length=128", "task.n=1"]),
+    ("embedded, 8 prompts", ["batch_size=1", "gen_length=128", "task.n=8"]),
+    ("embedded, 50 prompts (default task)", ["batch_size=1", "gen_length=128"]),
+    ("random V=4096, 1 prompt", ["batch_size=1", "gen_length=128", "task.n=1"] + R4K),
+    ("random V=4096, 8 prompts", ["batch_size=1", "gen_length=128", "task.n=8"] + R4K),
+    ("embedded, gen 1024, 1 prompt", ["batch_size=1", "gen_length=1024", "task.n=1"]),
+    ("random V=4096, gen 1024, 1 prompt", ["batch_size=1", "gen_length=1024", "task.n=1"] + R4K),
+    ("embedded, batch 8, 8 prompts", ["batch_size=8", "gen_length=128", "task.n=8"]),
+]
+QUICK_RUNS = (0, 1, 3)
 
-    from dlm_engine.app.api import run_prompts
+
+def trace_bytes(path):
+    """``(bytes of the file minus its preamble and header record, generated positions, bytes by record kind)``."""
     from dlm_engine.trace import open_trace
-    from dlm_engine.trace.runtime import open_run_recorder
 
-    print("\n== real traces of the default model (file as written by dlm; header excluded from per-token figures) ==")
-    print(f"{'model':>12} {'L':>5} {'steps':>5} {'rows':>5} | {'traj B/pos':>10} {'traj B/gen tok':>14} | "
-          f"{'file B/pos':>10} {'header B':>8} | capture")
-    tmp = tempfile.mkdtemp(prefix="bench-trace-")
-    for L in ((32, 64) if quick else (32, 64, 128)):
-        for capture in ("tokens", "confidence"):
-            cfg, ms, mc, lm, inputs = load_default([f"gen_length={L}", f"trace.capture={capture}", "batch_size=8"])
-            cfg.trace.filename = f"real_{L}_{capture}.dlmt"
-            torch.manual_seed(cfg.seed)
-            rec = open_run_recorder(cfg, tmp, lm, inputs["ids"])
-            with rec:
-                run_prompts(lm, inputs["ids"], ms, mc, cfg.gen_length, cfg.batch_size,
-                            sinks_for_batch=lambda b, rows: [rec.sink(b, rows)], warmup=False)
-            tr = open_trace(rec.path, recover=False)
-            seq_bytes = sum(len(r.payload) + fmt.REC_HEAD.size for r in tr.records if r.kind == fmt.SEQ)
-            head = len(tr.records[0].payload) + fmt.REC_HEAD.size + len(fmt.PREAMBLE)
-            pos = sum(s.gen_length for s in tr)
-            gen = sum(s.generated_tokens() for s in tr)
-            print(f"{lm.name:>12} {L:>5} {max(s.n_steps for s in tr):>5} {len(tr):>5} | {seq_bytes / pos:>10.3f} "
-                  f"{seq_bytes / gen:>14.3f} | {(tr.size - head) / pos:>10.3f} {head:>8} | {capture}")
+    tr = open_trace(path, recover=False)
+    kinds = {}
+    for r in tr.records:
+        name = fmt.KIND_NAMES[r.kind]
+        kinds[name] = kinds.get(name, 0) + len(r.payload) + fmt.REC_HEAD.size
+    body = tr.size - len(fmt.PREAMBLE) - kinds.pop("header")
+    return body, sum(s.gen_length for s in tr), kinds
 
 
-def bench_overhead(pairs, gen_length, n_prompts):
+def bench_real(quick):
+    """Real `dlm` runs (the CLI, default capture), their trace bytes per generated position, header excluded."""
+    import subprocess
+    import sys
+
+    print("\n== real `dlm` runs: trace bytes per generated position (file minus preamble and header record; "
+          "default capture: tokens, commit steps, per-step NFE, wall time, window, block events, scalars) ==")
+    print(f"{'run':<36} {'B/pos':>6} {'target':>6} | {'bytes':>6} {'pos':>6} | by record kind (bytes)")
+    out = {}
+    tmp = tempfile.mkdtemp(prefix="bench-trace-real-")
+    for i, (label, overrides) in enumerate(REAL_RUNS):
+        if quick and i not in QUICK_RUNS:
+            continue
+        run_dir = os.path.join(tmp, f"run{i}")
+        cmd = [os.path.join(os.path.dirname(sys.executable), "dlm")] + overrides + [f"hydra.run.dir={run_dir}"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(f"{label:<36} failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
+            continue
+        body, pos, kinds = trace_bytes(os.path.join(run_dir, "trace.dlmt"))
+        target = 2.5 if "gen_length=1024" in overrides else 3.0
+        ok = "yes" if body / pos <= target else "NO"
+        print(f"{label:<36} {body / pos:>6.2f} {target:>5} {ok:<3}| {body:>6} {pos:>6} | "
+              + ", ".join(f"{k} {v}" for k, v in kinds.items()))
+        print(f"{'':<36}   dlm {' '.join(overrides)}")
+        out[label] = body / pos
+    return out
+
+
+class SyncCounter:
+    """Counts, on the calling thread, the tensor methods that force a host-device synchronisation on an
+    accelerator (whatever the device: on CPU they count what would stall a GPU)."""
+
+    METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy")
+
+    def __init__(self):
+        import threading
+
+        self.count, self._thread, self._saved = 0, threading.get_ident(), {}
+
+    def __enter__(self):
+        import threading
+
+        import torch
+
+        for name in self.METHODS:
+            orig = getattr(torch.Tensor, name)
+            self._saved[name] = orig
+
+            def wrapped(t, *a, _orig=orig, **k):
+                if threading.get_ident() == self._thread:
+                    self.count += 1
+                return _orig(t, *a, **k)
+            setattr(torch.Tensor, name, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+
+        for name, orig in self._saved.items():
+            setattr(torch.Tensor, name, orig)
+
+
+def bench_overhead(pairs, gen_length, configs=((1, 4), (8, 16))):
+    """Recording on vs off, interleaved pairs (on first in even pairs), each run a full decode of ``prompts``
+    prompts; the on-run includes opening the recorder (header, provenance), the writer's encoding, the end
+    record, fsync and rename. Host syncs are counted on the step loop's thread in two extra runs."""
     import torch
 
     from dlm_engine.app.api import run_prompts
+    from dlm_engine.trace import recorder as R
     from dlm_engine.trace.runtime import open_run_recorder
 
-    cfg, ms, mc, lm, inputs = load_default([f"gen_length={gen_length}", "batch_size=8"])
-    ids = (inputs["ids"] * (1 + n_prompts // max(1, len(inputs["ids"]))))[:n_prompts]
-    tmp = tempfile.mkdtemp(prefix="bench-trace-")
-
-    from dlm_engine.trace import recorder as R
-
-    chan = R._Channel(1 << 30)   # the bare hand-over, measured before the sink methods are instrumented
-    probe = R.BatchSink(type("R", (), {"wants_logits": False, "_put": lambda self, item: chan.put(item)})(), 0, [0])
-    bare = timeit(lambda: probe.on_delta(None, None), 20000)[1]
-    acc = {"handover": 0.0, "open_close": 0.0, "writer": 0.0, "steps": 0, "runs": 0}
-    for name in ("on_start", "on_delta", "on_end"):
+    acc = {"handover": 0.0}
+    for name in ("on_start", "on_delta", "on_end"):        # CPU the step loop's thread spends in the sink
         orig = getattr(R.BatchSink, name)
 
-        def timed(self, *args, _orig=orig, _name=name):
+        def timed(self, *args, _orig=orig):
             c = time.thread_time()
             _orig(self, *args)
             acc["handover"] += time.thread_time() - c
-            acc["steps"] += _name == "on_delta"
         setattr(R.BatchSink, name, timed)
+    results = {}
+    for batch, n_prompts in configs:
+        cfg, ms, mc, lm, inputs = load_default([f"gen_length={gen_length}", f"batch_size={batch}"])
+        ids = (inputs["ids"] * (1 + n_prompts // max(1, len(inputs["ids"]))))[:n_prompts]
+        tmp = tempfile.mkdtemp(prefix="bench-trace-")
+        stat = {"writer": 0.0, "open_close": 0.0, "steps": 0}
 
-    def one(record: bool):
-        torch.manual_seed(cfg.seed)
-        c0, t0 = time.process_time(), time.perf_counter()
-        if record:
-            c = time.thread_time()
-            rec = open_run_recorder(cfg, tmp, lm, ids)
-            acc["open_close"] += time.thread_time() - c
-            run_prompts(lm, ids, ms, mc, cfg.gen_length, cfg.batch_size,
-                        sinks_for_batch=lambda b, rows: [rec.sink(b, rows)], warmup=False)
-            c = time.thread_time()
-            rec.close()
-            acc["open_close"] += time.thread_time() - c
-            acc["writer"] += rec.writer_cpu
-            acc["runs"] += 1
-        else:
-            run_prompts(lm, ids, ms, mc, cfg.gen_length, cfg.batch_size, warmup=False)
-        return time.perf_counter() - t0, time.process_time() - c0
+        def one(record: bool):
+            torch.manual_seed(cfg.seed)
+            c0, t0 = time.process_time(), time.perf_counter()
+            if record:
+                c = time.thread_time()
+                rec = open_run_recorder(cfg, tmp, lm, ids)
+                stat["open_close"] += time.thread_time() - c
+                st = run_prompts(lm, ids, ms, mc, cfg.gen_length, cfg.batch_size,
+                                 sinks_for_batch=lambda b, rows: [rec.sink(b, rows)], warmup=False)
+                c = time.thread_time()
+                rec.close()
+                stat["open_close"] += time.thread_time() - c
+                stat["writer"] += rec.writer_cpu
+            else:
+                st = run_prompts(lm, ids, ms, mc, cfg.gen_length, cfg.batch_size, warmup=False)
+            return time.perf_counter() - t0, time.process_time() - c0, st.nfe
 
-    one(True), one(False)   # warm-up (imports, git provenance, allocator)
-    for k in acc:
-        acc[k] = 0
-    ratios, cpu_ratios, ons, offs = [], [], [], []
-    for i in range(pairs):
-        if i % 2 == 0:
-            on, off = one(True), one(False)
-        else:
-            off, on = one(False), one(True)
-        ons.append(on[0])
-        offs.append(off[0])
-        ratios.append(on[0] / off[0])
-        cpu_ratios.append(on[1] / off[1])
-    med, cmed = statistics.median(ratios), statistics.median(cpu_ratios)
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"\n== recording overhead: {lm.name}, {len(ids)} prompts, gen_length {gen_length}, batch 8, "
-          f"{cfg.strategy.name}; {pairs} alternated pairs; load average {load:.1f} on {os.cpu_count()} CPUs ==")
-    print(f"wall: median off {statistics.median(offs) * 1e3:.1f} ms, on {statistics.median(ons) * 1e3:.1f} ms, "
-          f"median pair ratio on/off {med:.4f} (overhead {100 * (med - 1):+.2f}%, target <= +1%)  "
-          f"[pair ratios {min(ratios):.3f}..{max(ratios):.3f}]")
-    print(f"CPU time of the process (all threads, writer included): median pair ratio {cmed:.4f} "
-          f"(overhead {100 * (cmed - 1):+.2f}%)  [pair ratios {min(cpu_ratios):.3f}..{max(cpu_ratios):.3f}]")
-    n, st = max(1, acc["runs"]), max(1, acc["steps"])
-    off_ms = statistics.median(offs) * 1e3
-    cost_ms = (acc["handover"] + acc["open_close"] + acc["writer"]) / n * 1e3
-    print(f"bare hand-over of one delta (queue put): {bare * 1e6:.2f} us CPU")
-    print(f"CPU spent on recording per run (thread clocks, insensitive to other load): hand-over in the step loop "
-          f"(incl. per-batch snapshots and this probe's clock calls) {acc['handover'] / st * 1e6:.1f} us/step, writer thread {acc['writer'] / st * 1e6:.1f} us/step, "
-          f"open + close (header, end record, fsync, rename) {acc['open_close'] / n * 1e3:.2f} ms/run; "
-          f"total {cost_ms:.2f} ms = {100 * cost_ms / off_ms:.2f}% of the median recording-off wall time")
-    return med
+        one(True), one(False)                      # warm-up (imports, provenance, allocator)
+        syncs = {}
+        for record in (True, False):
+            with SyncCounter() as sc:
+                _, _, steps = one(record)
+            syncs[record] = sc.count / steps
+        acc["handover"], stat.update(writer=0.0, open_close=0.0)
+        on_w, off_w, ratios, cpu_ratios, steps = [], [], [], [], 0
+        for i in range(pairs):
+            order = (True, False) if i % 2 == 0 else (False, True)
+            got = {rec: one(rec) for rec in order}
+            on_w.append(got[True][0])
+            off_w.append(got[False][0])
+            ratios.append(got[True][0] / got[False][0])
+            cpu_ratios.append(got[True][1] / got[False][1])
+            steps += got[True][2]
+        q = np.percentile(ratios, [25, 50, 75])
+        cq = np.percentile(cpu_ratios, [25, 50, 75])
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+        print(f"\n== recording overhead: {lm.name}, batch {batch}, {len(ids)} prompts, gen_length {gen_length}, "
+              f"{cfg.strategy.name}; {pairs} interleaved on/off pairs; load average {load:.1f} on {os.cpu_count()} CPUs ==")
+        print(f"wall: median off {statistics.median(off_w) * 1e3:.0f} ms, on {statistics.median(on_w) * 1e3:.0f} ms; "
+              f"median pair ratio {q[1]:.4f} = {100 * (q[1] - 1):+.2f}% (target <= +1%); "
+              f"IQR {100 * (q[0] - 1):+.2f}..{100 * (q[2] - 1):+.2f}%, range {100 * (min(ratios) - 1):+.1f}.."
+              f"{100 * (max(ratios) - 1):+.1f}%")
+        print(f"CPU time of the process (all threads, writer included): median pair ratio {100 * (cq[1] - 1):+.2f}% "
+              f"(IQR {100 * (cq[0] - 1):+.2f}..{100 * (cq[2] - 1):+.2f}%)")
+        n = pairs
+        off_ms = statistics.median(off_w) * 1e3
+        cost_ms = (acc["handover"] + stat["open_close"] + stat["writer"]) / n * 1e3
+        print(f"CPU spent on recording (thread clocks): step loop's hand-over {acc['handover'] / steps * 1e6:.1f} us/step, "
+              f"writer thread {stat['writer'] / steps * 1e6:.1f} us/step, open + close {stat['open_close'] / n * 1e3:.1f} "
+              f"ms/run; total {cost_ms:.1f} ms/run = {100 * cost_ms / off_ms:.2f}% of the median off wall time")
+        print(f"host syncs per step on the step loop's thread: recording off {syncs[False]:.3f}, on {syncs[True]:.3f} "
+              f"(added: {syncs[True] - syncs[False]:+.3f}; target 0)")
+        results[batch] = (q[1], syncs[True] - syncs[False])
+    return results
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--pairs", type=int, default=12)
-    ap.add_argument("--gen-length", type=int, default=64)
-    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--pairs", type=int, default=15)
+    ap.add_argument("--gen-length", type=int, default=128)
     ap.add_argument("--skip", default="", help="comma list of sections to skip: sizes,replay,real,overhead")
     a = ap.parse_args()
     skip = set(filter(None, a.skip.split(",")))
@@ -380,7 +456,7 @@ def main():
     if "real" not in skip:
         bench_real(a.quick)
     if "overhead" not in skip:
-        bench_overhead(max(10, a.pairs if not a.quick else 10), a.gen_length, a.prompts)
+        bench_overhead(max(15, a.pairs) if not a.quick else 4, a.gen_length)
 
 
 if __name__ == "__main__":

@@ -408,11 +408,17 @@ M_PLANES, M_ZPLANES, M_BITS, M_RICE = 0, 1, 2, 3
 RICE_QMAX = 15          # a Rice quotient of 15 or more is an escape: the value is stored whole
 
 
-def _rice_size(v: np.ndarray, k: int, vmax: int) -> int:
-    q = v >> k
-    esc = int((q >= RICE_QMAX).sum())
-    unary = int(np.minimum(q, RICE_QMAX).sum()) + v.size
-    return 1 + (unary + 7) // 8 + (v.size * k + 7) // 8 + (esc * (vmax.bit_length() if esc else 0) + 7) // 8
+def _rice_best(v: np.ndarray, width: int) -> Tuple[int, int]:
+    """``(bytes, k)`` of the smallest Rice code of ``v`` (non-negative int64) for ``k`` next to the usual
+    optimum ``log2(mean)`` (three candidates, sized at once, none built)."""
+    k0 = max(int(np.log2(max(float(v.mean()), 1.0))), 0)
+    ks = np.arange(max(0, k0 - 1), min(k0 + 1, width) + 1, dtype=np.int64)
+    q = v[None, :] >> ks[:, None]
+    esc = (q >= RICE_QMAX).sum(1)
+    unary = np.minimum(q, RICE_QMAX).sum(1) + v.size
+    size = 1 + (unary + 7) // 8 + (v.size * ks + 7) // 8 + (esc * width + 7) // 8
+    i = int(size.argmin())
+    return int(size[i]), int(ks[i])
 
 
 def _rice(v: np.ndarray, k: int) -> bytes:
@@ -445,11 +451,11 @@ def _unrice(buf, pos: int, ln: int, n: int, k: int) -> np.ndarray:
             raise TraceError("integer stream is cut short")
         c = np.unpackbits(np.frombuffer(buf, dtype=np.uint8, count=min(chunk, avail - off), offset=pos + off),
                           bitorder="little")
-        z = np.flatnonzero(c == 0)[:n - found] + 8 * off
-        parts.append(z)
+        z = np.flatnonzero(c == 0)[:n - found]
+        parts.append(z + 8 * off if off else z)
         found += z.size
         off += chunk
-    ends = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    ends = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
     q = np.diff(ends, prepend=-1) - 1
     if n and int(q.max()) > RICE_QMAX:
         raise TraceError("integer stream has an over-long Rice quotient")
@@ -467,23 +473,44 @@ def _unrice(buf, pos: int, ln: int, n: int, k: int) -> np.ndarray:
     return v
 
 
-def encode_ints(v: np.ndarray, level: int = ZSTD_LEVEL) -> bytes:
-    """Smallest of raw byte planes, zstd byte planes, bit packing and Rice coding:
-    ``method:u8 param:u8 len:varint data``."""
-    v = np.asarray(v).astype(np.int64, copy=False) if v.dtype != np.uint64 else v
-    vmax = int(v.max()) if v.size else 0
+def _ints_plan(v: np.ndarray) -> Tuple[int, int, int, np.ndarray]:
+    """``(data bytes, method, param, values)`` of the smallest of byte planes, bit packing and Rice coding of
+    ``v`` (non-negative), computed without building any (zstd is left to :func:`encode_ints`)."""
+    v = np.asarray(v)
+    v = v if v.dtype == np.uint64 else v.astype(np.int64, copy=False)
+    n = v.size
+    vmax = int(v.max()) if n else 0
     nb = nbytes_for(vmax)
     width = vmax.bit_length()
-    p = planes(v, nb)
-    cands = [(M_PLANES, nb, p), (M_BITS, width, bitpack(v, width))]
-    if len(p) > 24:
-        cands.append((M_ZPLANES, nb, zc(p, level)))
-    if v.size and width < 63:
-        vi = v.astype(np.int64, copy=False)
-        k = min(range(max(0, width - 8), width + 1), key=lambda k: _rice_size(vi, k, vmax))
-        if _rice_size(vi, k, vmax) < min(len(c[2]) for c in cands):
-            cands.append((M_RICE, k, _rice(vi, k)))
-    m, param, data = min(cands, key=lambda c: len(c[2]))
+    best = (n * nb, M_PLANES, nb)
+    if width <= 63:
+        best = min(best, ((n * width + 7) // 8, M_BITS, width))
+    if n >= 8 and width < 63:
+        v = v.astype(np.int64, copy=False)       # (values below 2^63)
+        size, k = _rice_best(v, width)
+        best = min(best, (size, M_RICE, k))
+    return best + (v,)
+
+
+def ints_size(v: np.ndarray) -> int:
+    """About the bytes :func:`encode_ints` takes (exact unless zstd would win)."""
+    size = _ints_plan(v)[0]
+    return size + 2 + (1 if size < 128 else 2 if size < 16384 else 4)
+
+
+def encode_ints(v: np.ndarray, level: int = ZSTD_LEVEL) -> bytes:
+    """Smallest of raw byte planes, zstd byte planes, bit packing and Rice coding:
+    ``method:u8 param:u8 len:varint data``. Sizes are computed first and only the smallest is built; zstd is
+    tried when the others leave more than a frame's overhead to gain."""
+    size, m, param, v = _ints_plan(v)
+    nb = nbytes_for(int(v.max()) if v.size else 0)
+    data = None
+    if size > 32 and v.size * nb > 24:
+        z = zc(planes(v, nb), level)
+        if len(z) < size:
+            m, param, data = M_ZPLANES, nb, z
+    if data is None:
+        data = planes(v, nb) if m == M_PLANES else bitpack(v, param) if m == M_BITS else _rice(v, param)
     out = bytearray((m, param))
     put_varint(out, len(data))
     return bytes(out) + data
@@ -532,36 +559,48 @@ def get_zz(buf, pos: int) -> Tuple[int, int]:
     return (v >> 1) ^ -(v & 1), pos
 
 
-def encode_col(v, level: int = ZSTD_LEVEL) -> bytes:
-    """``method:u8`` and the data of a column of int64 values."""
+def _col_plan(v) -> Tuple[int, int, np.ndarray, Any]:
+    """``(about the bytes, method, values, extra)`` of the smallest column coding of ``v``, nothing built."""
     v = np.asarray(v).astype(np.int64, copy=False).ravel()
-    out = bytearray()
     if v.size == 0 or not (v != v[0]).any():
-        out.append(C_CONST)
-        put_zz(out, int(v[0]) if v.size else 0)
-        return bytes(out)
+        return 2, C_CONST, v, None
     starts = np.concatenate(([0], np.flatnonzero(v[1:] != v[:-1]) + 1))
-    cands = []
     if starts.size <= FEW_RUNS:            # a few runs: (value, length - 1) pairs as varints
+        return 2 + 3 * starts.size, C_FEW, v, starts
+    diffs = zigzag(v[1:] - v[:-1])
+    cands = [(ints_size(zigzag(v)), C_PLAIN, v, None), (ints_size(diffs) + 9, C_DELTA, v, diffs)]
+    if starts.size < v.size // 2:
         lens = np.diff(np.append(starts, v.size))
-        few = bytearray((C_FEW,))
-        put_varint(few, starts.size)
-        for x, ln in zip(v[starts].tolist(), lens.tolist()):
-            put_zz(few, x)
-            put_varint(few, ln - 1)
-        cands.append(few)
-    elif starts.size < v.size // 2:
-        lens = np.diff(np.append(starts, v.size))
-        runs = bytearray((C_RUNS,))
-        put_varint(runs, starts.size)
-        runs += encode_ints(zigzag(v[starts]), level) + encode_ints(lens - 1, level)
-        cands.append(runs)
-    cands.append(bytes((C_PLAIN,)) + encode_ints(zigzag(v), level))
-    delta = bytearray((C_DELTA,))
-    put_zz(delta, int(v[0]))
-    delta += encode_ints(zigzag(v[1:] - v[:-1]), level)
-    cands.append(delta)
-    return bytes(min(cands, key=len))
+        cands.append((ints_size(zigzag(v[starts])) + ints_size(lens - 1) + 3, C_RUNS, v, starts))
+    return min(cands, key=lambda c: c[0])
+
+
+def col_size(v) -> int:
+    """About the bytes :func:`encode_col` takes."""
+    return _col_plan(v)[0]
+
+
+def encode_col(v, level: int = ZSTD_LEVEL) -> bytes:
+    """``method:u8`` and the data of a column of int64 values (the smallest method by computed size)."""
+    _, m, v, extra = _col_plan(v)
+    out = bytearray((m,))
+    if m == C_CONST:
+        put_zz(out, int(v[0]) if v.size else 0)
+    elif m == C_FEW:
+        lens = np.diff(np.append(extra, v.size))
+        put_varint(out, extra.size)
+        for x, ln in zip(v[extra].tolist(), lens.tolist()):
+            put_zz(out, x)
+            put_varint(out, ln - 1)
+    elif m == C_PLAIN:
+        out += encode_ints(zigzag(v), level)
+    elif m == C_DELTA:
+        put_zz(out, int(v[0]))
+        out += encode_ints(extra, level)
+    else:
+        put_varint(out, extra.size)
+        out += encode_ints(zigzag(v[extra]), level) + encode_ints(np.diff(np.append(extra, v.size)) - 1, level)
+    return bytes(out)
 
 
 def decode_col(buf, pos: int, n: int, what: str = "column", charge=None) -> Tuple[np.ndarray, int]:
@@ -706,16 +745,21 @@ def encode_seq(s: SeqData, level: int = ZSTD_LEVEL) -> bytes:
 
 def _encode_tokens(tok: np.ndarray, level: int) -> bytes:
     """``method:u8`` then: 0 ints(ids); 1 / 2 a sorted dictionary of the distinct ids (``varint U``, ints of
-    its gaps) and each position's index into it as ints (1) or as a column (2: runs, e.g. an EOS tail)."""
-    cands = [b"\x00" + encode_ints(tok, level)]
-    if tok.size:
-        uniq, idx = np.unique(tok, return_inverse=True)
-        head = bytearray()
-        put_varint(head, len(uniq))
-        head += encode_ints(delta0(uniq), level)
-        cands.append(b"\x01" + head + encode_ints(idx.ravel(), level))
-        cands.append(b"\x02" + head + encode_col(idx.ravel(), level))
-    return min(cands, key=len)
+    its gaps) and each position's index into it as ints (1) or as a column (2: runs, e.g. an EOS tail).
+    The smallest by computed size is built."""
+    if not tok.size:
+        return b"\x00" + encode_ints(tok, level)
+    uniq, idx = np.unique(tok, return_inverse=True)
+    idx = idx.ravel()
+    gaps = delta0(uniq)
+    head = ints_size(gaps) + 3
+    m = min((ints_size(tok), 0), (head + ints_size(idx), 1), (head + col_size(idx), 2))[1]
+    if m == 0:
+        return b"\x00" + encode_ints(tok, level)
+    out = bytearray((m,))
+    put_varint(out, len(uniq))
+    out += encode_ints(gaps, level)
+    return bytes(out) + (encode_ints(idx, level) if m == 1 else encode_col(idx, level))
 
 
 def _decode_tokens(buf, pos: int, L: int) -> Tuple[np.ndarray, int]:
@@ -744,19 +788,60 @@ def _decode_dict(buf, pos: int, L: int, as_col: bool) -> Tuple[np.ndarray, int]:
     return np.cumsum(gaps)[idx], pos
 
 
-ORDER_WORK = 1 << 24      # commit-order coding: committed positions x steps that commit any, at most
 ORDER_CHUNK = 64          # values per mixed-radix integer
 
 
+class _Remaining:
+    """The positions still to commit, as a Fenwick tree over their indices: rank and select in O(log m)."""
+
+    def __init__(self, m: int):
+        self.m = m
+        self.tree = [0] + [i & -i for i in range(1, m + 1)]      # every index present
+        self.top = 1 << max(m.bit_length() - 1, 0)
+
+    def rank(self, i: int) -> int:
+        """How many remaining indices are below ``i``."""
+        t, r = self.tree, 0
+        while i > 0:
+            r += t[i]
+            i -= i & -i
+        return r
+
+    def select(self, r: int) -> int:
+        """The remaining index of rank ``r`` (0-based)."""
+        t, pos, step = self.tree, 0, self.top
+        while step:
+            if pos + step <= self.m and t[pos + step] <= r:
+                pos += step
+                r -= t[pos]
+            step >>= 1
+        return pos
+
+    def remove(self, i: int) -> None:
+        t, i = self.tree, i + 1
+        while i <= self.m:
+            t[i] -= 1
+            i += i & -i
+
+
 def _encode_steps(step_of: np.ndarray, zs: np.ndarray, level: int) -> bytes:
-    """``method:u8`` then: 0 ints(zigzag deltas); 1 a column; 2 / 3 the commit order (:func:`_commit_order`)."""
-    cands = [b"\x00" + encode_ints(zs, level), b"\x01" + encode_col(step_of, level)]
+    """``method:u8`` then: 0 ints(zigzag deltas); 1 a column; 2 / 3 the commit order (:func:`_commit_order`).
+    The smallest by computed size is built."""
+    cands = [(ints_size(zs), 0), (col_size(step_of), 1)]
     order = _commit_order(step_of, level)
     if order is not None:
         head, vals, radix = order
-        cands.append(b"\x02" + head + _pack_radix(vals, radix))
-        cands.append(b"\x03" + head + encode_ints(np.asarray(vals, dtype=np.int64), level))
-    return min(cands, key=len)
+        bits = float(np.log2(np.asarray(radix, dtype=np.float64)).sum()) if radix else 0.0
+        cands += [(len(head) + int(bits / 8) + 2 * (len(vals) // ORDER_CHUNK + 1), 2),
+                  (len(head) + ints_size(np.asarray(vals, dtype=np.int64)), 3)]
+    m = min(cands)[1]
+    if m == 0:
+        return b"\x00" + encode_ints(zs, level)
+    if m == 1:
+        return b"\x01" + encode_col(step_of, level)
+    if m == 2:
+        return b"\x02" + head + _pack_radix(vals, radix)
+    return b"\x03" + head + encode_ints(np.asarray(vals, dtype=np.int64), level)
 
 
 def _pack_radix(vals: List[int], radix: List[int]) -> bytes:
@@ -784,23 +869,34 @@ def _commit_order(so: np.ndarray, level: int) -> Optional[Tuple[bytes, List[int]
     if so.size and int(so.min()) < -1:
         return None
     committed = np.flatnonzero(so >= 1)
-    busy, cnt = np.unique(so[committed], return_counts=True)
-    if committed.size * busy.size > ORDER_WORK:
-        return None
+    cs = so[committed]
+    busy, cnt = np.unique(cs, return_counts=True)      # (cnt: int64 counts of the busy steps)
     out = bytearray(encode_col(np.where(so >= 1, 0, np.where(so == 0, 1, 2)), level))
     put_varint(out, busy.size)
     out += encode_col(np.diff(busy, prepend=0) - 1, level) + encode_col(cnt - 1, level)
-    order = committed[np.lexsort((committed, so[committed]))]      # by step, then by position
-    rem, at, vals, radix = committed, 0, [], []
-    for k in cnt.tolist():
-        r = np.searchsorted(rem, order[at:at + k])
-        at += k
-        prev = -1
-        for j, rj in enumerate(r.tolist()):
-            vals.append(rj - prev - 1)
-            radix.append(rem.size - k + j - prev)
-            prev = rj
-        rem = np.delete(rem, r)
+    m = committed.size
+    if not m:
+        return bytes(out), [], []
+    left = m - np.concatenate(([0], np.cumsum(cnt)[:-1]))          # positions still to commit at each step
+    if m <= 1024:       # rank among those still to commit = earlier positions committed at the same step or later
+        later = np.tril(cs[None, :] >= cs[:, None], -1)
+        order = np.lexsort((np.arange(m), cs))                    # by step, then by position
+        r = later.sum(1)[order]
+    else:
+        order = np.lexsort((np.arange(m), cs))
+        rem, r = _Remaining(m), np.empty(m, dtype=np.int64)
+        at = 0
+        for k in cnt.tolist():
+            idx = order[at:at + k].tolist()
+            r[at:at + k] = [rem.rank(i) for i in idx]
+            for i in idx:
+                rem.remove(i)
+            at += k
+    first = np.repeat(np.concatenate(([0], np.cumsum(cnt)[:-1])), cnt)   # where each commit's step starts
+    j = np.arange(m) - first
+    prev = np.where(j == 0, -1, np.concatenate(([-1], r[:-1])))
+    vals = (r - prev - 1).tolist()
+    radix = (np.repeat(left - cnt, cnt) + j - prev).tolist()
     return bytes(out), vals, radix
 
 
@@ -821,7 +917,7 @@ def _decode_steps(buf, pos: int, L: int, max_step: int) -> Tuple[np.ndarray, int
         raise TraceError("sequence record has a bad position class")
     committed = np.flatnonzero(cls == 0)
     S, pos = get_varint(buf, pos)
-    if S > committed.size or (committed.size and not S) or committed.size * S > ORDER_WORK:
+    if S > committed.size or (committed.size and not S):
         raise TraceError(f"sequence record has {S} commit steps for {committed.size} commits")
     gaps, pos = decode_col(buf, pos, S, "commit steps")
     cnt, pos = decode_col(buf, pos, S, "commits per step")
@@ -834,35 +930,65 @@ def _decode_steps(buf, pos: int, L: int, max_step: int) -> Tuple[np.ndarray, int
     ranks = None
     if m == 3:
         ranks, pos = decode_ints(buf, pos, committed.size)
-        ranks = ranks.tolist()
-    step_of = np.where(cls == 1, 0, -1).astype(np.int64)
-    rem, acc, left, i = committed, 0, 0, 0
-    for t, k in zip(busy.tolist(), cnt.tolist()):
-        r, prev = [], -1
-        for j in range(k):
-            radix = rem.size - k + j - prev
-            if ranks is not None:
-                v = ranks[i]
-                i += 1
-                if not 0 <= v < radix:
-                    raise TraceError("sequence record has a bad commit order")
-            else:
-                if not left:
+    m = committed.size
+    if ranks is not None:          # method 3: every rank at once (the gaps add up within each step)
+        v = ranks
+        first = np.repeat(np.cumsum(cnt) - cnt, cnt)
+        j = np.arange(m) - first
+        c = np.cumsum(v + 1)
+        r = c - np.where(first > 0, c[np.maximum(first - 1, 0)], 0) - 1
+        prev = np.where(j == 0, -1, np.concatenate(([-1], r[:-1])))
+        if m and (int(v.min()) < 0 or bool((v >= np.repeat(m - np.cumsum(cnt), cnt) + j - prev).any())):
+            raise TraceError("sequence record has a bad commit order")
+        rank = r.tolist()
+    else:                          # method 2: mixed-radix digits, each radix known once the previous digit is
+        rank, left, acc, nleft, i = [0] * m, m, 0, 0, 0
+        for k in cnt.tolist():
+            prev = -1
+            for j in range(k):
+                if not nleft:
                     if acc:
                         raise TraceError("sequence record has a bad commit order")
                     nb, pos = get_varint(buf, pos)
                     if nb > 8 * ORDER_CHUNK or pos + nb > len(buf):
                         raise TraceError("sequence record commit order runs past the record")
-                    acc, pos, left = int.from_bytes(bytes(buf[pos:pos + nb]), "little"), pos + nb, ORDER_CHUNK
-                acc, v = divmod(acc, radix)
-                left -= 1
-            prev += v + 1
-            r.append(prev)
-        step_of[rem[r]] = t
-        rem = np.delete(rem, r)
-    if acc:
-        raise TraceError("sequence record has a bad commit order")
+                    acc, pos, nleft = int.from_bytes(bytes(buf[pos:pos + nb]), "little"), pos + nb, ORDER_CHUNK
+                acc, v = divmod(acc, left - k + j - prev)
+                nleft -= 1
+                prev += v + 1
+                rank[i] = prev
+                i += 1
+            left -= k
+        if acc:
+            raise TraceError("sequence record has a bad commit order")
+    step_of = np.where(cls == 1, 0, -1).astype(np.int64)
+    step_of[committed[_order_positions(rank, cnt.tolist())]] = np.repeat(busy, cnt)
     return step_of, pos
+
+
+def _order_positions(rank: List[int], cnt: List[int]) -> np.ndarray:
+    """Which of the committed positions (by index, ascending) each commit took, from its rank among those still
+    to commit when its step began. Built from the last step back: a step's commits join the positions of the
+    later steps at their ranks (list inserts; a Fenwick tree's select above 8192 commits)."""
+    m = len(rank)
+    out = np.empty(m, dtype=np.int64)
+    if m > 8192:
+        rem, at = _Remaining(m), 0
+        for k in cnt:
+            picked = [rem.select(r) for r in rank[at:at + k]]
+            out[at:at + k] = picked
+            for x in picked:
+                rem.remove(x)
+            at += k
+        return out
+    order: List[int] = []                  # commit numbers in position order, for the steps seen so far
+    end = m
+    for k in reversed(cnt):
+        for c in range(end - k, end):
+            order.insert(rank[c], c)
+        end -= k
+    out[np.asarray(order, dtype=np.int64)] = np.arange(m)
+    return out
 
 
 @dataclass

@@ -373,7 +373,7 @@ class TraceRecorder:
         meta = {"batch": batch, "rows": rows, "gen_start": P, "length": int(tokens.shape[1]), "mask_id": mask_id,
                 "info": {k: (v if isinstance(v, (int, float, str, bool)) or v is None else str(v)) for k, v in info.items()}}
         # tokens given inside the generation region (constraints) are part of the sequence records
-        fp = None if rng is None else records.rng_fingerprint(rng)
+        fp = None if rng is None else records.rng_fingerprint(b"".join(t.numpy().tobytes() for t in rng))
         self._write(fmt.BATCH, records.encode_batch(meta, tokens[:, :P], attn[:, :P], fp, self._batch_defaults,
                                                     self.level))
 
@@ -616,9 +616,10 @@ class BatchSink(Sink):
             self.rec._cuda = True
         if len(self.rows) != canvas.batch_size:
             raise TraceError(f"batch {self.batch}: {len(self.rows)} row indices for a batch of {canvas.batch_size}")
-        rng = torch.random.get_rng_state().numpy().tobytes()
+        # generator states as tensors (host copies, no device sync); the writer thread turns them into bytes
+        rng = [torch.random.get_rng_state()]
         if self._cuda:
-            rng += torch.cuda.get_rng_state(canvas.device).numpy().tobytes()
+            rng.append(torch.cuda.get_rng_state(canvas.device))
         self.rec._put(("begin", self.batch, self.rows, canvas.tokens.clone(), canvas.step_of.clone(),
                        canvas.attention_mask.clone(), canvas.gen_start, canvas.mask_id, dict(info), rng, self._event()))
 
