@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import tempfile
@@ -322,6 +323,38 @@ def bench_real(quick):
     return out
 
 
+def handover_cost(n: int = 2000):
+    """CPU seconds the step loop's thread spends per sink call (``start``, ``delta``, ``end``) of a batch of one
+    row of 128 positions: the calls only hand tensors to the writer's queue."""
+    import torch
+
+    from dlm_engine.core.canvas import Canvas, FrameDelta
+    from dlm_engine.trace import TraceRecorder
+
+    canvas = Canvas.from_prompts([[5] * 8], 128, mask_id=3, pad_id=0)
+    d = FrameDelta(step=1, nfe=1, start=8, commit=torch.zeros(1, 128, dtype=torch.bool),
+                   tokens=torch.zeros(1, 128, dtype=torch.long), active=torch.ones(1, dtype=torch.bool),
+                   finished=torch.zeros(1, dtype=torch.bool), scalars={"block": 0})
+    out = {}
+    with TraceRecorder(os.path.join(tempfile.mkdtemp(prefix="bench-trace-"), "h.dlmt"),
+                       {"model": {"eos_id": 2, "mask_id": 3}}) as rec:
+        for b in range(n // 100):
+            sink = rec.sink(b, [b])
+            c = time.thread_time()
+            sink.on_start(canvas, {"strategy": "low_confidence"})
+            out["start"] = out.get("start", 0.0) + time.thread_time() - c
+            c = time.thread_time()
+            for i in range(100):
+                d.step = i + 1
+                sink.on_delta(d, canvas)
+            out["delta"] = out.get("delta", 0.0) + time.thread_time() - c
+            c = time.thread_time()
+            sink.on_end(canvas)
+            out["end"] = out.get("end", 0.0) + time.thread_time() - c
+            time.sleep(0.02)          # (let the writer drain: no backpressure in the measurement)
+    return {"start": out["start"] / (n // 100), "delta": out["delta"] / n, "end": out["end"] / (n // 100)}
+
+
 class SyncCounter:
     """Counts, on the calling thread, the tensor methods that force a host-device synchronisation on an
     accelerator (whatever the device: on CPU they count what would stall a GPU)."""
@@ -356,25 +389,16 @@ class SyncCounter:
             setattr(torch.Tensor, name, orig)
 
 
-def bench_overhead(pairs, gen_length, configs=((1, 4), (8, 16))):
+def bench_overhead(pairs, gen_length, configs=((1, 2), (8, 8))):
     """Recording on vs off, interleaved pairs (on first in even pairs), each run a full decode of ``prompts``
     prompts; the on-run includes opening the recorder (header, provenance), the writer's encoding, the end
     record, fsync and rename. Host syncs are counted on the step loop's thread in two extra runs."""
     import torch
 
     from dlm_engine.app.api import run_prompts
-    from dlm_engine.trace import recorder as R
     from dlm_engine.trace.runtime import open_run_recorder
 
-    acc = {"handover": 0.0}
-    for name in ("on_start", "on_delta", "on_end"):        # CPU the step loop's thread spends in the sink
-        orig = getattr(R.BatchSink, name)
-
-        def timed(self, *args, _orig=orig):
-            c = time.thread_time()
-            _orig(self, *args)
-            acc["handover"] += time.thread_time() - c
-        setattr(R.BatchSink, name, timed)
+    hand = handover_cost()
     results = {}
     for batch, n_prompts in configs:
         cfg, ms, mc, lm, inputs = load_default([f"gen_length={gen_length}", f"batch_size={batch}"])
@@ -382,31 +406,37 @@ def bench_overhead(pairs, gen_length, configs=((1, 4), (8, 16))):
         tmp = tempfile.mkdtemp(prefix="bench-trace-")
         stat = {"writer": 0.0, "open_close": 0.0, "steps": 0}
 
-        def one(record: bool):
+        def one(record: bool, counter=None):
+            """(wall s, process CPU s, step loop thread CPU s, steps) of one run; ``counter`` counts the syncs of
+            the decode itself (not of opening or closing the recorder)."""
             torch.manual_seed(cfg.seed)
             c0, t0 = time.process_time(), time.perf_counter()
+            rec = None
             if record:
                 c = time.thread_time()
                 rec = open_run_recorder(cfg, tmp, lm, ids)
                 stat["open_close"] += time.thread_time() - c
-                st = run_prompts(lm, ids, ms, mc, cfg.gen_length, cfg.batch_size,
-                                 sinks_for_batch=lambda b, rows: [rec.sink(b, rows)], warmup=False)
+            sinks = (lambda b, rows: [rec.sink(b, rows)]) if rec is not None else None
+            m0 = time.thread_time()
+            with counter if counter is not None else contextlib.nullcontext():
+                st = run_prompts(lm, ids, ms, mc, cfg.gen_length, cfg.batch_size, sinks_for_batch=sinks,
+                                 warmup=False)
+            loop_cpu = time.thread_time() - m0
+            if rec is not None:
                 c = time.thread_time()
                 rec.close()
                 stat["open_close"] += time.thread_time() - c
                 stat["writer"] += rec.writer_cpu
-            else:
-                st = run_prompts(lm, ids, ms, mc, cfg.gen_length, cfg.batch_size, warmup=False)
-            return time.perf_counter() - t0, time.process_time() - c0, st.nfe
+            return time.perf_counter() - t0, time.process_time() - c0, loop_cpu, st.nfe
 
         one(True), one(False)                      # warm-up (imports, provenance, allocator)
         syncs = {}
         for record in (True, False):
-            with SyncCounter() as sc:
-                _, _, steps = one(record)
-            syncs[record] = sc.count / steps
-        acc["handover"], stat.update(writer=0.0, open_close=0.0)
-        on_w, off_w, ratios, cpu_ratios, steps = [], [], [], [], 0
+            sc = SyncCounter()
+            steps_run = one(record, sc)[3]
+            syncs[record] = sc.count / steps_run
+        stat.update(writer=0.0, open_close=0.0)
+        on_w, off_w, ratios, cpu_ratios, loop_ratios, steps = [], [], [], [], [], 0
         for i in range(pairs):
             order = (True, False) if i % 2 == 0 else (False, True)
             got = {rec: one(rec) for rec in order}
@@ -414,9 +444,11 @@ def bench_overhead(pairs, gen_length, configs=((1, 4), (8, 16))):
             off_w.append(got[False][0])
             ratios.append(got[True][0] / got[False][0])
             cpu_ratios.append(got[True][1] / got[False][1])
-            steps += got[True][2]
+            loop_ratios.append(got[True][2] / got[False][2])
+            steps += got[True][3]
         q = np.percentile(ratios, [25, 50, 75])
         cq = np.percentile(cpu_ratios, [25, 50, 75])
+        lq = np.percentile(loop_ratios, [25, 50, 75])
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
         print(f"\n== recording overhead: {lm.name}, batch {batch}, {len(ids)} prompts, gen_length {gen_length}, "
               f"{cfg.strategy.name}; {pairs} interleaved on/off pairs; load average {load:.1f} on {os.cpu_count()} CPUs ==")
@@ -424,17 +456,23 @@ def bench_overhead(pairs, gen_length, configs=((1, 4), (8, 16))):
               f"median pair ratio {q[1]:.4f} = {100 * (q[1] - 1):+.2f}% (target <= +1%); "
               f"IQR {100 * (q[0] - 1):+.2f}..{100 * (q[2] - 1):+.2f}%, range {100 * (min(ratios) - 1):+.1f}.."
               f"{100 * (max(ratios) - 1):+.1f}%")
+        print(f"fastest runs (the least disturbed by other load): on/off {100 * (min(on_w) / min(off_w) - 1):+.2f}%; "
+              f"10th percentiles {100 * (np.percentile(on_w, 10) / np.percentile(off_w, 10) - 1):+.2f}%")
         print(f"CPU time of the process (all threads, writer included): median pair ratio {100 * (cq[1] - 1):+.2f}% "
-              f"(IQR {100 * (cq[0] - 1):+.2f}..{100 * (cq[2] - 1):+.2f}%)")
+              f"(IQR {100 * (cq[0] - 1):+.2f}..{100 * (cq[2] - 1):+.2f}%); of the step loop's thread during the decode: "
+              f"{100 * (lq[1] - 1):+.2f}% (IQR {100 * (lq[0] - 1):+.2f}..{100 * (lq[2] - 1):+.2f}%)")
         n = pairs
         off_ms = statistics.median(off_w) * 1e3
-        cost_ms = (acc["handover"] + stat["open_close"] + stat["writer"]) / n * 1e3
-        print(f"CPU spent on recording (thread clocks): step loop's hand-over {acc['handover'] / steps * 1e6:.1f} us/step, "
-              f"writer thread {stat['writer'] / steps * 1e6:.1f} us/step, open + close {stat['open_close'] / n * 1e3:.1f} "
-              f"ms/run; total {cost_ms:.1f} ms/run = {100 * cost_ms / off_ms:.2f}% of the median off wall time")
+        per_batch = -(-len(ids) // batch)
+        hand_run = hand["delta"] * steps / n + (hand["start"] + hand["end"]) * per_batch
+        cost_ms = (hand_run + (stat["open_close"] + stat["writer"]) / n) * 1e3
+        print(f"CPU spent on recording (thread clocks): step loop's hand-over {hand['delta'] * 1e6:.2f} us/step + "
+              f"{(hand['start'] + hand['end']) * 1e6:.0f} us/batch (sink start/end), writer thread "
+              f"{stat['writer'] / steps * 1e6:.1f} us/step, open + close {stat['open_close'] / n * 1e3:.1f} ms/run; "
+              f"total {cost_ms:.1f} ms/run = {100 * cost_ms / off_ms:.2f}% of the median off wall time")
         print(f"host syncs per step on the step loop's thread: recording off {syncs[False]:.3f}, on {syncs[True]:.3f} "
               f"(added: {syncs[True] - syncs[False]:+.3f}; target 0)")
-        results[batch] = (q[1], syncs[True] - syncs[False])
+        results[batch] = {"wall": q[1], "cpu": cq[1], "loop_cpu": lq[1], "syncs": syncs[True] - syncs[False]}
     return results
 
 

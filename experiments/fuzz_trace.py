@@ -1,6 +1,6 @@
 """Fuzz the trace reader: random single-byte flips, truncations and the crafted hostile corpus.
 
-    python experiments/fuzz_trace.py [--flips N] [--cuts N] [--rows R] [--seed S]
+    python experiments/fuzz_trace.py [--flips N] [--cuts N] [--rows R] [--seed S] [--v1-flips N]
 
 For every damaged file: *detected* = the strict reader or ``verify`` raises TraceError (one line),
 *accepted* = it passes as intact, *crashed* = any other exception (a traceback). Then ``--recover`` on
@@ -96,6 +96,7 @@ def main() -> int:
     ap.add_argument("--cuts", type=int, default=2000)
     ap.add_argument("--rows", type=int, default=24, help="rows of the base trace (batches of 8)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--v1-flips", type=int, default=1500, help="flips of the 1.x file (0: skip it; cuts: a third)")
     a = ap.parse_args()
     rng = np.random.default_rng(a.seed)
     with tempfile.TemporaryDirectory() as d:     # recorded in a child: this process never imports torch
@@ -104,21 +105,34 @@ def main() -> int:
         with open(path, "rb") as f:
             base = f.read()
     base_mb = peak_mb()
+    t0 = time.perf_counter()
+    tallies = fuzz(base, a.flips, a.cuts, rng, "base trace", "tiny_random model, low_confidence, capture=confidence; "
+                   "format 2.0, step tables of 5 steps so that steps records and batch-end tables both occur")
+    if a.v1_flips:
+        with open(tc.V1_BASE, "rb") as f:
+            tallies += fuzz(f.read(), a.v1_flips, a.v1_flips // 3, rng, "1.x base trace", "tests/data/trace_v1.dlmt, "
+                            "format 1.0 as written before 2.0")
+    heavy = [m for m in ("torch", "transformers") if m in sys.modules]
+    print(f"time {time.perf_counter() - t0:.1f} s; peak memory of this process {peak_mb():.0f} MB "
+          f"({base_mb:.0f} MB before the first damaged file; torch/transformers imported: {heavy or 'no'})")
+    bad = sum(t.accepted + t.crashed + t.wrong_rows for t in tallies)
+    return 1 if bad else 0
+
+
+def fuzz(base: bytes, n_flips: int, n_cuts: int, rng, title: str, what: str) -> list:
     ref = loads(base, recover=False)
     info = verify_integrity(ref)
-    print(f"base trace: {len(ref)} rows, {len(ref.batches)} batches, {info['records']} records, {len(base)} bytes "
-          f"(tiny_random model, low_confidence, capture=confidence)")
-    t0 = time.perf_counter()
+    print(f"{title}: {len(ref)} rows, {len(ref.batches)} batches, {info['records']} records, {len(base)} bytes ({what})")
     flips = Tally("single-byte flips")
-    for off, data in tc.flips(base, a.flips, rng):
+    for off, data in tc.flips(base, n_flips, rng):
         flips.check(data, ref, len(ref), label=f"byte {off}")
-    print(flips.line(a.flips))
+    print(flips.line(n_flips))
     cuts = Tally("truncations")
-    n_cuts = 0
-    for cut, data in tc.truncations(base, a.cuts, rng):
-        n_cuts += 1
+    n = 0
+    for cut, data in tc.truncations(base, n_cuts, rng):
+        n += 1
         cuts.check(data, ref, len(ref), label=f"cut at {cut}")
-    print(cuts.line(n_cuts) + " (random cut points plus every record boundary)")
+    print(cuts.line(n) + " (random cut points plus every record boundary)")
     crafted = Tally("crafted files")
     corpus = tc.crafted(base)
     for name, data in corpus.items():
@@ -127,11 +141,7 @@ def main() -> int:
     for t in (flips, cuts, crafted):
         for e in t.examples[:5]:
             print(f"  {t.name}: {e}")
-    heavy = [m for m in ("torch", "transformers") if m in sys.modules]
-    print(f"time {time.perf_counter() - t0:.1f} s; peak memory of this process {peak_mb():.0f} MB "
-          f"({base_mb:.0f} MB before the first damaged file; torch/transformers imported: {heavy or 'no'})")
-    bad = sum(t.accepted + t.crashed + t.wrong_rows for t in (flips, cuts, crafted))
-    return 1 if bad else 0
+    return [flips, cuts, crafted]
 
 
 if __name__ == "__main__":

@@ -271,14 +271,7 @@ def crafted_v1(base: bytes) -> Dict[str, bytes]:
     out.update(_seq_cases(recs, header, batch_meta["gen_start"]))
 
     # -- rows and counts that disagree (the end digest recomputed: only cross-checks can tell) -----------------
-    b_idx = _kinds(recs, fmt.BATCH)
-    last_batch = [i for i in range(b_idx[-1], len(recs)) if recs[i][0] in (fmt.BATCH, fmt.STEPS, fmt.SEQ, fmt.BATCH_END)]
-    out["rows removed (a whole batch), digest recomputed"] = [r for i, r in enumerate(recs) if i not in last_batch]
-    seqs = _kinds(recs, fmt.SEQ)
-    out["one sequence removed, digest recomputed"] = [r for i, r in enumerate(recs) if i != seqs[-1]]
-    out["sequence duplicated, digest recomputed"] = recs[:seqs[0] + 1] + [recs[seqs[0]]] + recs[seqs[0] + 1:]
-    out["sequences reordered, digest recomputed"] = _swap(recs, seqs[0], seqs[1])
-    out["batch records reordered, digest recomputed"] = _swap(recs, b_idx[0], b_idx[1])
+    out.update(_record_cases(recs))
     out["batch-end steps wrong"] = _edit_bundle(recs, fmt.BATCH_END, lambda m, a: m.update(steps=m["steps"] + 5))
     out["batch-end NFE wrong"] = _edit_bundle(recs, fmt.BATCH_END, lambda m, a: m.update(nfe=m["nfe"] + 1))
     out["batch-end of another batch's rows"] = _edit_bundle(recs, fmt.BATCH_END, lambda m, a: m.update(rows=[99]))
@@ -287,12 +280,6 @@ def crafted_v1(base: bytes) -> Dict[str, bytes]:
         [r for i, r in enumerate(recs) if i != _kinds(recs, fmt.BATCH_END)[-1]], fmt.END,
         lambda m, a: m.update(unfinished_batches=[]))
     out["end unfinished_batches of strings"] = _edit_bundle(recs, fmt.END, lambda m, a: m.update(unfinished_batches=["x", 1]))
-    out["second header"] = recs[:1] + [recs[0]] + recs[1:]
-    out["record after the end record"] = recs + [recs[_kinds(recs, fmt.SEQ)[0]]]
-    out["logits record of shape 2^20 x 2^20 x 2^20"] = recs[:seqs[0]] + [(fmt.LOGITS, raw_bundle(
-        {"batch": 0, "step": 1, "start": 0, "shape": [1 << 20, 1 << 20, 1 << 20], "bound": 0.01, "qstep": 0.02,
-         "max_error": 0.0, "nb": 1}, [["q", "u1", [1 << 20]], ["exc_index", "i8", [0]], ["exc_value", "u4", [0]]],
-        1 << 20))] + recs[seqs[0]:]
     files = {name: assemble(r, major=1) for name, r in out.items()}
     # counts in the end record that disagree with the file (digest still matching)
     e = _kinds(recs, fmt.END)[0]
@@ -637,14 +624,7 @@ def crafted_v2(base: bytes) -> Dict[str, bytes]:
     out["sequence: unknown token coding"] = _with(recs, qi, seq_payload(s0.row, L, s0.nfe, s0.finish_step, 0, b"\x04\x07"))
 
     # -- rows and counts that disagree (the end digest recomputed: only cross-checks can tell) ----------------------
-    b_idx = _kinds(recs, fmt.BATCH)
-    last_batch = [i for i in range(b_idx[-1], len(recs)) if recs[i][0] in (fmt.BATCH, fmt.STEPS, fmt.SEQ, fmt.BATCH_END)]
-    out["rows removed (a whole batch), digest recomputed"] = [r for i, r in enumerate(recs) if i not in last_batch]
-    seqs = _kinds(recs, fmt.SEQ)
-    out["one sequence removed, digest recomputed"] = [r for i, r in enumerate(recs) if i != seqs[-1]]
-    out["sequence duplicated, digest recomputed"] = recs[:seqs[0] + 1] + [recs[seqs[0]]] + recs[seqs[0] + 1:]
-    out["sequences reordered, digest recomputed"] = _swap(recs, seqs[0], seqs[1])
-    out["batch records reordered, digest recomputed"] = _swap(recs, b_idx[0], b_idx[1])
+    out.update(_record_cases(recs))
     ends = _kinds(recs, fmt.BATCH_END)
 
     def edit_end(fn, which=0):
@@ -667,12 +647,6 @@ def crafted_v2(base: bytes) -> Dict[str, bytes]:
     ei = _kinds(recs, fmt.END)[0]
     out["end status code unknown"] = _with(recs, ei, b"\x09" + recs[ei][1][1:])
     out["end record trailing bytes"] = _with(recs, ei, recs[ei][1] + b"\x00")
-    out["second header"] = recs[:1] + [recs[0]] + recs[1:]
-    out["record after the end record"] = recs + [recs[_kinds(recs, fmt.SEQ)[0]]]
-    out["logits record of shape 2^20 x 2^20 x 2^20"] = recs[:seqs[0]] + [(fmt.LOGITS, raw_bundle(
-        {"batch": 0, "step": 1, "start": 0, "shape": [1 << 20, 1 << 20, 1 << 20], "bound": 0.01, "qstep": 0.02,
-         "max_error": 0.0, "nb": 1}, [["q", "u1", [1 << 20]], ["exc_index", "i8", [0]], ["exc_value", "u4", [0]]],
-        1 << 20))] + recs[seqs[0]:]
     files = {name: assemble(r) for name, r in out.items()}
     # counts in the end record that disagree with the file (digest still matching)
     meta = records.decode_end(recs[ei][1])
@@ -701,6 +675,26 @@ def _end_flags(payload: bytes, flags: int) -> bytes:
     for _ in range(4):
         c.varint("field")
     return payload[:c.pos] + bytes((flags,)) + payload[c.pos + 1:]
+
+
+def _record_cases(recs) -> Dict[str, List[Rec]]:
+    """Records removed, duplicated, reordered or added, whatever their layout (the end digest recomputed)."""
+    out: Dict[str, List[Rec]] = {}
+    b_idx = _kinds(recs, fmt.BATCH)
+    last_batch = [i for i in range(b_idx[-1], len(recs)) if recs[i][0] in (fmt.BATCH, fmt.STEPS, fmt.SEQ, fmt.BATCH_END)]
+    out["rows removed (a whole batch), digest recomputed"] = [r for i, r in enumerate(recs) if i not in last_batch]
+    seqs = _kinds(recs, fmt.SEQ)
+    out["one sequence removed, digest recomputed"] = [r for i, r in enumerate(recs) if i != seqs[-1]]
+    out["sequence duplicated, digest recomputed"] = recs[:seqs[0] + 1] + [recs[seqs[0]]] + recs[seqs[0] + 1:]
+    out["sequences reordered, digest recomputed"] = _swap(recs, seqs[0], seqs[1])
+    out["batch records reordered, digest recomputed"] = _swap(recs, b_idx[0], b_idx[1])
+    out["second header"] = recs[:1] + [recs[0]] + recs[1:]
+    out["record after the end record"] = recs + [recs[_kinds(recs, fmt.SEQ)[0]]]
+    out["logits record of shape 2^20 x 2^20 x 2^20"] = recs[:seqs[0]] + [(fmt.LOGITS, raw_bundle(
+        {"batch": 0, "step": 1, "start": 0, "shape": [1 << 20, 1 << 20, 1 << 20], "bound": 0.01, "qstep": 0.02,
+         "max_error": 0.0, "nb": 1}, [["q", "u1", [1 << 20]], ["exc_index", "i8", [0]], ["exc_value", "u4", [0]]],
+        1 << 20))] + recs[seqs[0]:]
+    return out
 
 
 def _raw_index(js: bytes) -> bytes:

@@ -239,8 +239,7 @@ def encode_table(meta: Dict[str, Any], arrays: Dict[str, np.ndarray], wall_base:
                 typ, vals = S_F32, f.astype("<f4").view("<u4").astype(np.int64)
             else:
                 typ, vals = S_F64, f.astype("<f8").view("<i8")
-        body.append(typ)
-        put_varint(body, a.ndim - 1)
+        body += bytes((typ, a.ndim - 1))
         for d in a.shape[1:]:
             put_varint(body, d)
         if present is None:
@@ -310,7 +309,7 @@ def decode_table(cur: Cursor, B: int, max_n: int, max_step: int, array_budget, i
         rec = base + np.cumsum(wall_values(c.col(n, "wall times"), mb))
     arrays["wall_dus"] = np.diff(rec, prepend=0).astype(np.int64)
     for k in ("nfe", "start", "width"):
-        arrays[k] = _bounded(c.col(n, k), 0, 1 << 31, k).astype(np.int32)
+        arrays[k] = _bounded(c.col(n, k), 0, (1 << 31) - 1, k).astype(np.int32)
     for k in ("active", "finished"):
         arrays[k] = np.ascontiguousarray(_bools(c.col(n * B, k), k).reshape(B, n).T)
     json_scalars: Dict[str, Any] = {}
