@@ -29,7 +29,7 @@ from .format import SeqData, TraceError
 
 STEP_CHUNK = 1024        # steps per step table (a batch's last table travels in its batch-end record)
 HOLD = 32                # same-window deltas applied together by the writer
-FLUSH_SECONDS = 10.0     # a mid-batch steps record at least every 10 s of decoding (long batches)
+FLUSH_SECONDS = 60.0     # a mid-batch steps record at least every 60 s of decoding (long batches)
 FSYNC_SECONDS = 5.0      # fsync at most this often before the final one
 
 
