@@ -70,6 +70,18 @@ class Checked(Strategy):
     def max_steps(self, canvas):
         return self.inner.max_steps(canvas)
 
+    def sync_request(self, canvas, state):
+        st0 = snapshot(state)
+        req = self.inner.sync_request(canvas, state)
+        assert same(snapshot(state), st0), f"{self.name}: sync_request mutated the state"
+        return req
+
+    def synced(self, canvas, state, values, delta):
+        st0 = snapshot(state)
+        new = self.inner.synced(canvas, state, values, delta)
+        assert same(snapshot(state), st0), f"{self.name}: synced mutated the state passed in"
+        return new
+
     def _canvas(self, canvas):
         return snapshot([canvas.tokens, canvas.step_of, canvas.finished, canvas.step])
 

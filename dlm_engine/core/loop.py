@@ -8,7 +8,7 @@ import torch
 
 from dlm_engine.core.canvas import Canvas, FrameDelta, ModelInfo
 from dlm_engine.core.protocol import CallRequest, ForwardCall
-from dlm_engine.core.rows import ActiveRows, call_rows, expand_proposal, idle_proposal, step_rows
+from dlm_engine.core.rows import ActiveRows, call_rows, expand_proposal, idle_proposal
 from dlm_engine.core.sampler import Proposal, propose
 from dlm_engine.core.strategy import StepPlan, Strategy
 from dlm_engine.errors import check_finite_logits
@@ -99,6 +99,10 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
     ``compact``: once rows are finished, run the model on the active rows only (:mod:`dlm_engine.core.rows`);
     a step the strategy schedules after every row finished still runs one (discarded) forward, so
     ``canvas.nfe`` always equals the number of model calls.
+
+    Host synchronisation: once per step, after the delta is applied, the loop reads the finished rows and
+    whatever the strategy asks for (:meth:`Strategy.sync_request`) in a single transfer and hands the values
+    to :meth:`Strategy.synced` before the sinks see the delta. Plans decide on those host values alone.
     """
     from dlm_engine.core.registry import cache_class
 
@@ -118,8 +122,8 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
             s.on_delta(setup, canvas)
     state = strategy.init_state(canvas)
     limit = max_steps if max_steps is not None else strategy.max_steps(canvas)
-    active = ActiveRows(canvas) if compact else None
-    first_call = True
+    active = ActiveRows(canvas, compact)
+    host, state = sync_round(canvas, strategy, state, None)
     t0 = time.perf_counter()
     with torch.inference_mode():
         while True:
@@ -129,10 +133,9 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
             if canvas.step >= limit:
                 raise StalledDecode(f"strategy '{strategy.name}' did not finish within {limit} steps "
                                     "(did the model propose the mask token?)")
-            live = None if active is None else active.update(canvas)
-            rows = live if plan.rows is None else step_rows(canvas, plan.rows, live)
-            call = None
-            if active is not None and active.none_active:
+            live, rows = active.rows_for(host.finished, plan.rows)
+            call = bad = None
+            if active.none_active:
                 # Every row is finished but the strategy still schedules a step (LLaDA's zero-transfer
                 # steps): the reference runs that forward, and NFE counts model calls, so run it (uncached:
                 # caches may have dropped finished rows) and discard it; nothing can be committed.
@@ -140,23 +143,56 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
                 proposal = idle_proposal(canvas, plan.window, active.vocab)
             else:
                 logits, call = forward(model, canvas, plan, cache, rows=rows, live=live)
-                if first_call:      # NaN weights or fp16 overflow: stop with one line instead of decoding garbage
-                    check_finite_logits(logits)
-                    first_call = False
-                proposal = sample(logits, plan, call, rows)
-                if active is not None:
+                if active.vocab is None:    # the first forward: NaN weights or fp16 overflow end the decode
+                    bad = non_finite(logits)
                     active.seen(logits)
+                proposal = sample(logits, plan, call, rows)
                 if rows is not None and plan.sample:
                     proposal = expand_proposal(proposal, rows, canvas)
+            proposal.active = active.mask
             delta, state = strategy.select(canvas, plan, proposal, state)
             delta.wall_time = time.perf_counter() - t0
             if want_logits:
                 delta.logits = proposal.logits
             cache.after_step(canvas, delta, call)
             canvas.apply(delta)
+            host, state = sync_round(canvas, strategy, state, delta, bad)
+            if host.bad:
+                check_finite_logits(logits)             # describes the problem and raises
             for s in sinks:
                 s.on_delta(delta, canvas)
     cache.end(canvas)
     for s in sinks:
         s.on_end(canvas)
     return canvas
+
+
+class HostView:
+    """What the loop read from the device in a step's one synchronisation."""
+
+    __slots__ = ("finished", "values", "bad")
+
+    def __init__(self, finished, values, bad):
+        self.finished, self.values, self.bad = finished, values, bad
+
+
+def sync_round(canvas: Canvas, strategy: Strategy, state, delta: Optional[FrameDelta],
+               bad: Optional[torch.Tensor] = None):
+    """The one host read of a step: finished rows, the first forward's health and the strategy's request;
+    returns ``(HostView, state after Strategy.synced)``."""
+    parts = [canvas.finished.to(torch.float64)]
+    if bad is not None:
+        parts.append(bad.to(torch.float64).reshape(1))
+    req = strategy.sync_request(canvas, state)
+    if req is not None:
+        parts.append(req.to(torch.float64).reshape(-1))
+    flat = torch.cat(parts).tolist()
+    B = canvas.batch_size
+    n_bad = 0 if bad is None else 1
+    host = HostView([v != 0.0 for v in flat[:B]], flat[B + n_bad:], bool(flat[B]) if bad is not None else False)
+    return host, strategy.synced(canvas, state, host.values, delta)
+
+
+def non_finite(logits: torch.Tensor) -> torch.Tensor:
+    """A device flag: NaN, +inf or a position whose logits are all -inf (read in the step's one sync)."""
+    return logits.isnan().any() | logits.isposinf().any() | logits.isneginf().all(dim=-1).any()

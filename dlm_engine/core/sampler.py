@@ -28,6 +28,7 @@ class Proposal:
     valid: Optional[torch.Tensor] = None   # [B, W] bool: logits the call computed (None = all); others never rank
     rows: Optional[torch.Tensor] = None    # plans that sample themselves: the canvas rows the logits belong to
     aux_logits: Optional[torch.Tensor] = None   # plans with auxiliary columns: their logits [B_call, W_aux, V]
+    active: Optional[torch.Tensor] = None       # [B] bool: the rows that took part in the call (set by the loop)
 
     @property
     def row_span(self):

@@ -4,7 +4,7 @@ All functions are batched: ``conf`` is ``[B, W]`` with ``-inf`` (or any value) o
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -18,6 +18,12 @@ def transfer_schedule(mask_count: torch.Tensor, steps: int) -> torch.Tensor:
     rem = n % steps
     idx = torch.arange(steps, device=n.device)
     return base[:, None] + (idx[None, :] < rem[:, None]).to(torch.int64)
+
+
+def host_schedule(masked: Sequence[int], steps: int) -> Tuple[Tuple[int, ...], ...]:
+    """:func:`dlm_engine.core.selection.transfer_schedule` on host numbers: ``n // steps`` per step, the
+    remainder's +1s on the first steps."""
+    return tuple(tuple(n // steps + (i < n % steps) for i in range(steps)) for n in masked)
 
 
 def masked_conf(conf: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
@@ -38,41 +44,57 @@ def widen(c: torch.Tensor, span: Optional[Tuple[int, int]]) -> Tuple[torch.Tenso
     return row, off
 
 
-def topk_commit(conf: torch.Tensor, cand: torch.Tensor, k: torch.Tensor,
-                span: Optional[Tuple[int, int]] = None) -> torch.Tensor:
-    """Commit the ``k[b]`` most confident candidates of each row (never a non-candidate), ranked as
-    ``torch.topk(row, k[b])`` ranks them in the reference's row (``span``, see :func:`widen`)."""
+def topk_commit(conf: torch.Tensor, cand: torch.Tensor, k, span: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+    """Commit the ``k[b]`` most confident candidates of each row (never a non-candidate). With ``k`` a host
+    sequence of ints they are chosen as ``torch.topk(row, k[b])`` chooses them in the reference's row (``span``,
+    see :func:`widen`); with a device tensor (a data-dependent count) by a stable sort, without a host read
+    (exact ties then break towards the lower position)."""
     W = conf.shape[1]
     row, off = widen(masked_conf(conf, cand), span)
     return topk_rows(row, k)[:, off:off + W] & cand
 
 
-def top1(conf: torch.Tensor, cand: torch.Tensor, span: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+def top1(conf: torch.Tensor, cand: torch.Tensor, span: Optional[Tuple[int, int]] = None,
+         counts: Optional[Sequence[int]] = None) -> torch.Tensor:
     """The most confident candidate of every row that has one: the first of ``torch.topk(row, |cand|)`` (the
-    Fast-dLLM reference's ``order[0]``; among exact ties that is not always the lowest index)."""
+    Fast-dLLM reference's ``order[0]``; among exact ties that is not always the lowest index). ``counts``: the
+    candidates per row, known on the host; without them the argmax (first index) is taken, with no host read."""
     W = conf.shape[1]
     row, off = widen(masked_conf(conf, cand), span)
-    M = cand.sum(-1)
+    if counts is None:
+        commit = torch.zeros_like(row, dtype=torch.bool).scatter_(1, row.argmax(-1, keepdim=True), True)
+        return commit[:, off:off + W] & cand
     commit = torch.zeros_like(row, dtype=torch.bool)
-    for m in torch.unique(M).tolist():
+    for m, rows in _groups(counts, row.device):
         if m <= 0:
             continue
-        rows = (M == m).nonzero().squeeze(1)
         first = torch.topk(row[rows], int(m), dim=-1).indices[:, :1]
         commit[rows] = commit[rows].scatter(1, first, True)
     return commit[:, off:off + W] & cand
 
 
-def threshold_commit(conf: torch.Tensor, cand: torch.Tensor, tau, span: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+def _groups(values: Sequence[int], device) -> List[Tuple[int, torch.Tensor]]:
+    """Rows grouped by a host value: ``[(value, row index tensor)]`` (one group when every row agrees)."""
+    out: Dict[int, List[int]] = {}
+    for r, v in enumerate(values):
+        out.setdefault(int(v), []).append(r)
+    if len(out) == 1:
+        v = next(iter(out))
+        return [(v, slice(None))]
+    return [(v, torch.tensor(rs, device=device)) for v, rs in out.items()]
+
+
+def threshold_commit(conf: torch.Tensor, cand: torch.Tensor, tau, span: Optional[Tuple[int, int]] = None,
+                     counts: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Fast-dLLM: the top-1 candidate always, plus every candidate with ``conf >= tau`` (ties commit).
 
-    ``tau`` is a float or a per-row tensor ``[B]``.
+    ``tau`` is a float or a per-row tensor ``[B]``; ``counts``: candidates per row on the host (see :func:`top1`).
     """
     if not torch.is_tensor(tau):
         above = conf >= tau
     else:
         above = conf >= tau.to(conf.dtype)[:, None]
-    return (above & cand) | top1(conf, cand, span)
+    return (above & cand) | top1(conf, cand, span, counts)
 
 
 def factor_commit(conf: torch.Tensor, cand: torch.Tensor, factor: float,
@@ -98,16 +120,25 @@ def factor_commit(conf: torch.Tensor, cand: torch.Tensor, factor: float,
 
 
 # -- the d2Cache framework's rules (docs/specs/d2cache.md §6): per row, at least ``min_tt`` commits -------------
-def topk_rows(scores: torch.Tensor, k: torch.Tensor, largest: bool = True) -> torch.Tensor:
-    """``[B, W]`` bool: the ``k[b]`` highest (``largest``) or lowest scores of every row, chosen as
-    ``torch.topk(scores[b], k[b])`` chooses them (rows are grouped by ``k``, so tied scores break exactly as a
-    per-row call would)."""
+def topk_rows(scores: torch.Tensor, k, largest: bool = True) -> torch.Tensor:
+    """``[B, W]`` bool: the ``k[b]`` highest (``largest``) or lowest scores of every row.
+
+    ``k`` known on the host (an int or a sequence of ints): chosen as ``torch.topk(scores[b], k[b])`` chooses
+    them (rows grouped by ``k``), so exactly tied scores break as the references' per-row calls break them.
+    ``k`` a device tensor (a data-dependent count): the first ``k[b]`` of a stable sort, with no host read; exact
+    ties then break towards the lower position.
+    """
+    W = scores.shape[1]
+    if torch.is_tensor(k):
+        order = torch.sort(scores, dim=-1, descending=largest, stable=True).indices
+        take = torch.arange(W, device=scores.device)[None, :] < k[:, None]
+        return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(1, order, take)
+    ks = [int(k)] * scores.shape[0] if isinstance(k, int) else k
     out = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
-    for kv in torch.unique(k).tolist():
+    for kv, rows in _groups(ks, scores.device):
         if kv <= 0:
             continue
-        rows = (k == kv).nonzero().squeeze(1)
-        idx = torch.topk(scores[rows], min(int(kv), scores.shape[1]), dim=-1, largest=largest).indices
+        idx = torch.topk(scores[rows], min(kv, W), dim=-1, largest=largest).indices
         out[rows] = out[rows].scatter(1, idx, True)
     return out
 
@@ -138,35 +169,62 @@ def eb_count(scores: torch.Tensor, probs: torch.Tensor, gamma: float, over_ranks
     return ((A - Mx) <= gamma).sum(-1)
 
 
-def d2c_commit(scores: torch.Tensor, cand: torch.Tensor, min_tt, max_tt=None, *, threshold: Optional[float] = None,
+def d2c_commit(scores: torch.Tensor, cand: torch.Tensor, min_tt: int, max_tt=None, *,
+               counts: Optional[Sequence[int]] = None, threshold: Optional[float] = None,
                factor: Optional[float] = None, gamma: Optional[float] = None, probs: Optional[torch.Tensor] = None,
                eb_over_ranks: bool = False) -> torch.Tensor:
     """The d2Cache framework's ``confidence_unmasking`` for every row at once (``[B, W]`` bool commits).
 
     ``threshold``: every candidate scoring ``>= threshold`` (none at all when more than ``max_tt`` do);
-    ``factor``: the top ``n - 1`` of the factor rule; ``gamma``: the EB count (needs ``probs``). The count is clamped to
-    ``[min_tt, max_tt]`` (``max_tt`` defaults to the candidates) and, when fewer than that were picked, the
-    row commits its top-count candidates instead.
+    ``factor``: the top ``n - 1`` of the factor rule; ``gamma``: the EB count (needs ``probs``). The count is
+    clamped to ``[min_tt, max_tt]`` (``max_tt`` defaults to the candidates) and, when fewer than that were
+    picked, the row commits its top-count candidates instead.
+
+    ``counts`` (candidates per row) and ``max_tt`` known on the host make every top-count a host number, so
+    the top-k picks are the reference's ``torch.topk`` picks (ties included) and nothing is read back; the
+    factor rule's and EB's data-dependent counts use a stable sort instead.
     """
     if sum(x is not None for x in (threshold, factor, gamma)) > 1:
         raise ValueError("at most one of threshold, factor and gamma")
-    B, W = scores.shape
     c = masked_conf(scores, cand)
-    M = cand.sum(-1)
-    mx = M if max_tt is None else (max_tt if torch.is_tensor(max_tt) else torch.full_like(M, int(max_tt)))
-    mn = min_tt if torch.is_tensor(min_tt) else torch.full_like(M, int(min_tt))
-    num = torch.minimum(mn, mx)
-    picked = torch.zeros_like(cand)
+    B = c.shape[0]
+    if counts is None:                                  # the candidates are only known on the device
+        M = cand.sum(-1)
+        mx = M if max_tt is None else torch.as_tensor(max_tt, device=c.device).expand(B)
+        host = False
+    else:
+        M = list(counts)
+        mx = M if max_tt is None else ([int(max_tt)] * B if isinstance(max_tt, int) else list(max_tt))
+        host = True
+
+    def lo(a, b):
+        return torch.minimum(a, b) if not host else [min(x, y) for x, y in zip(a, b)]
+
+    base = lo(mx, [min_tt] * B) if host else torch.clamp(mx, max=min_tt)      # clamp(min(min_tt, max), min_tt, max)
+    if threshold is not None and min_tt == 0 and max_tt is None:
+        return cand & (c >= threshold)          # never too many, never a fallback (KLASS's stable set)
     if threshold is not None:
         picked = cand & (c >= threshold)
-        over = picked.sum(-1) > mx
+        n = picked.sum(-1)
+        over = n > (torch.as_tensor(mx, device=c.device) if host else mx)
+        if host:   # the count is max when too many pass, else min(min_tt, max): both known, pick per row
+            k_over, k_base = lo(M, mx), lo(M, base)
+            num = torch.where(over, torch.as_tensor(mx, device=c.device), torch.as_tensor(base, device=c.device))
+            top = torch.where(over[:, None], topk_rows(c, k_over), topk_rows(c, k_base))
+        else:
+            num = torch.where(over, mx, base)
+            top = topk_rows(c, torch.minimum(M, num))
         picked = picked & ~over[:, None]
-        num = torch.where(over, mx, num)
-    elif factor is not None:
-        picked = topk_rows(c, torch.minimum(factor_count(scores, cand, factor) - 1, mx).clamp_min(0))
-    elif gamma is not None:
+        return torch.where((picked.sum(-1) < num)[:, None], top, picked)
+    if factor is not None:
+        n1 = (factor_count(scores, cand, factor) - 1).clamp_min(0)
+        picked = topk_rows(c, torch.minimum(n1, torch.as_tensor(mx, device=c.device)))
+        num = torch.as_tensor(base, device=c.device)
+        top = topk_rows(c, lo(M, base))
+        return torch.where((picked.sum(-1) < num)[:, None], top, picked)
+    if gamma is not None:
         num = eb_count(c, probs, gamma, eb_over_ranks)
-    num = torch.minimum(torch.maximum(num, mn), mx)           # torch.clamp(num, min_tt, max): max wins
-    need = picked.sum(-1) < num
-    k = torch.where(need, torch.minimum(M, num), torch.zeros_like(num))
-    return torch.where(need[:, None], topk_rows(c, k), picked)
+        mxt = torch.as_tensor(mx, device=c.device)
+        num = torch.minimum(torch.maximum(num, torch.full_like(num, min_tt)), mxt)
+        return topk_rows(c, torch.minimum(torch.as_tensor(M, device=c.device), num))
+    return topk_rows(c, lo(M, base))                      # the fixed rate: min(min_tt, max) top candidates

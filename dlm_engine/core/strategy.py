@@ -12,7 +12,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, ClassVar, Dict, List, Optional, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -48,7 +48,7 @@ class StepPlan:
     sample: bool = True                  # False: the proposal carries the call rows' logits only (the strategy
                                          # samples itself; ``Proposal.rows`` names the rows)
     aux: Optional[AuxColumns] = None     # extra query columns for this call (needs Cap.AUX_COLUMNS)
-    rows: Optional[torch.Tensor] = None  # [B] bool: rows taking part in this step (None = every unfinished row)
+    rows: Optional[Sequence[bool]] = None  # per row, on the host: takes part in this step (None = every unfinished row)
     position_ids: Optional[torch.Tensor] = None   # [B, L] position ids for this call (None = the canvas')
 
 
@@ -107,6 +107,18 @@ class Strategy:
         """The step's delta and the new state."""
         raise NotImplementedError
 
+    def sync_request(self, canvas: Canvas, state: Any) -> Optional[torch.Tensor]:
+        """A small 1-D tensor of what the next plan must know on the host (mask counts, flags, ...). The loop
+        reads it together with the finished rows in its one host synchronisation per step (after the delta is
+        applied) and passes the values to :meth:`synced`. None = nothing."""
+        return None
+
+    def synced(self, canvas: Canvas, state: Any, values: List[float], delta: Optional[FrameDelta]) -> Any:
+        """The state once the host knows ``values`` (the request's numbers, flattened). ``delta`` is the step's
+        delta before the sinks see it (None for the read before the first step): a strategy may add block
+        events it could only decide with the host values."""
+        return state
+
     def max_steps(self, canvas: Canvas) -> int:
         """Steps after which the loop gives up (a strategy that cannot stall may lower or raise it)."""
         return 4 * canvas.gen_length + 64
@@ -152,11 +164,11 @@ class Strategy:
               tokens: Optional[torch.Tensor] = None, remask: Optional[torch.Tensor] = None,
               confidence: Optional[torch.Tensor] = None) -> FrameDelta:
         """A delta over the proposal's window committing ``commit`` (and re-masking ``remask``, applied
-        first) with the proposal's tokens and confidences. Unless given, ``finished`` marks the rows that
-        have no masked generated position left once the delta is applied."""
+        first) with the proposal's tokens and confidences. Unless given, ``active`` is the rows of the call and
+        ``finished`` marks the rows that have no masked generated position left once the delta is applied."""
         s = proposal.start
         if active is None:
-            active = ~canvas.finished
+            active = proposal.active if proposal.active is not None else ~canvas.finished
         if finished is None:
             finished = ~masked_after(canvas, s, commit, remask).any(dim=-1) & ~canvas.finished
         conf = proposal.confidence if confidence is None else confidence
