@@ -22,7 +22,7 @@ def test_default_run_writes_results_and_summary(tmp_path):
         assert {"prompt", "text", "tokens", "nfe"} <= set(r)
         assert len(r["tokens"]) == 16
     summary = json.loads((out / "summary.json").read_text())
-    for key in ("nfe", "tpf", "tps", "generated_tokens", "strategy", "model"):
+    for key in ("nfe", "tpf", "tps", "model_calls", "latency_mean", "generated_tokens", "strategy", "model"):
         assert key in summary
     assert summary["strategy"]["name"] == "low_confidence"
     assert "TPF" in proc.stdout and "TPS" in proc.stdout
@@ -39,7 +39,9 @@ def test_prompts_file_batch_and_strategy_options(tmp_path):
     assert [r["prompt"] for r in rows] == ["12+34=", "name a color:", "sum 3:"]
     assert all(r["nfe"] == 8 for r in rows)
     s = json.loads((out / "summary.json").read_text())
-    assert s["strategy"]["block_length"] == 4 and s["batch_size"] == 2 and s["nfe"] == 16
+    # NFE sums per-sequence forwards (3 x 8); model calls count the batched forwards (2 batches x 8 steps)
+    assert s["strategy"]["block_length"] == 4 and s["batch_size"] == 2 and s["nfe"] == 24 and s["model_calls"] == 16
+    assert s["nfe_per_prompt"] == 8 and s["tpf"] == pytest.approx(s["generated_tokens"] / 24)
 
 
 def test_local_checkpoint_directory(tmp_path):

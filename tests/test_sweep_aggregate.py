@@ -12,6 +12,7 @@ from conftest import run_dlm
 from dlm_engine.sweeps import cli as sweep
 from dlm_engine.sweeps import jobs as sweep_jobs
 from dlm_engine.sweeps.cli import aggregate
+from dlm_engine.metrics import METRICS_VERSION
 from dlm_engine.sweeps.jobs import JobRecord, job_dirname
 
 
@@ -60,6 +61,13 @@ def test_resume_decisions(tmp_path, monkeypatch, capsys):
     assert res["metrics"]["tps"] == 10.0 and "resume" not in res["config"]
     assert JobRecord(_cfg(print_outputs=False), tmp_path).should_skip()  # neutral keys do not matter
     assert "skipped, result.json exists" in capsys.readouterr().out
+    # a result written under older metric definitions (batch-dependent TPF) is never reused
+    old = json.loads((tmp_path / "result.json").read_text())
+    assert old["metrics_version"] == METRICS_VERSION
+    (tmp_path / "result.json").write_text(json.dumps(dict(old, metrics_version=1)))
+    assert not JobRecord(_cfg(), tmp_path).should_skip()
+    assert "older metric definitions" in capsys.readouterr().out
+    (tmp_path / "result.json").write_text(json.dumps(old))
     assert not JobRecord(_cfg(resume=False), tmp_path).should_skip()
     assert "resume=false, re-running" in capsys.readouterr().out
     assert not JobRecord(_cfg(gen_length=32), tmp_path).should_skip()
@@ -77,12 +85,12 @@ def test_resume_decisions(tmp_path, monkeypatch, capsys):
 
 
 # ------------------------------------------------------------------------------------------- aggregation
-def _write_result(d, name, threshold, block, acc, nfe, tps):
+def _write_result(d, name, threshold, block, acc, nfe, tps, metrics_version=METRICS_VERSION):
     job = d / name
     job.mkdir(parents=True)
     ov = ["strategy=threshold", f"strategy.threshold={threshold}", f"strategy.block_length={block}"]
     (job / "result.json").write_text(json.dumps({
-        "status": "ok", "overrides": ov, "strategy": {"name": "threshold", "threshold": threshold, "block_length": block},
+        "status": "ok", "metrics_version": metrics_version, "overrides": ov, "strategy": {"name": "threshold", "threshold": threshold, "block_length": block},
         "cache": {"name": "none"}, "model": "tiny", "task": "tiny_mix",
         "metrics": {"accuracy": acc, "nfe_per_prompt": nfe, "nfe": nfe * 4, "tpf": 16 / nfe, "tps": tps,
                     "wall_time": 1.0, "job_time": 2.0, "generated_tokens": 64, "prompts": 4,
@@ -111,6 +119,17 @@ def fake_sweep(tmp_path):
     return d
 
 
+def test_results_under_older_metric_definitions_are_stale(fake_sweep, capsys):
+    _write_result(fake_sweep, "old", 0.3, 8, 0.9, 1.0, 999.0, metrics_version=None)  # would dominate everything
+    report = aggregate(fake_sweep, plots=False)
+    assert report["counts"]["stale"] == 1 and report["counts"]["ok"] == 4
+    with open(fake_sweep / "sweep.csv") as f:
+        rows = {r["job"]: r for r in csv.DictReader(f)}
+    assert rows["old"]["status"] == "stale" and rows["old"]["pareto"] == ""
+    assert {k for k, r in rows.items() if r["pareto"] == "True"} == {"a", "b"}
+    assert "stale: old" in capsys.readouterr().out
+
+
 def test_aggregate_table_pareto_and_plots(fake_sweep, capsys):
     report = aggregate(fake_sweep)
     assert report["counts"] == {"ok": 4, "failed": 1, "incomplete": 1}
@@ -126,7 +145,7 @@ def test_aggregate_table_pareto_and_plots(fake_sweep, capsys):
     header = next(csv.reader(open(fake_sweep / "sweep.csv")))
     assert header[:5] == ["job", "status", "strategy", "strategy.threshold", "strategy.block_length"]
     md = (fake_sweep / "sweep.md").read_text().splitlines()
-    assert md[0] == "| status | strategy.threshold | strategy.block_length | accuracy | NFE/prompt | TPF | TPS | Pareto |"
+    assert md[0] == "| status | strategy.threshold | strategy.block_length | accuracy | NFE/seq | TPF | TPS | Pareto |"
     assert len(md) == 2 + 6
     for png in ("accuracy_vs_nfe.png", "tps.png"):
         assert (fake_sweep / png).read_bytes()[:4] == b"\x89PNG"

@@ -113,16 +113,15 @@ def run(cfg: DictConfig, out_dir: Path) -> Dict[str, Any]:
             row.extra["task"] = ex.task
             row.extra["correct"] = bool(check(ex.task, ex.prompt, row.text))
         correct = sum(r.extra["correct"] for r in stats.rows)
-    rows = [{"index": r.index, "prompt": r.prompt, "text": r.text, "tokens": r.tokens, "nfe": r.nfe,
-             "steps": r.steps, "generated_tokens": r.generated_tokens, "step_of": r.step_of, **r.extra}
+    rows = [{"index": r.index, "prompt": r.prompt, "text": r.text, "tokens": r.tokens, **r.metrics,
+             "step_of": r.step_of, **r.extra}
             for r in stats.rows]
     summary = {
         "model": lm.name, "model_path": cfg.model.path or None, "model_digest": lm.digest, "chat_template": lm.chat_template,
         "strategy": OmegaConf.to_container(cfg.strategy),
         "cache": OmegaConf.to_container(cfg.cache), "gen_length": cfg.gen_length, "batch_size": cfg.batch_size,
         "seed": cfg.seed, "device": str(lm.device), "dtype": str(lm.dtype).replace("torch.", ""),
-        "prompts": len(rows), "nfe": stats.nfe, "nfe_per_prompt": sum(r.nfe for r in stats.rows) / len(rows),
-        "generated_tokens": stats.generated_tokens, "tpf": stats.tpf, "tps": stats.tps, "wall_time": stats.wall_time,
+        "prompts": len(rows), **run_metrics(stats.totals),
         "versions": versions(),
         **({"trace": Path(recorder.path).name, "trace_digest": recorder.digest} if recorder else {}),
     }
@@ -131,8 +130,17 @@ def run(cfg: DictConfig, out_dir: Path) -> Dict[str, Any]:
         summary["accuracy_by_task"] = accuracy_by_task(rows)
     atomic_write_jsonl(str(out_dir / "results.jsonl"), rows)
     atomic_write_json(str(out_dir / "summary.json"), summary)
-    report(cfg, rows, summary)
+    report(cfg, rows, summary, stats.totals)
     return summary
+
+
+def run_metrics(t) -> Dict[str, Any]:
+    """The aggregate figures of summary.json / result.json (:mod:`dlm_engine.metrics`)."""
+    from dlm_engine.metrics import METRICS_VERSION
+
+    return {"nfe": t.nfe, "nfe_per_prompt": t.nfe_per_sequence, "generated_tokens": t.generated_tokens,
+            "tpf": t.tpf, "tps": t.tps, "latency_mean": t.latency_mean, "model_calls": t.model_calls,
+            "wall_time": t.wall_time, "metrics_version": METRICS_VERSION}
 
 
 def accuracy_by_task(rows: List[dict]) -> Dict[str, float]:
@@ -152,15 +160,16 @@ def versions() -> Dict[str, str]:
             "python": platform.python_version()}
 
 
-def report(cfg: DictConfig, rows: List[dict], summary: Dict[str, Any]) -> None:
+def report(cfg: DictConfig, rows: List[dict], summary: Dict[str, Any], totals) -> None:
     if cfg.print_outputs:
         for r in rows[:200]:
             mark = "" if "correct" not in r else ("  ok" if r["correct"] else "  WRONG")
             print(f"[{r['index']}] {r['prompt']!r} -> {r['text']!r}  (nfe {r['nfe']}){mark}")
         if len(rows) > 200:
             print(f"... {len(rows) - 200} more rows in results.jsonl")
-    line = (f"prompts {summary['prompts']}  NFE {summary['nfe']} (per prompt {summary['nfe_per_prompt']:.2f})  "
-            f"TPF {summary['tpf']:.2f}  TPS {summary['tps']:.1f}  wall {summary['wall_time']:.2f}s")
+    from dlm_engine.metrics import summary_line
+
+    line = summary_line(totals) + f"  wall {summary['wall_time']:.2f}s"
     if "accuracy" in summary:
         line = f"accuracy {summary['accuracy']:.3f}  " + line
     print(line)

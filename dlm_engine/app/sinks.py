@@ -53,6 +53,31 @@ class ProgressSink(Sink):
         self.bar.close()
 
 
+class StepLog(Sink):
+    """Per-step records of one batch (step, NFE, wall time, active and finished rows), kept on the device
+    until the end: :meth:`metrics` turns them into per-sequence metrics (:mod:`dlm_engine.metrics`)."""
+
+    def __init__(self):
+        self.steps, self.nfe, self.wall, self.active, self.finished = [], [], [], [], []
+
+    def on_delta(self, delta: FrameDelta, canvas: Canvas) -> None:
+        self.steps.append(int(delta.step))
+        self.nfe.append(int(delta.nfe))
+        self.wall.append(float(delta.wall_time))
+        self.active.append(delta.active)
+        self.finished.append(delta.finished)
+
+    def metrics(self, canvas: Canvas, eos_id):
+        import torch
+
+        from dlm_engine.metrics import batch_metrics
+
+        B, g = canvas.batch_size, canvas.gen_start
+        stack = (lambda xs: torch.stack(xs).bool().cpu().numpy()) if self.steps else (lambda xs: None)
+        return batch_metrics(self.steps, self.nfe, stack(self.active), stack(self.finished), self.wall,
+                             canvas.step_of[:, g:].cpu().numpy(), canvas.tokens[:, g:].cpu().numpy(), eos_id)
+
+
 class MetricsSink(Sink):
     """Counts steps, forward passes and commits per step (for benchmarks and summaries)."""
 

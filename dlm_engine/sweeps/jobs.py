@@ -140,6 +140,11 @@ class JobRecord:
             old = json.loads(path.read_text())
         except (OSError, ValueError):
             old = {}
+        from dlm_engine.metrics import METRICS_VERSION
+
+        if old.get("metrics_version") != METRICS_VERSION:
+            print(f"dlm: {self.label}: {path} was written under older metric definitions, re-running", flush=True)
+            return False
         if self.digest is not None and old.get("config_digest") == self.digest:
             print(f"dlm: {self.label}: skipped, result.json exists (resume=false re-runs it)", flush=True)
             return True
@@ -160,8 +165,11 @@ class JobRecord:
         from dlm_engine.fsutil import atomic_write_json
 
         cfg = self.cfg
-        metrics = {k: summary.get(k) for k in ("accuracy", "nfe", "nfe_per_prompt", "tpf", "tps", "wall_time",
-                                               "generated_tokens", "prompts") if k in summary}
+        from dlm_engine.metrics import METRICS_VERSION
+
+        metrics = {k: summary.get(k) for k in ("accuracy", "nfe", "nfe_per_prompt", "tpf", "tps", "latency_mean",
+                                               "model_calls", "wall_time", "generated_tokens", "prompts")
+                   if k in summary}
         metrics["job_time"] = time.perf_counter() - self.t0
         if "accuracy_by_task" in summary:
             metrics["accuracy_by_task"] = summary["accuracy_by_task"]
@@ -174,6 +182,7 @@ class JobRecord:
             trace = None
         result = {
             "status": "ok",
+            "metrics_version": METRICS_VERSION,
             "job": self.job,
             "overrides": self.overrides,
             "strategy": summary.get("strategy") or OmegaConf.to_container(cfg.strategy, resolve=True),
