@@ -59,7 +59,7 @@ def test_local_checkpoint_directory(tmp_path):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["strategy=nope"], "Could not find 'strategy/nope'"),
+    (["strategy=nope"], "strategy=nope: no such strategy"),
     (["strategy.steps=abc"], "strategy.steps"),
     (["strategy.bogus=1"], "bogus"),
     (["gen_length=10", "strategy.block_length=4"], "gen_length=10 is not divisible by strategy.block_length=4"),
@@ -85,3 +85,28 @@ def test_malformed_checkpoint_is_reported_before_loading(tmp_path):
     lines = [l for l in proc.stderr.splitlines() if l.strip()]
     assert len(lines) == 1 and str(ck) in lines[0] and "not valid JSON" in lines[0]
     assert not out.exists() or not (out / "summary.json").exists()
+
+
+@pytest.mark.parametrize("args, line", [
+    (["strategy=treshold"], "strategy=treshold: no such strategy (choose from block_buffer, cadllm, dream, early_exit, "
+                            "factor, low_confidence, threshold); did you mean strategy=threshold?"),
+    (["strategy=threshold", "strategy.treshold=0.5"], "strategy.treshold: unknown key; did you mean strategy.threshold?"),
+    (["gen_lenght=8"], "gen_lenght: unknown key; did you mean gen_length?"),
+    (["gen_length=abc"], "gen_length: Value 'abc' of type 'str' could not be converted to Integer"),
+    (["cache=dul"], "cache=dul: no such cache (choose from block_store, dual, none, prefix); did you mean cache=dual?"),
+])
+def test_hydra_config_errors_are_one_line_with_a_suggestion(tmp_path, args, line):
+    proc, out = _run(tmp_path, *args)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"dlm: error: {line}"]
+    assert not out.exists()
+
+
+def test_help_into_a_closed_pipe_is_quiet(tmp_path):
+    import subprocess
+
+    from conftest import BIN
+
+    proc = subprocess.run(f"{BIN / 'dlm'} --help | head -1", shell=True, capture_output=True, text=True,
+                          cwd=str(tmp_path), timeout=120)
+    assert proc.stdout.strip() and "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr

@@ -229,18 +229,33 @@ def test_slurm_preset_composes():
 
 
 # ------------------------------------------------------------------------------------------- a real failing sweep
-def test_glob_sweep_with_failing_jobs_still_aggregates_and_exits_nonzero(tmp_path):
+def test_every_job_is_checked_before_the_first_one_runs(tmp_path):
+    """Bad values and unsupported strategy x cache pairs are reported together, and nothing runs."""
     d = tmp_path / "sw"
     proc = run_dlm(["-m", f"hydra.sweep.dir={d}", "strategy=threshold", "strategy.block_length=5,8",
-                    "cache=glob([n*,p*],exclude=*_schema)", 'prompts=["12+34="]', "gen_length=16", "device=cpu",
+                    "cache=glob([n*,p*,b*],exclude=*_schema)", 'prompts=["12+34="]', "gen_length=16", "device=cpu",
                     "trace.record=false"], cwd=tmp_path)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines[0] == "dlm: error: 4 of 6 jobs of the sweep have invalid configs (no job was run):"
+    assert sorted(lines[1:]) == sorted([
+        "  strategy.block_length=5 cache=none: gen_length=16 is not divisible by strategy.block_length=5",
+        "  strategy.block_length=5 cache=prefix: gen_length=16 is not divisible by strategy.block_length=5",
+        "  strategy.block_length=5 cache=block_store: gen_length=16 is not divisible by strategy.block_length=5",
+        "  strategy.block_length=8 cache=block_store: " + lines[-1].split("cache=block_store: ")[-1]])
+    assert "cache=block_store is not supported by strategy=threshold" in lines[-1]
+    assert not d.exists() or not any(d.iterdir())
+
+
+def test_glob_sweep_of_valid_jobs_runs_clean(tmp_path):
+    """The README's glob() example: every cache the strategy supports (block_store excluded)."""
+    d = tmp_path / "sw"
+    proc = run_dlm(["-m", f"hydra.sweep.dir={d}", "strategy=threshold", "cache=glob(*,exclude=[*_schema,block_store])",
+                    'prompts=["12+34="]', "device=cpu", "trace.record=false"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     with open(d / "sweep.csv") as f:
         rows = list(csv.DictReader(f))
-    assert {(r["cache"], r["strategy.block_length"], r["status"]) for r in rows} == {
-        ("none", "5", "failed"), ("prefix", "5", "failed"), ("none", "8", "ok"), ("prefix", "8", "ok")}
-    assert all("not divisible by strategy.block_length=5" in r["error"] for r in rows if r["status"] == "failed")
-    assert "dlm: error: 2 job(s) of the sweep failed" in proc.stderr
+    assert sorted((r["cache"], r["status"]) for r in rows) == [("dual", "ok"), ("none", "ok"), ("prefix", "ok")]
     assert "Traceback" not in proc.stderr
 
 

@@ -55,16 +55,39 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    from dlm_engine.app.compose import describe_config_error
     from dlm_engine.app.config import register_configs
-    from dlm_engine.errors import UserError
     from dlm_engine.core.registry import load_plugins
+    from dlm_engine.errors import UserError
 
     try:
         load_plugins()
     except UserError as exc:
         _fail(str(exc), None)
     register_configs()
-    _hydra_main()
+    full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    # Hydra prints its config errors over several lines and exits 1; with HYDRA_FULL_ERROR they reach us
+    # instead, and become one line (exit 2). A user who set HYDRA_FULL_ERROR=1 gets Hydra's full report.
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        _hydra_main()
+    except BrokenPipeError:  # `dlm --help | head`, `dlm | head`: the reader is gone, nothing to report
+        _silence_stdout()
+        sys.exit(0)
+    except Exception as exc:
+        message = None if full_error else describe_config_error(exc)
+        if message is None:
+            raise
+        _fail(message, None)
+
+
+def _silence_stdout() -> None:
+    """After a broken pipe: point stdout at /dev/null so that the interpreter's final flush stays quiet."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":

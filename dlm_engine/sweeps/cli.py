@@ -70,6 +70,22 @@ def aggregate(root: Path, plots: bool = True, out=None) -> Dict[str, Any]:
     return report
 
 
+def check_before_launch(config) -> None:
+    """Compose and validate every job of the sweep before the first one starts; on problems, list them all
+    (one line per job) and exit 2 without running any job."""
+    from dlm_engine.sweeps.grid import check_jobs, swept_part
+
+    n, problems = check_jobs(config)
+    if not problems:
+        return
+    print(f"dlm: error: {len(problems)} of {n} jobs of the sweep have invalid configs (no job was run):",
+          file=sys.stderr)
+    for job, message in problems:
+        print(f"  {swept_part(job, [j for j, _ in problems])}: {message}", file=sys.stderr)
+    sys.stderr.flush()
+    sys.exit(2)
+
+
 class AggregateCallback(_HydraCallback):
     """Hydra callback: says what a resumed sweep will skip, aggregates the sweep directory at the end.
 
@@ -81,6 +97,7 @@ class AggregateCallback(_HydraCallback):
         self.plots = plots
 
     def on_multirun_start(self, config, **kwargs) -> None:
+        check_before_launch(config)
         root = Path(str(config.hydra.sweep.dir))
         done = sum(1 for j in scan(root) if j.get("status") == "ok") if root.is_dir() else 0
         if done and not bool(config.get("resume", True)):
