@@ -146,6 +146,7 @@ def batch_metrics(steps, nfe, active, finished, wall_time, step_of, tokens, eos_
 
 def totals(seqs: Iterable[SequenceMetrics], model_calls: Optional[int] = None,
            wall_time: Optional[float] = None) -> Totals:
+    """Totals over sequences (anything with ``nfe``, ``generated_tokens`` and ``latency``)."""
     seqs = list(seqs)
     return Totals(sequences=len(seqs), nfe=sum(s.nfe for s in seqs),
                   generated_tokens=sum(s.generated_tokens for s in seqs),

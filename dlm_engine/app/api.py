@@ -12,7 +12,7 @@ from dlm_engine.core.canvas import Canvas
 from dlm_engine.errors import UserError
 from dlm_engine.app.sinks import StepLog
 from dlm_engine.core.loop import Sink, decode
-from dlm_engine.metrics import SequenceMetrics, Totals, generated_token_count  # noqa: F401  (re-exported)
+from dlm_engine.metrics import SequenceMetrics, Totals, generated_token_count, totals  # noqa: F401  (re-exported)
 
 
 @dataclass
@@ -175,10 +175,7 @@ class RunStats:
 
     @property
     def totals(self) -> Totals:
-        return Totals(sequences=len(self.rows), nfe=sum(r.nfe for r in self.rows),
-                      generated_tokens=sum(r.generated_tokens for r in self.rows),
-                      latency_sum=float(sum(r.latency for r in self.rows)), model_calls=self.model_calls,
-                      wall_time=self.wall_time)
+        return totals(self.rows, model_calls=self.model_calls, wall_time=self.wall_time)
 
     @property
     def nfe(self) -> int:
@@ -210,8 +207,8 @@ def run_prompts(lm: LoadedModel, prompt_ids: Sequence[Union[str, Sequence[int]]]
     the sinks of batch ``i``. Wall time covers decoding only (device synchronised, after a warm-up call).
     """
     prompt_ids_given, prompt_ids = prompt_ids, as_token_ids(lm, prompt_ids)
-    if prompts is None and all(isinstance(p, str) for p in prompt_ids_given):
-        prompts = list(prompt_ids_given)
+    if prompts is None and any(isinstance(p, str) for p in prompt_ids_given):
+        prompts = [p if isinstance(p, str) else None for p in prompt_ids_given]
     strategy0 = make_strategy()
     bs = max(1, int(batch_size))
     if strategy0.max_batch is not None:
@@ -240,31 +237,21 @@ def run_prompts(lm: LoadedModel, prompt_ids: Sequence[Union[str, Sequence[int]]]
 
 
 def as_token_ids(lm: LoadedModel, prompts: Sequence[Any]) -> List[List[int]]:
-    """Prompts as token-id lists: strings are encoded with the model's tokenizer (and chat template), id
-    lists are checked against the vocabulary. Anything else is a :class:`UserError` naming the prompt."""
-    vocab = lm.vocab_size
-    out = []
+    """Prompts as token-id lists: strings (and ``{"prompt"}`` / ``{"messages"}`` objects) are encoded with the
+    model's tokenizer, id lists are checked against the vocabulary; anything else is a :class:`UserError`
+    naming the prompt. Characters the tokenizer cannot represent are warned about once."""
+    import warnings
+
+    from dlm_engine.app.inputs import as_prompt, describe_chars, encode
+
+    items = []
     for i, p in enumerate(prompts):
-        if isinstance(p, str):
-            out.append(lm.encode(p))
-            continue
-        if isinstance(p, torch.Tensor):
-            p = p.reshape(-1).tolist()
         try:
-            ids = [int(x) for x in p]
-            if any(isinstance(x, (bool, float, str)) for x in p):
-                raise TypeError
-        except (TypeError, ValueError):
-            raise UserError(f"prompt {i}: expected a string or a list of token ids, got {type(p).__name__} "
-                            f"{_short(p)}") from None
-        bad = [x for x in ids if not 0 <= x < vocab] if vocab else []
-        if bad:
-            raise UserError(f"prompt {i}: token id {bad[0]} is outside the vocabulary of model '{lm.name}' "
-                            f"(0..{vocab - 1})")
-        out.append(ids)
-    return out
-
-
-def _short(x: Any, n: int = 40) -> str:
-    text = repr(x)
-    return text if len(text) <= n else text[:n - 3] + "..."
+            items.append(as_prompt(p))
+        except UserError as exc:
+            raise UserError(f"prompt {i}: {exc}") from None
+    ids, lost = encode(lm, items)
+    if lost:
+        warnings.warn(f"the prompts contain characters model '{lm.name}' cannot represent ({describe_chars(lost)}); "
+                      "its tokenizer encodes them as its unknown token", UserWarning, stacklevel=3)
+    return ids

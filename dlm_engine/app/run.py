@@ -50,8 +50,11 @@ def validate(cfg: DictConfig):
     found = check_checkpoint(cfg.model)
     if found is not None and str(found) != str(cfg.model.path):  # a Hugging Face cache folder or snapshot
         cfg.model.path = str(found)
-    if cfg.prompts_file and not Path(cfg.prompts_file).is_file():
-        raise ConfigError(f"prompts_file: '{cfg.prompts_file}' does not exist")
+    if cfg.prompts_file:
+        from dlm_engine.app.inputs import read_prompts_file
+
+        read_prompts_file(cfg.prompts_file)
+    _check_declared_length(cfg, found)
     from dlm_engine.models.loader import resolve_device, resolve_dtype
 
     resolve_dtype(cfg.dtype, resolve_device(cfg.device))
@@ -61,24 +64,53 @@ def validate(cfg: DictConfig):
     return make_strategy, make_cache
 
 
+def _check_declared_length(cfg: DictConfig, found) -> None:
+    """gen_length against the context length the model's config.json declares (before loading weights)."""
+    import json
+
+    from dlm_engine.app.inputs import check_gen_length
+
+    declared = None
+    if found is not None and (Path(found) / "config.json").is_file():
+        try:
+            declared = json.loads((Path(found) / "config.json").read_text())
+        except (OSError, ValueError):
+            declared = None  # the loader reports a broken config.json with its own message
+    elif cfg.model.get("random") is not None:
+        declared = OmegaConf.to_container(cfg.model.random)
+    if isinstance(declared, dict):
+        check_gen_length(int(cfg.gen_length), declared, str(cfg.model.name))
+
+
 def load_inputs(cfg: DictConfig, lm) -> Dict[str, Any]:
-    """Prompts (text and ids) plus the task examples when the task has a checker."""
+    """Prompts (text and ids) plus the task examples when the task has a checker; every check that needs the
+    model (context length, vocabulary, token ids in the strategy config) fails here, before decoding."""
+    from dlm_engine.app import inputs as inp
     from dlm_engine.app import tasks as taskmod
 
     examples = None
     if cfg.prompts is not None:
-        prompts = [str(p) for p in cfg.prompts]
+        prompts = [inp.Prompt(text=str(p)) for p in cfg.prompts]
     elif cfg.prompts_file:
-        with open(cfg.prompts_file) as f:
-            prompts = [line.rstrip("\n") for line in f if line.strip()]
+        prompts = inp.read_prompts_file(cfg.prompts_file)
     elif cfg.task.name == "prompts":
-        prompts = list(DEMO_PROMPTS)
+        prompts = [inp.Prompt(text=p) for p in DEMO_PROMPTS]
     else:
         examples = taskmod.held_out_for(cfg.task)
-        prompts = [e.prompt for e in examples]
+        prompts = [inp.Prompt(text=e.prompt) for e in examples]
     if not prompts:
         raise ConfigError("prompts: no prompts to decode")
-    return {"prompts": prompts, "ids": [lm.encode(p) for p in prompts], "examples": examples}
+    inp.check_token_ids(cfg, lm)
+    ids, lost = inp.encode(lm, prompts)
+    inp.check_lengths(lm, ids, int(cfg.gen_length))
+    if lost:
+        import sys
+
+        print(f"dlm: warning: the prompts contain characters model '{lm.name}' cannot represent "
+              f"({inp.describe_chars(lost)}); its tokenizer encodes them as its unknown token", file=sys.stderr)
+    extra = [dict({"messages": p.messages} if p.messages else {}, **({"meta": p.meta} if p.meta else {}))
+             for p in prompts]
+    return {"prompts": [p.shown for p in prompts], "ids": ids, "examples": examples, "extra": extra}
 
 
 def run(cfg: DictConfig, out_dir: Path) -> Dict[str, Any]:
@@ -106,6 +138,8 @@ def run(cfg: DictConfig, out_dir: Path) -> Dict[str, Any]:
     progress.close()
 
     correct = None
+    for row, extra in zip(stats.rows, inputs["extra"]):
+        row.extra.update(extra)
     if examples is not None:
         from dlm_engine.app.tasks import check
 
