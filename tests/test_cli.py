@@ -27,6 +27,11 @@ def test_default_run_writes_results_and_summary(tmp_path):
     assert summary["strategy"]["name"] == "low_confidence"
     assert "TPF" in proc.stdout and "TPS" in proc.stdout
     assert rows[0]["prompt"] in proc.stdout
+    # a single run ends with its output directory; the job's log holds what the terminal showed
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-1] == f"outputs: {out.resolve()}" and lines[-2].startswith("accuracy ")
+    log = (out / "cli.log").read_text()
+    assert lines[-2] in log and f"outputs: {out.resolve()}" in log and "decoded 50/50 prompts" in log
 
 
 def test_prompts_file_batch_and_strategy_options(tmp_path):

@@ -282,7 +282,32 @@ def test_progress_bar_only_on_a_terminal_and_log_lines_in_multirun_jobs(monkeypa
     monkeypatch.setattr(sweep_jobs, "in_multirun", lambda: False)
     monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
     p = ProgressSink(8)
-    assert p.bar.disable and not p.log_lines  # a single run without a terminal stays quiet
+    assert p.bar.disable and p.log_lines  # a single run without a terminal logs lines too
+
+
+def test_without_a_terminal_a_long_batch_logs_every_interval_with_rate_and_eta(monkeypatch, caplog):
+    import logging
+    from types import SimpleNamespace
+
+    from dlm_engine.app import sinks
+
+    clock = [100.0]
+    monkeypatch.setattr(sinks.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    p = sinks.ProgressSink(20, log_interval=10)
+    canvas = SimpleNamespace(batch_size=10)
+    with caplog.at_level(logging.INFO, logger="dlm_engine.progress"):
+        for step in range(1, 7):           # one batch of 10: 6 steps of 4 s each
+            clock[0] += 4
+            p.on_delta(SimpleNamespace(step=step), canvas)
+        p.on_end(canvas)                   # 10/20 after 24 s: the last line was 0 s ago, so no line
+        clock[0] += 30
+        p.on_end(canvas)                   # the last prompt: always a line
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "decoded 0/20 prompts (12.0 s, 0.0 prompts/s, ETA unknown) (batch of 10 at step 3)",
+        "decoded 0/20 prompts (24.0 s, 0.0 prompts/s, ETA unknown) (batch of 10 at step 6)",
+        "decoded 20/20 prompts (54.0 s, 0.4 prompts/s, ETA 0.0 s)"]
 
 
 def test_long_tables_are_cut_on_screen_only(fake_sweep, monkeypatch, capsys):

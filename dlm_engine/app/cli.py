@@ -33,12 +33,20 @@ def _hydra_main(cfg: DictConfig) -> None:
     from dlm_engine.sweeps.jobs import JobRecord
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
+    from dlm_engine.sweeps.worker import exit_with_parent, uses_local_pool
+
+    if uses_local_pool():
+        exit_with_parent()  # a killed `dlm -m hydra/launcher=joblib` must not leave its workers decoding
     job = JobRecord(cfg, out_dir)  # multirun: resume check, result.json / error.json
     if job.should_skip():
         return
     job.start()
     try:
         job.finish(run(cfg, out_dir))
+        if not job.multirun:  # a sweep's jobs are listed by the sweep summary instead
+            import logging
+
+            logging.getLogger("dlm_engine.run").info(f"outputs: {out_dir.resolve()}")
     except Exception as exc:  # in a multirun, a failed job must not end the other jobs of the sweep
         if job.multirun:
             job.fail(exc)  # error.json + one line; the sweep callback lists it and exits non-zero

@@ -125,7 +125,7 @@ def run(cfg: DictConfig, out_dir: Path) -> Dict[str, Any]:
     lm = load_model(cfg.model, cfg.device, cfg.dtype)
     inputs = load_inputs(cfg, lm)
     prompts, ids, examples = inputs["prompts"], inputs["ids"], inputs["examples"]
-    progress = ProgressSink(len(ids), enabled=None if cfg.progress else False)
+    progress = ProgressSink(len(ids), enabled=None if cfg.progress else False, log_interval=cfg.progress_interval)
 
     torch.manual_seed(cfg.seed)
     from dlm_engine.trace.runtime import open_run_recorder
@@ -195,15 +195,21 @@ def versions() -> Dict[str, str]:
 
 
 def report(cfg: DictConfig, rows: List[dict], summary: Dict[str, Any], totals) -> None:
-    if cfg.print_outputs:
+    """The run's lines on the terminal and in the job's log (Hydra's job logging: cli.log)."""
+    import logging
+
+    from dlm_engine.metrics import summary_line
+    from dlm_engine.sweeps.jobs import in_multirun
+
+    log = logging.getLogger("dlm_engine.run")
+    show = cfg.print_outputs if cfg.print_outputs is not None else not in_multirun()
+    if show:
         for r in rows[:200]:
             mark = "" if "correct" not in r else ("  ok" if r["correct"] else "  WRONG")
-            print(f"[{r['index']}] {r['prompt']!r} -> {r['text']!r}  (nfe {r['nfe']}){mark}")
+            log.info(f"[{r['index']}] {r['prompt']!r} -> {r['text']!r}  (nfe {r['nfe']}){mark}")
         if len(rows) > 200:
-            print(f"... {len(rows) - 200} more rows in results.jsonl")
-    from dlm_engine.metrics import summary_line
-
+            log.info(f"... {len(rows) - 200} more rows in results.jsonl")
     line = summary_line(totals) + f"  wall {summary['wall_time']:.2f}s"
     if "accuracy" in summary:
         line = f"accuracy {summary['accuracy']:.3f}  " + line
-    print(line)
+    log.info(line)

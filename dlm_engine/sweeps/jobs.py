@@ -29,7 +29,7 @@ ERROR = "error.json"
 VIZ_HINT = 'pip install "dlm-engine[viz]"'
 # top-level keys that change neither the decoded output nor the metrics: left out of the job's directory
 # name and of the config digest that decides whether an existing result.json still holds
-NEUTRAL_KEYS = ("resume", "progress", "print_outputs")
+NEUTRAL_KEYS = ("resume", "progress", "progress_interval", "print_outputs")
 # ... and, with the name of a sweep preset (its parameters are overrides of their own), of job directory names
 DIRNAME_EXCLUDE = NEUTRAL_KEYS + ("sweep",)
 _UNSAFE = re.compile(r"[^A-Za-z0-9._,=+\-\[\]@:%]")
