@@ -35,6 +35,9 @@ def config_loader(config=None):
     from hydra._internal.utils import create_config_search_path
     from omegaconf import OmegaConf
 
+    from hydra.core.plugins import Plugins
+
+    Plugins.instance()  # registers the config source types (pkg://, file://, structured://)
     sources = OmegaConf.select(config, "hydra.runtime.config_sources", default=None) if config is not None else None
     if sources:
         search = ConfigSearchPathImpl()
