@@ -316,3 +316,35 @@ def test_long_tables_are_cut_on_screen_only(fake_sweep, monkeypatch, capsys):
     aggregate(fake_sweep, plots=False)
     assert "... 4 more rows in sweep.md" in capsys.readouterr().out
     assert len((fake_sweep / "sweep.md").read_text().splitlines()) == 8
+
+
+def test_accuracy_plot_shows_every_strategy_even_at_the_same_point():
+    """Three strategies with identical accuracy and NFE (block_buffer buffer_size=1 is threshold): each keeps
+    its own marker and legend entry, and no marker lands on another."""
+    pytest.importorskip("matplotlib", reason="plots need the 'viz' extra (matplotlib)")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from dlm_engine.sweeps.plots import accuracy_figure, spread
+
+    rows = [{"status": "ok", "strategy": s, "accuracy": a, "nfe_per_prompt": n, "pareto": p}
+            for s, a, n, p in [("threshold", 0.98, 2.56, True), ("block_buffer", 0.98, 2.56, True),
+                               ("factor", 0.98, 2.56, True), ("low_confidence", 1.0, 16.0, True)]]
+    groups = {r["strategy"]: [r] for r in rows}
+    fig = accuracy_figure(plt, rows, "strategy", groups, [])
+    ax = fig.axes[0]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["strategy=block_buffer", "strategy=factor", "strategy=low_confidence", "strategy=threshold",
+                      "Pareto front"]
+    fig.canvas.draw()
+    shown = [tuple(c.get_offset_transform().transform(c.get_offsets())[0]) for c in ax.collections
+             if len(c.get_offsets()) and c.get_sizes()[0] > 0]
+    assert len(shown) == 4 and len({(round(x), round(y)) for x, y in shown}) == 4
+    markers = {c.get_paths()[0].vertices.tobytes() for c in ax.collections if c.get_sizes()[0] > 0}
+    assert len(markers) == 4
+    plt.close(fig)
+    # the layout is deterministic: the same input gives the same offsets; a lone point is not moved
+    assert spread([(10, 10), (11, 10), (200, 50)]) == spread([(10, 10), (11, 10), (200, 50)])
+    assert spread([(10, 10), (11, 10), (200, 50)])[2] == (0.0, 0.0)
