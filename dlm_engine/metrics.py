@@ -31,6 +31,11 @@ import numpy as np
 METRICS_VERSION = 2
 
 
+def tokens_per_forward(tokens: int, nfe: int) -> float:
+    """TPF: generated tokens / NFE (0 when nothing was decoded)."""
+    return tokens / nfe if nfe else 0.0
+
+
 @dataclass(frozen=True)
 class SequenceMetrics:
     nfe: int                 # forwards this sequence took part in, until it finished
@@ -40,7 +45,7 @@ class SequenceMetrics:
 
     @property
     def tpf(self) -> float:
-        return self.generated_tokens / self.nfe if self.nfe else 0.0
+        return tokens_per_forward(self.generated_tokens, self.nfe)
 
     def as_dict(self) -> Dict[str, Any]:
         return dict(asdict(self), tpf=self.tpf)
@@ -59,7 +64,7 @@ class Totals:
 
     @property
     def tpf(self) -> float:
-        return self.generated_tokens / self.nfe if self.nfe else 0.0
+        return tokens_per_forward(self.generated_tokens, self.nfe)
 
     @property
     def nfe_per_sequence(self) -> float:

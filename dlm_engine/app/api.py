@@ -12,7 +12,8 @@ from dlm_engine.core.canvas import Canvas
 from dlm_engine.errors import UserError
 from dlm_engine.app.sinks import StepLog
 from dlm_engine.core.loop import Sink, decode
-from dlm_engine.metrics import SequenceMetrics, Totals, generated_token_count, totals  # noqa: F401  (re-exported)
+from dlm_engine.metrics import (SequenceMetrics, Totals, generated_token_count,  # noqa: F401  (re-exported)
+                                tokens_per_forward, totals)
 
 
 @dataclass
@@ -125,7 +126,7 @@ class RowResult:
 
     @property
     def tpf(self) -> float:
-        return self.generated_tokens / self.nfe if self.nfe else 0.0
+        return tokens_per_forward(self.generated_tokens, self.nfe)
 
     @property
     def metrics(self) -> Dict[str, Any]:
@@ -206,7 +207,7 @@ def run_prompts(lm: LoadedModel, prompt_ids: Sequence[Union[str, Sequence[int]]]
     ``make_strategy()``/``make_cache()`` build fresh per-batch objects; ``sinks_for_batch(i, rows)`` returns
     the sinks of batch ``i``. Wall time covers decoding only (device synchronised, after a warm-up call).
     """
-    prompt_ids_given, prompt_ids = prompt_ids, as_token_ids(lm, prompt_ids)
+    prompt_ids_given, prompt_ids = prompt_ids, as_token_ids(lm, prompt_ids, gen_length)
     if prompts is None and any(isinstance(p, str) for p in prompt_ids_given):
         prompts = [p if isinstance(p, str) else None for p in prompt_ids_given]
     strategy0 = make_strategy()
@@ -236,22 +237,15 @@ def run_prompts(lm: LoadedModel, prompt_ids: Sequence[Union[str, Sequence[int]]]
     return RunStats(rows=rows, wall_time=total_time, model_calls=calls)
 
 
-def as_token_ids(lm: LoadedModel, prompts: Sequence[Any]) -> List[List[int]]:
-    """Prompts as token-id lists: strings (and ``{"prompt"}`` / ``{"messages"}`` objects) are encoded with the
-    model's tokenizer, id lists are checked against the vocabulary; anything else is a :class:`UserError`
-    naming the prompt. Characters the tokenizer cannot represent are warned about once."""
+def as_token_ids(lm: LoadedModel, prompts: Sequence[Any], gen_length: int) -> List[List[int]]:
+    """Prompts as token-id lists (:func:`dlm_engine.app.inputs.prepare`: strings and ``{"prompt"}`` /
+    ``{"messages"}`` objects encoded, ids checked against the vocabulary, lengths against the context); a
+    prompt that is none of these is a :class:`UserError` naming it. Unrepresentable characters warn once."""
     import warnings
 
-    from dlm_engine.app.inputs import as_prompt, describe_chars, encode
+    from dlm_engine.app.inputs import prepare
 
-    items = []
-    for i, p in enumerate(prompts):
-        try:
-            items.append(as_prompt(p))
-        except UserError as exc:
-            raise UserError(f"prompt {i}: {exc}") from None
-    ids, lost = encode(lm, items)
-    if lost:
-        warnings.warn(f"the prompts contain characters model '{lm.name}' cannot represent ({describe_chars(lost)}); "
-                      "its tokenizer encodes them as its unknown token", UserWarning, stacklevel=3)
+    _, ids, warning = prepare(lm, prompts, gen_length)
+    if warning:
+        warnings.warn(warning, UserWarning, stacklevel=3)
     return ids

@@ -18,8 +18,10 @@ from dlm_engine.errors import ConfigError
 _PLAIN = re.compile(r"[A-Za-z0-9_./:+\-@]*")
 
 
-def to_override(key: str, value: Any) -> str:
-    """``key=value`` in Hydra's override grammar (strings quoted when they hold special characters)."""
+def to_override(key: str, value: Any, quote: bool = True) -> str:
+    """``key=value`` in Hydra's override grammar. ``quote``: strings with special characters (or spelling
+    null/true/false) are quoted so they stay strings; ``quote=False`` passes text through as override text
+    (lm-eval's ``model_args``, which are ``dlm`` overrides)."""
     if isinstance(value, bool):
         text = "true" if value else "false"
     elif value is None:
@@ -30,7 +32,7 @@ def to_override(key: str, value: Any) -> str:
         text = json.dumps(value)
     else:
         text = str(value)
-        if not _PLAIN.fullmatch(text) or text.lower() in ("null", "true", "false") or not text:
+        if quote and (not _PLAIN.fullmatch(text) or text.lower() in ("null", "true", "false") or not text):
             text = "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
     return f"{key}={text}"
 
@@ -54,10 +56,15 @@ def compose(overrides: Iterable[str] = ()):
         with initialize_config_module("dlm_engine.conf", version_base="1.3"):
             return hydra_compose("config", overrides=overrides)
     except Exception as exc:
-        message = describe_config_error(exc)
-        if message is None:
-            raise
-        raise ConfigError(message) from None
+        raise ConfigError(one_line(exc)) from None
+
+
+def one_line(exc: Exception) -> str:
+    """:func:`describe_config_error`, re-raising ``exc`` when it is not a config error."""
+    message = describe_config_error(exc)
+    if message is None:
+        raise exc
+    return message
 
 
 def _suggest(word: str, options: Iterable[str]) -> Optional[str]:

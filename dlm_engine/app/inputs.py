@@ -148,6 +148,28 @@ def describe_chars(chars: Set[str]) -> str:
     return ", ".join(repr(c) for c in shown) + (f" and {len(chars) - 10} more" if len(chars) > 10 else "")
 
 
+def prepare(lm, prompts: Sequence[Any], gen_length: int, cfg=None) -> Tuple[List[Prompt], List[List[int]], Optional[str]]:
+    """Everything between the prompts a user gave and decoding: each as a :class:`Prompt` (errors name its
+    index), the strategy config's token ids (``cfg``) and every prompt's ids checked against the model's
+    vocabulary, prompt + ``gen_length`` against its context. Returns (prompts, token ids, the one warning
+    about characters the tokenizer cannot represent, or None)."""
+    items = []
+    for i, p in enumerate(prompts):
+        try:
+            items.append(as_prompt(p))
+        except UserError as exc:
+            raise UserError(f"prompt {i}: {exc}") from None
+    if cfg is not None:
+        check_token_ids(cfg, lm)
+    ids, lost = encode(lm, items)
+    check_lengths(lm, ids, int(gen_length))
+    warning = None
+    if lost:
+        warning = (f"the prompts contain characters model '{lm.name}' cannot represent ({describe_chars(lost)}); "
+                   "its tokenizer encodes them as its unknown token")
+    return items, ids, warning
+
+
 def max_length(model_config: Dict[str, Any]) -> Optional[int]:
     """The longest canvas (prompt + generation) a model config declares, if it declares one."""
     for key in ("max_sequence_length", "max_position_embeddings"):

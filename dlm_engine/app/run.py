@@ -100,14 +100,11 @@ def load_inputs(cfg: DictConfig, lm) -> Dict[str, Any]:
         prompts = [inp.Prompt(text=e.prompt) for e in examples]
     if not prompts:
         raise ConfigError("prompts: no prompts to decode")
-    inp.check_token_ids(cfg, lm)
-    ids, lost = inp.encode(lm, prompts)
-    inp.check_lengths(lm, ids, int(cfg.gen_length))
-    if lost:
+    prompts, ids, warning = inp.prepare(lm, prompts, int(cfg.gen_length), cfg)
+    if warning:
         import sys
 
-        print(f"dlm: warning: the prompts contain characters model '{lm.name}' cannot represent "
-              f"({inp.describe_chars(lost)}); its tokenizer encodes them as its unknown token", file=sys.stderr)
+        print(f"dlm: warning: {warning}", file=sys.stderr)
     extra = [dict({"messages": p.messages} if p.messages else {}, **({"meta": p.meta} if p.meta else {}))
              for p in prompts]
     return {"prompts": [p.shown for p in prompts], "ids": ids, "examples": examples, "extra": extra}

@@ -162,21 +162,11 @@ class Session:
             options = dict(options, **{"trace.record": True, "trace.filename": path.name})
         cfg = self.config(strategy, cache, overrides, **options)
         lm = self.lm
-        items = []
-        for i, p in enumerate(prompts):
-            try:
-                items.append(inp.as_prompt(p))
-            except UserError as exc:
-                raise UserError(f"prompt {i}: {exc}") from None
-        inp.check_token_ids(cfg, lm)
-        ids, lost = inp.encode(lm, items)
-        inp.check_lengths(lm, ids, int(cfg.gen_length))
-        if lost:
+        items, ids, warning = inp.prepare(lm, prompts, int(cfg.gen_length), cfg)
+        if warning:
             import warnings
 
-            warnings.warn(f"the prompts contain characters model '{lm.name}' cannot represent "
-                          f"({inp.describe_chars(lost)}); its tokenizer encodes them as its unknown token",
-                          UserWarning, stacklevel=2)
+            warnings.warn(warning, UserWarning, stacklevel=2)
         recorder = None
         if trace is not None:
             from dlm_engine.trace.runtime import open_run_recorder

@@ -40,13 +40,9 @@ HONOURED_GEN_KWARGS = {"until", "max_gen_toks"}
 
 
 def _override(key: str, value: Any) -> str:
-    if isinstance(value, bool):
-        text = "true" if value else "false"
-    elif value is None:
-        text = "null"
-    else:
-        text = str(value)
-    return f"{key}={text}"
+    from dlm_engine.app.compose import to_override
+
+    return to_override(key, value, quote=False)
 
 
 def _positive_int(value: Any, key: str) -> int:

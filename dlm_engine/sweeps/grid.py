@@ -66,7 +66,7 @@ def expand(config, loader) -> Optional[List[List[str]]]:
 def check_jobs(config) -> Tuple[int, List[Tuple[List[str], str]]]:
     """Compose and :func:`~dlm_engine.app.run.validate` every job of a basic-sweeper multirun; returns
     (number of jobs, [(job overrides, one-line problem)]). Nothing is loaded or written."""
-    from dlm_engine.app.compose import describe_config_error
+    from dlm_engine.app.compose import one_line
     from dlm_engine.app.run import validate
     from dlm_engine.errors import UserError
 
@@ -81,10 +81,7 @@ def check_jobs(config) -> Tuple[int, List[Tuple[List[str], str]]]:
         except UserError as exc:
             problems.append((job, str(exc)))
         except Exception as exc:
-            message = describe_config_error(exc)
-            if message is None:
-                raise
-            problems.append((job, message))
+            problems.append((job, one_line(exc)))
     return len(jobs), problems
 
 

@@ -94,15 +94,20 @@ def in_multirun() -> bool:
     return hc.mode == RunMode.MULTIRUN
 
 
-def in_launcher_worker() -> bool:
-    """True in a multirun job launched by a parallel or remote launcher (joblib, submitit, ...)."""
+def launcher_target() -> str:
+    """``hydra.launcher._target_`` of the running multirun job ('' outside a multirun)."""
     hc = _hydra()
     if hc is None or not in_multirun():
-        return False
+        return ""
     from omegaconf import OmegaConf
 
-    target = str(OmegaConf.select(hc, "launcher._target_", default="") or "")
-    return not target.endswith("BasicLauncher")
+    return str(OmegaConf.select(hc, "launcher._target_", default="") or "")
+
+
+def in_launcher_worker() -> bool:
+    """True in a multirun job launched by a parallel or remote launcher (joblib, submitit, ...)."""
+    target = launcher_target()
+    return bool(target) and not target.endswith("BasicLauncher")
 
 
 class JobRecord:

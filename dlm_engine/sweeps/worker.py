@@ -38,11 +38,6 @@ def exit_with_parent(poll: float = 1.0, grace: float = 10.0) -> None:
 
 def uses_local_pool() -> bool:
     """True in a job run by the joblib launcher (local worker processes that must not outlive the sweep)."""
-    from omegaconf import OmegaConf
+    from dlm_engine.sweeps.jobs import launcher_target
 
-    from dlm_engine.sweeps.jobs import _hydra, in_multirun
-
-    hc = _hydra()
-    if hc is None or not in_multirun():
-        return False
-    return "joblib" in str(OmegaConf.select(hc, "launcher._target_", default="") or "").lower()
+    return "joblib" in launcher_target().lower()
