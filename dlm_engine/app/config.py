@@ -58,8 +58,9 @@ class RunConfig:
     device: str = "auto"
     dtype: str = "auto"
     batch_size: int = 8
-    progress: bool = True
-    print_outputs: bool = True
+    progress: bool = True                    # a bar on a terminal; elsewhere a log line every progress_interval s
+    progress_interval: float = 30.0          # seconds between progress log lines without a terminal
+    print_outputs: Optional[bool] = None     # one line per prompt; null = yes for a single run, no in a multirun
     resume: bool = True                      # multirun: skip a job whose result.json exists (same config)
 
 

@@ -115,7 +115,14 @@ def diff(a: Trace, b: Trace) -> Dict[str, Any]:
             "rows_only_b": sorted(set(rows_b) - set(rows_a)), "rows_compared": len(common),
             "rows_identical": sum(e["identical"] for e in per_row),
             "outputs_equal": sum(e["output_equal"] for e in per_row),
-            "nfe": [sum(s.nfe for s in a), sum(s.nfe for s in b)], "first": first, "rows": per_row, "changed": changed}
+            "first": first, "rows": per_row, "changed": changed, **_totals(a, b)}
+
+
+def _totals(a: Trace, b: Trace) -> Dict[str, Any]:
+    """Aggregates of both traces (:mod:`dlm_engine.metrics`): NFE = sum of per-sequence NFE."""
+    ta, tb = a.totals(), b.totals()
+    return {"nfe": [ta.nfe, tb.nfe], "nfe_per_sequence": [ta.nfe_per_sequence, tb.nfe_per_sequence],
+            "tpf": [ta.tpf, tb.tpf], "model_calls": [ta.model_calls, tb.model_calls]}
 
 
 def describe_divergence(tr: Trace, d: Dict[str, Any], other: Optional[Trace] = None) -> str:
