@@ -93,8 +93,9 @@ def test_malformed_checkpoint_is_reported_before_loading(tmp_path):
 
 
 @pytest.mark.parametrize("args, line", [
-    (["strategy=treshold"], "strategy=treshold: no such strategy (choose from block_buffer, cadllm, dream, early_exit, "
-                            "factor, low_confidence, threshold); did you mean strategy=threshold?"),
+    (["strategy=treshold"], "strategy=treshold: no such strategy (choose from ar, block_buffer, cadllm, certainty_prior, d2c, "
+                            "dream, early_exit, eb_sampler, factor, klass, low_confidence, pc_sampler, threshold, wino); "
+                            "did you mean strategy=threshold?"),
     (["strategy=threshold", "strategy.treshold=0.5"], "strategy.treshold: unknown key; did you mean strategy.threshold?"),
     (["gen_lenght=8"], "gen_lenght: unknown key; did you mean gen_length?"),
     (["gen_length=abc"], "gen_length: Value 'abc' of type 'str' could not be converted to Integer"),

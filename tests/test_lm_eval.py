@@ -165,8 +165,9 @@ def test_a_model_args_typo_on_lm_evals_command_line_is_one_line(task_dir, monkey
         simple_evaluate(**args)
     assert done.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1:] == [
-        "dlm_engine: error: strategy=treshold: no such strategy (choose from block_buffer, cadllm, dream, early_exit, "
-        "factor, low_confidence, threshold); did you mean strategy=threshold?"]
+        "dlm_engine: error: strategy=treshold: no such strategy (choose from ar, block_buffer, cadllm, certainty_prior, "
+        "d2c, dream, early_exit, eb_sampler, factor, klass, low_confidence, pc_sampler, threshold, wino); "
+        "did you mean strategy=threshold?"]
 
 
 def test_generate_until_reports_per_sequence_metrics(capsys):

@@ -245,7 +245,7 @@ def test_every_job_is_checked_before_the_first_one_runs(tmp_path):
         "  strategy.block_length=5 cache=prefix: gen_length=16 is not divisible by strategy.block_length=5",
         "  strategy.block_length=5 cache=block_store: gen_length=16 is not divisible by strategy.block_length=5",
         "  strategy.block_length=8 cache=block_store: " + lines[-1].split("cache=block_store: ")[-1]])
-    assert "cache=block_store is not supported by strategy=threshold" in lines[-1]
+    assert "strategy=threshold does not provide what cache=block_store needs" in lines[-1]
     assert not d.exists() or not any(d.iterdir())
 
 

@@ -487,7 +487,10 @@ class Sequence:
 
     @property
     def nfe(self) -> int:
-        """Forwards this sequence took part in, until it finished (``metrics.nfe``)."""
+        """Forwards this sequence took part in, until it finished (``metrics.nfe``; the recorded count when a
+        damaged trace lost its batch's step records)."""
+        if self.batch.steps_lost:
+            return int(self._data.nfe)
         return self.metrics.nfe
 
     @property
@@ -888,8 +891,8 @@ class Trace:
                 why = f"holds step {max(s.n_steps, s.finish_step)}, after batch {b.index}'s last step {last}"
             elif s.finish_step != first:
                 why = f"finished at step {s.finish_step}, its batch's step records say {first}"
-            elif s.nfe > total:
-                why = f"claims NFE {s.nfe}, its batch ran {total} model calls"
+            elif s._data.nfe > total:                  # the stored count (``nfe`` is derived from the steps)
+                why = f"claims NFE {s._data.nfe}, its batch ran {total} model calls"
             if why:
                 self._problem(f"corrupt: row {s.row} {why} (the row is dropped)", recover)
                 del self._by_row[s.row]
