@@ -90,7 +90,9 @@ class Canvas:
         self.nfe = 0
         self.row_nfe = torch.zeros(tokens.shape[0], dtype=torch.long, device=tokens.device)
         self.position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-        self.is_padded = not bool(attention_mask.all())
+        # left padding per row, on the host (read once here: rows are ranked as in a batch of one)
+        self.pads = tuple(int(n) for n in (~attention_mask.bool()).sum(-1).tolist())
+        self.is_padded = any(self.pads)
         self.model_info = ModelInfo()
 
     @classmethod

@@ -149,7 +149,7 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
                 proposal = sample(logits, plan, call, rows)
                 if rows is not None and plan.sample:
                     proposal = expand_proposal(proposal, rows, canvas)
-            proposal.active = active.mask
+            proposal.active, proposal.pads = active.mask, canvas.pads
             delta, state = strategy.select(canvas, plan, proposal, state)
             delta.wall_time = time.perf_counter() - t0
             if want_logits:

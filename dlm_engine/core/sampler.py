@@ -8,7 +8,7 @@ stream matches the references even when only part of the logits is materialised.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -29,13 +29,19 @@ class Proposal:
     rows: Optional[torch.Tensor] = None    # plans that sample themselves: the canvas rows the logits belong to
     aux_logits: Optional[torch.Tensor] = None   # plans with auxiliary columns: their logits [B_call, W_aux, V]
     active: Optional[torch.Tensor] = None       # [B] bool: the rows that took part in the call (set by the loop)
+    pads: Tuple[int, ...] = ()                  # per row: left-padding columns of the canvas (set by the loop)
 
     @property
     def row_span(self):
         """``(offset, width)`` of the window inside the model call's columns: the row the references rank
-        candidates in (``torch.topk`` breaks exact ties by the row's length), or None when unknown."""
+        candidates in (``torch.topk`` breaks exact ties by the row's length), or None when unknown. In a padded
+        batch a third element gives each row's padding columns inside that row: a row is ranked as it would
+        be in a batch of one, so exact ties do not depend on the batch."""
         if self.call_len is None or self.call_start is None:
             return None
+        lead = tuple(max(0, p - self.call_start) for p in self.pads)
+        if any(lead):
+            return self.start - self.call_start, self.call_len, lead
         return self.start - self.call_start, self.call_len
 
 

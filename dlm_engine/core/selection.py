@@ -30,13 +30,15 @@ def masked_conf(conf: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
     return torch.where(cand, conf, torch.full_like(conf, NEG_INF))
 
 
-def widen(c: torch.Tensor, span: Optional[Tuple[int, int]]) -> Tuple[torch.Tensor, int]:
-    """``c`` (``[B, W]``) placed at ``offset`` of a ``-inf`` row of ``width`` (``span = (offset, width)``): the
-    row a reference ranks in, so that exactly tied scores break the way its ``torch.topk`` breaks them
-    (``topk`` on equal values depends on the row's length and on ``k``)."""
+def widen(c: torch.Tensor, span: Optional[Tuple]) -> Tuple[torch.Tensor, int]:
+    """``c`` (``[B, W]``) placed at ``offset`` of a ``-inf`` row of ``width`` (``span = (offset, width[, lead])``):
+    the row a reference ranks in, so that exactly tied scores break the way its ``torch.topk`` breaks them
+    (``topk`` on equal values depends on the row's length and on ``k``). ``lead`` (per row, on the host): the
+    row's first columns that are left padding of a batch; each row is ranked without them, as in a batch of
+    one (see :func:`row_lead`)."""
     if span is None:
         return c, 0
-    off, width = span
+    off, width = span[0], span[1]
     if off == 0 and width == c.shape[1]:
         return c, 0
     row = c.new_full((c.shape[0], width), NEG_INF)
@@ -51,7 +53,12 @@ def topk_commit(conf: torch.Tensor, cand: torch.Tensor, k, span: Optional[Tuple[
     (exact ties then break towards the lower position)."""
     W = conf.shape[1]
     row, off = widen(masked_conf(conf, cand), span)
-    return topk_rows(row, k)[:, off:off + W] & cand
+    return topk_rows(row, k, lead=row_lead(span))[:, off:off + W] & cand
+
+
+def row_lead(span: Optional[Tuple]) -> Optional[Sequence[int]]:
+    """The per-row padding columns of a ranking row (``span[2]``), or None when no row has any."""
+    return span[2] if span is not None and len(span) > 2 else None
 
 
 def top1(conf: torch.Tensor, cand: torch.Tensor, span: Optional[Tuple[int, int]] = None,
@@ -65,19 +72,24 @@ def top1(conf: torch.Tensor, cand: torch.Tensor, span: Optional[Tuple[int, int]]
         commit = torch.zeros_like(row, dtype=torch.bool).scatter_(1, row.argmax(-1, keepdim=True), True)
         return commit[:, off:off + W] & cand
     commit = torch.zeros_like(row, dtype=torch.bool)
-    for m, rows in _groups(counts, row.device):
+    lead = row_lead(span)
+    for (m, a), rows in _groups(_keys(counts, lead), row.device):
         if m <= 0:
             continue
-        first = torch.topk(row[rows], int(m), dim=-1).indices[:, :1]
+        first = torch.topk(row[rows, a:], int(m), dim=-1).indices[:, :1] + a
         commit[rows] = commit[rows].scatter(1, first, True)
     return commit[:, off:off + W] & cand
 
 
-def _groups(values: Sequence[int], device) -> List[Tuple[int, torch.Tensor]]:
+def _keys(values: Sequence[int], lead: Optional[Sequence[int]]) -> List[Tuple[int, int]]:
+    return [(int(v), 0 if lead is None else int(a)) for v, a in zip(values, lead or [0] * len(values))]
+
+
+def _groups(values: Sequence, device) -> List[Tuple[object, torch.Tensor]]:
     """Rows grouped by a host value: ``[(value, row index tensor)]`` (one group when every row agrees)."""
-    out: Dict[int, List[int]] = {}
+    out: Dict[object, List[int]] = {}
     for r, v in enumerate(values):
-        out.setdefault(int(v), []).append(r)
+        out.setdefault(v, []).append(r)
     if len(out) == 1:
         v = next(iter(out))
         return [(v, slice(None))]
@@ -120,11 +132,12 @@ def factor_commit(conf: torch.Tensor, cand: torch.Tensor, factor: float,
 
 
 # -- the d2Cache framework's rules (docs/specs/d2cache.md §6): per row, at least ``min_tt`` commits -------------
-def topk_rows(scores: torch.Tensor, k, largest: bool = True) -> torch.Tensor:
+def topk_rows(scores: torch.Tensor, k, largest: bool = True, lead: Optional[Sequence[int]] = None) -> torch.Tensor:
     """``[B, W]`` bool: the ``k[b]`` highest (``largest``) or lowest scores of every row.
 
-    ``k`` known on the host (an int or a sequence of ints): chosen as ``torch.topk(scores[b], k[b])`` chooses
-    them (rows grouped by ``k``), so exactly tied scores break as the references' per-row calls break them.
+    ``k`` known on the host (an int or a sequence of ints): chosen as ``torch.topk(scores[b, lead[b]:], k[b])``
+    chooses them (rows grouped by ``k`` and ``lead``), so exactly tied scores break as the references' per-row
+    calls break them.
     ``k`` a device tensor (a data-dependent count): the first ``k[b]`` of a stable sort, with no host read; exact
     ties then break towards the lower position.
     """
@@ -135,10 +148,10 @@ def topk_rows(scores: torch.Tensor, k, largest: bool = True) -> torch.Tensor:
         return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(1, order, take)
     ks = [int(k)] * scores.shape[0] if isinstance(k, int) else k
     out = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
-    for kv, rows in _groups(ks, scores.device):
+    for (kv, a), rows in _groups(_keys(ks, lead), scores.device):
         if kv <= 0:
             continue
-        idx = torch.topk(scores[rows], min(kv, W), dim=-1, largest=largest).indices
+        idx = torch.topk(scores[rows, a:], min(kv, W - a), dim=-1, largest=largest).indices + a
         out[rows] = out[rows].scatter(1, idx, True)
     return out
 
@@ -228,3 +241,9 @@ def d2c_commit(scores: torch.Tensor, cand: torch.Tensor, min_tt: int, max_tt=Non
         num = torch.minimum(torch.maximum(num, torch.full_like(num, min_tt)), mxt)
         return topk_rows(c, torch.minimum(torch.as_tensor(M, device=c.device), num))
     return topk_rows(c, lo(M, base))                      # the fixed rate: min(min_tt, max) top candidates
+
+
+def masked_order(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """Flat indices of ``mask``'s true entries in row-major order (``mask.nonzero()`` as ``x[mask]`` visits
+    them), given their number ``count`` on the host: a stable sort instead of a host read."""
+    return torch.argsort((~mask).reshape(-1).to(torch.uint8), stable=True)[:count]
