@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Tuple
 
+import numpy as np
 import torch
 
 from dlm_engine.core.canvas import BlockEvent
@@ -94,8 +95,8 @@ class DreamBlockLoop:
         mask, order, M = self._window_masks(canvas, plan, proposal, st, block_only=True)
         cval, x0 = self._propose(proposal.logits.reshape(B * (hi - lo), -1)[order], "entropy")
         tokens = self._scatter(x0, mask, canvas.mask_id, order)
-        n = torch.tensor(M) / B
-        k = self._k(n.float(), st.i, S - 1)
+        n = np.float32(M) / np.float32(B)                          # batch average, float32 (reference)
+        k = self._k(n, st.i, S - 1)
         # confidences over the reference's window [bs, hi): column bs (committed) is -inf
         scores = torch.full((B, hi - bs), float("-inf"), dtype=cval.dtype, device=cval.device)
         scores[:, lo - bs:] = self._scatter(cval, mask, float("-inf"), order)

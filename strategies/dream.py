@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Optional, Tuple
 
+import numpy as np
 import torch
 
 from dlm_engine.core.blockwise import block_counts, host_rows
@@ -129,8 +130,9 @@ class Dream(DreamBlockLoop, Strategy):
             self.check_steps_per_block(self.steps, self.num_blocks)
         self.steps_per_block = self.steps // max(self.num_blocks, 1)
         n = self.steps_per_block if c.block_length is not None else self.steps
-        # the reference's float32 timesteps (computed on the CPU, where the fixtures were made)
-        self.ts = torch.linspace(1, float(c.eps), n + 1, dtype=torch.float32)
+        # the reference's float32 timesteps (computed on the CPU, where the fixtures were made); the schedule's
+        # float32 arithmetic runs on the host, in numpy
+        self.ts = torch.linspace(1, float(c.eps), n + 1, dtype=torch.float32).numpy()
 
     # -- set-up ----------------------------------------------------------------------------------------
     def prepare(self, canvas) -> Optional[FrameDelta]:
@@ -242,7 +244,7 @@ class Dream(DreamBlockLoop, Strategy):
         s = sample_tokens(logits, c.temperature, c.top_p, c.top_k, alg=alg)
         return s.confidence, s.x0
 
-    def _k(self, n: torch.Tensor, i: int, last: int) -> int:
+    def _k(self, n: np.float32, i: int, last: int) -> int:
         """``int(n (1 - s/t))`` in float32 (everything left at the last step)."""
         if i < last:
             t, s = self.ts[i], self.ts[i + 1]
@@ -290,7 +292,7 @@ class Dream(DreamBlockLoop, Strategy):
         nxt = dataclasses.replace(st, i=st.i + 1)
         done = nxt.i >= self.steps
         if c.alg == Alg.origin:
-            p_transfer = (1 - self.ts[i + 1] / self.ts[i]) if i < self.steps - 1 else 1
+            p_transfer = float(1 - self.ts[i + 1] / self.ts[i]) if i < self.steps - 1 else 1
             sel = torch.rand(M, device=mask_logits.device) < p_transfer
             if c.temperature > 0:     # the draws have the shape of the revealed positions: one more host read
                 x0 = torch.full((M,), mid, dtype=torch.long, device=mask_logits.device)
@@ -303,8 +305,8 @@ class Dream(DreamBlockLoop, Strategy):
             return self._delta(canvas, lo, commit, tokens, conf, done=done), nxt
         kind = {Alg.maskgit_plus: "prob", Alg.topk_margin: "margin", Alg.entropy: "entropy"}[c.alg]
         cval, x0 = self._propose(mask_logits, kind)
-        n = torch.tensor(M) / B                                    # batch average, float32 (reference)
-        k = self._k(n.float(), i, self.steps - 1)
+        n = np.float32(M) / np.float32(B)                          # batch average, float32 (reference)
+        k = self._k(n, i, self.steps - 1)
         tokens = self._scatter(x0, mask, mid, order)
         conf_w = self._scatter(cval, mask, float("-inf"), order)
         conf = conf_w.float()

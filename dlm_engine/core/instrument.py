@@ -43,10 +43,11 @@ class ModelTimer:
 
 class SyncCounter:
     """Counts host-synchronising tensor operations made outside ``timer``'s model forward (all of them when
-    ``timer`` is None), by name. Use as a context manager around a decode."""
+    ``timer`` is None), by name; with ``where`` also the calling line of each (``stacks``). Use as a context
+    manager around a decode."""
 
-    def __init__(self, timer: ModelTimer = None):
-        self.timer = timer
+    def __init__(self, timer: ModelTimer = None, where: bool = False):
+        self.timer, self.where = timer, where
         self.counts: Dict[str, int] = {}
         self.stacks: List[str] = []
         self._saved = []
@@ -59,6 +60,11 @@ class SyncCounter:
         if self.timer is not None and self.timer.inside:
             return
         self.counts[name] = self.counts.get(name, 0) + 1
+        if self.where:
+            import traceback
+
+            frame = traceback.extract_stack(limit=4)[0]
+            self.stacks.append(f"{name} at {frame.filename}:{frame.lineno} ({frame.name})")
 
     def __enter__(self) -> "SyncCounter":
         T = torch.Tensor
