@@ -131,7 +131,7 @@ class CadLLM(Strategy):
             "prob" if c.confidence_method == ConfidenceMethod.softmax else "inv_entropy")
         d = CacheDirective(block=(st.start, st.end), block_start=i == 0, step_in_block=i)
         return StepPlan(window=(st.start, st.end), temperature=c.temperature, confidence=kind, top_v=v_t, cache=d,
-                        info={"vocab_size": v_t, "threshold": self.threshold_at(i, st.budget)}), st
+                        masked=[st.left], info={"vocab_size": v_t, "threshold": self.threshold_at(i, st.budget)}), st
 
     def select(self, canvas, plan, proposal, st: CadState):
         c = self.cfg

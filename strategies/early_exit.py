@@ -109,11 +109,16 @@ class EarlyExit(Strategy):
             st = dataclasses.replace(st, schedule=host_schedule([row[cur.block] for row in st.counts],
                                                                 self.steps_per_block))
         c = self.cfg
-        # the window is the whole generation: the answer window and the all-in commit reach past the block
-        return StepPlan(window=(canvas.gen_start, canvas.length), temperature=c.temperature,
+        if self.answer_window is None:      # LLaDA's loop: the block is all a step needs
+            window, masked = (s, e), [row[cur.block] for row in st.counts]
+        else:
+            # the answer window and the all-in commit reach past the block: the whole generation, with
+            # confidences at its masked positions (all of them may be committed by an all-in)
+            window, masked = (canvas.gen_start, canvas.length), [sum(row) for row in st.counts]
+        return StepPlan(window=window, temperature=c.temperature,
                         confidence="random" if c.remasking == Remasking.random else "prob", cfg_scale=c.cfg_scale,
                         cache=CacheDirective(block=(s, e), block_start=cur.step == 0, step_in_block=cur.step),
-                        info={"k": [sch[cur.step] for sch in st.schedule]}), st
+                        masked=masked, info={"k": [sch[cur.step] for sch in st.schedule]}), st
 
     def sync_request(self, canvas, st: ExitState):
         return torch.cat([block_counts(canvas, self.block_length).reshape(-1), st.exited.reshape(-1)])

@@ -104,7 +104,7 @@ class LowConfidence(Strategy):
             confidence="random" if c.remasking == Remasking.random else c.confidence.value,
             softmax_dtype="float64" if c.loop == Loop.fastdllm else "model", cfg_scale=c.cfg_scale,
             cache=CacheDirective(block=(s, e), block_start=cur.step == 0, step_in_block=cur.step),
-            suppress=eos_suppress(c, canvas), rows=rows, info={"k": k},
+            suppress=eos_suppress(c, canvas), rows=rows, masked=left, info={"k": k},
         ), st
 
     def select(self, canvas, plan, proposal, st: Schedule):
@@ -121,12 +121,11 @@ class LowConfidence(Strategy):
         return eos_stop(c, canvas, delta), dataclasses.replace(st, cursor=nxt)
 
     def sync_request(self, canvas, st: Schedule):
-        return torch.cat([block_counts(canvas, self.block_length).reshape(-1), canvas.finished.reshape(-1)])
+        return block_counts(canvas, self.block_length)
 
     def synced(self, canvas, st: Schedule, values, delta):
-        B = canvas.batch_size
-        counts = host_rows(values[:-B], B)
-        st = dataclasses.replace(st, counts=counts, all_finished=all(values[-B:]))
+        counts = host_rows(values, canvas.batch_size)
+        st = dataclasses.replace(st, counts=counts, all_finished=all(canvas.finished_host))
         cur = st.cursor
         if (delta is not None and self.cfg.loop == Loop.fastdllm and cur.block < self.num_blocks
                 and not any(row[cur.block] for row in counts)):

@@ -5,6 +5,7 @@ import copy
 import dataclasses
 
 import pytest
+import numpy as np
 import torch
 
 from dlm_engine.core.canvas import Canvas, FrameDelta
@@ -30,6 +31,8 @@ def snapshot(x):
     """A comparable deep copy of a value made of dataclasses, tuples, lists, dicts and tensors."""
     if isinstance(x, torch.Tensor):
         return ("tensor", x.detach().clone())
+    if isinstance(x, np.ndarray):
+        return ("tensor", torch.from_numpy(x.copy()))
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         return (type(x).__name__, {f.name: snapshot(getattr(x, f.name)) for f in dataclasses.fields(x)})
     if isinstance(x, (list, tuple)):

@@ -103,7 +103,7 @@ class FillBlocks(Strategy):
             confidence="random" if c.remasking == Remasking.random else "prob", softmax_dtype="float64",
             cache=CacheDirective(block=(s, e), block_start=cur.step == 0, step_in_block=cur.step),
             suppress=eos_suppress(c, canvas), rows=None if all(left) else [n > 0 for n in left],
-            info={"counts": left},
+            masked=left, info={"counts": left},
         ), BlockState(cur, counts)
 
     def select(self, canvas, plan, proposal, st: "BlockState"):

@@ -43,6 +43,7 @@ class ActiveRows:
         self.vocab: Optional[Tuple[int, torch.dtype]] = None   # logits' last dim and dtype, once seen
         self.none_active = False
         self.mask: Optional[torch.Tensor] = None                 # [B] bool: the rows of the current call
+        self.run: Tuple[bool, ...] = ()                          # host flags: the rows the current call runs
         self._memo = {}
 
     def _index(self, flags: Tuple[bool, ...]) -> Optional[torch.Tensor]:
@@ -63,6 +64,7 @@ class ActiveRows:
             self.mask = self._flags(tuple(not f for f in finished))
             return None, None
         run = alive if wanted is None else tuple(a and bool(w) for a, w in zip(alive, wanted))
+        self.run = run
         live = self._index(alive)
         if not any(run):
             raise RuntimeError("a plan named no row that can run")

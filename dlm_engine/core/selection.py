@@ -27,7 +27,7 @@ def host_schedule(masked: Sequence[int], steps: int) -> Tuple[Tuple[int, ...], .
 
 
 def masked_conf(conf: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
-    return torch.where(cand, conf, torch.full_like(conf, NEG_INF))
+    return conf.masked_fill(~cand, NEG_INF)
 
 
 def widen(c: torch.Tensor, span: Optional[Tuple]) -> Tuple[torch.Tensor, int]:
@@ -147,6 +147,11 @@ def topk_rows(scores: torch.Tensor, k, largest: bool = True, lead: Optional[Sequ
         take = torch.arange(W, device=scores.device)[None, :] < k[:, None]
         return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(1, order, take)
     ks = [int(k)] * scores.shape[0] if isinstance(k, int) else k
+    if lead is None and all(kv == ks[0] for kv in ks):       # the common case: one call for every row
+        if ks[0] <= 0:
+            return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+        idx = torch.topk(scores, min(int(ks[0]), W), dim=-1, largest=largest).indices
+        return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(1, idx, True)
     out = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
     for (kv, a), rows in _groups(_keys(ks, lead), scores.device):
         if kv <= 0:

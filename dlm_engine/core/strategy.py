@@ -9,6 +9,7 @@ initial canvas) are a step-0 delta returned by :meth:`Strategy.prepare`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from enum import Enum
@@ -50,6 +51,10 @@ class StepPlan:
     aux: Optional[AuxColumns] = None     # extra query columns for this call (needs Cap.AUX_COLUMNS)
     rows: Optional[Sequence[bool]] = None  # per row, on the host: takes part in this step (None = every unfinished row)
     position_ids: Optional[torch.Tensor] = None   # [B, L] position ids for this call (None = the canvas')
+    # per row, on the host: the masked positions of the window. Set it when only masked positions can be
+    # committed: confidences are then computed there only (the float64 softmax over the vocabulary is the
+    # costliest part of a step outside the model), the others are -inf
+    masked: Optional[Sequence[int]] = None
 
 
 @dataclass(frozen=True)
@@ -234,6 +239,7 @@ def coerce_choices(config: Any) -> Any:
     return dataclasses.replace(config, **changes) if changes else config
 
 
+@functools.lru_cache(maxsize=None)
 def _field_types(cls) -> Dict[str, Any]:
     import typing
 
