@@ -103,3 +103,19 @@ def test_non_finite_logits_at_the_first_forward_stop_the_decode(tiny_llada):
         decode(NaNModel(), canvas, cls(cls.Config(), 8), sinks=[seen])
     # read in the step's one host sync: the first step is the last, and no sink (trace, progress) saw it
     assert isinstance(err.value, UserError) and canvas.nfe == 1 and seen.deltas == 0
+
+
+def test_the_first_forward_health_flag():
+    """NaN, +inf or a position whose logits are all -inf are unhealthy; -inf on some tokens (suppressed EOS) is not."""
+    from dlm_engine.core.loop import non_finite
+
+    ok = torch.randn(2, 3, 5)
+    ok[..., 1] = float("-inf")
+    assert not bool(non_finite(ok))
+    for value, where in ((float("nan"), (1, 2, 3)), (float("inf"), (0, 0, 0))):
+        bad = ok.clone()
+        bad[where] = value
+        assert bool(non_finite(bad))
+    dead = ok.clone()
+    dead[1, 1, :] = float("-inf")
+    assert bool(non_finite(dead))
