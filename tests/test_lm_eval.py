@@ -36,21 +36,28 @@ def _env():
     return dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", OMP_WAIT_POLICY="PASSIVE")
 
 
-def test_simple_evaluate_runs_generate_until_with_our_generations(task_dir, monkeypatch):
+# the d2Cache family through the adapter too (issue 14): each with the generations dlm_engine makes directly
+NEW = "model=tiny_random,gen_length=8,device=cpu,trace.record=false,strategy="
+
+
+@pytest.mark.parametrize("args", [ARGS] + [NEW + s for s in ("d2c", "pc_sampler", "eb_sampler", "certainty_prior",
+                                                               "klass", "ar", "wino")],
+                         ids=lambda a: a.split("strategy=")[1].split(",")[0])
+def test_simple_evaluate_runs_generate_until_with_our_generations(task_dir, monkeypatch, args):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
     import dlm_engine.integrations.lm_eval as adapter
 
-    res = simple_evaluate(model="dlm_engine", model_args=ARGS, tasks=["dlm_tiny"],
+    res = simple_evaluate(model="dlm_engine", model_args=args, tasks=["dlm_tiny"],
                           task_manager=TaskManager(include_path=str(task_dir)), log_samples=True)
     metrics = res["results"]["dlm_tiny"]
     samples = res["samples"]["dlm_tiny"]
     assert metrics["exact_match,none"] == sum(s["exact_match"] for s in samples) / len(samples)
     assert len(samples) == len(DOCS)
     # the harness received exactly what dlm_engine decodes for these prompts with this config
-    lm = adapter.DLMEngineLM(**dict(kv.split("=") for kv in ARGS.split(",")))
+    lm = adapter.DLMEngineLM(**dict(kv.split("=") for kv in args.split(",")))
     import torch
 
     from dlm_engine.app.api import run_prompts
@@ -133,7 +140,7 @@ def test_wrapper_command_knows_the_model_name(task_dir, tmp_path):
 def test_rolling_loglikelihood_is_refused_with_a_clear_message():
     import dlm_engine.integrations.lm_eval as adapter
 
-    lm = adapter.DLMEngineLM(**dict(kv.split("=") for kv in ARGS.split(",")))
+    lm = adapter.DLMEngineLM(**dict(kv.split("=") for kv in args.split(",")))
     with pytest.raises(NotImplementedError, match="rolling"):
         lm.loglikelihood_rolling([])
 
@@ -204,7 +211,7 @@ def test_generation_kwargs_the_strategy_owns_are_reported_once(caplog):
         def __init__(self, ctx, kw):
             self.args = (ctx, kw)
 
-    lm = adapter.DLMEngineLM(**dict(kv.split("=") for kv in ARGS.split(",")))
+    lm = adapter.DLMEngineLM(**dict(kv.split("=") for kv in args.split(",")))
     reqs = [Req("347+085=", {"until": ["\n"], "temperature": 0.7, "do_sample": True}), Req("901-256=", {"until": ["\n"]})]
     with caplog.at_level(logging.WARNING, logger="dlm_engine.integrations.lm_eval"):
         lm.generate_until(reqs)
