@@ -206,8 +206,10 @@ class D2C(Strategy):
 
     def select(self, canvas, plan, proposal, st: BlockState):
         c, g, B = self.cfg, canvas.gen_start, canvas.batch_size
-        rows = proposal.rows if proposal.rows is not None else torch.arange(B, device=canvas.device)
-        masked = canvas.masked()[rows, g:]
+        every = proposal.rows is None                    # the call ran every row: no gathers and scatters
+        rows = torch.arange(B, device=canvas.device) if every else proposal.rows
+        masked_all = canvas.masked()[:, g:]
+        masked = masked_all if every else masked_all[rows]
         cand = masked if (proposal.valid is None or not c.restrict_to_computed_logits) else masked & proposal.valid
         st = self.frequencies(canvas, st, proposal.logits.shape[-1])
         sampled = self.sample(proposal.logits, cand, st)
@@ -216,16 +218,27 @@ class D2C(Strategy):
         a, b = self.block_cols(st.block)
         in_block = torch.zeros_like(cand)
         in_block[:, a:b] = True
-        block_cand = cand & in_block & self.eligible(canvas, canvas.masked()[:, g:])[rows]
+        block_cand = cand & in_block
+        if c.stop_until_eos:
+            elig = self.eligible(canvas, masked_all)
+            block_cand &= elig if every else elig[rows]
         counts = plan.info["counts"] if cand is masked else None
         commit_a, st = self.pick(scores, cand, block_cand, sampled, st, rows, counts)
-        delta = self.frame(canvas, rows, commit_a, sampled.x0, conf)
+        delta = self.frame(canvas, None if every else rows, commit_a, sampled.x0, conf)
         delta.scalars.update(block=st.block, committed=delta.commit.sum(-1))
         return delta, dataclasses.replace(st, step=st.step + 1)   # the block ends in synced, on the host read
 
     def frame(self, canvas, rows, commit_a, x0_a, conf_a) -> FrameDelta:
-        """The full-batch delta over the generation from the call rows' commits, tokens and confidences."""
+        """The full-batch delta over the generation from the call rows' commits, tokens and confidences
+        (``rows`` None: the call ran every row)."""
         g, B = canvas.gen_start, canvas.batch_size
+        if rows is None:
+            delta = FrameDelta(step=canvas.step + 1, nfe=1, start=g, commit=commit_a,
+                               tokens=torch.where(commit_a, x0_a, canvas.tokens[:, g:]),
+                               active=torch.ones(B, dtype=torch.bool, device=canvas.device),
+                               finished=torch.zeros(B, dtype=torch.bool, device=canvas.device),
+                               confidence=conf_a.float())
+            return self.finish(canvas, delta)
         commit = torch.zeros((B, canvas.gen_length), dtype=torch.bool, device=canvas.device)
         commit[rows] = commit_a
         tokens = canvas.tokens[:, g:].clone()
