@@ -140,7 +140,7 @@ def test_wrapper_command_knows_the_model_name(task_dir, tmp_path):
 def test_rolling_loglikelihood_is_refused_with_a_clear_message():
     import dlm_engine.integrations.lm_eval as adapter
 
-    lm = adapter.DLMEngineLM(**dict(kv.split("=") for kv in args.split(",")))
+    lm = adapter.DLMEngineLM(**dict(kv.split("=") for kv in ARGS.split(",")))
     with pytest.raises(NotImplementedError, match="rolling"):
         lm.loglikelihood_rolling([])
 
@@ -211,7 +211,7 @@ def test_generation_kwargs_the_strategy_owns_are_reported_once(caplog):
         def __init__(self, ctx, kw):
             self.args = (ctx, kw)
 
-    lm = adapter.DLMEngineLM(**dict(kv.split("=") for kv in args.split(",")))
+    lm = adapter.DLMEngineLM(**dict(kv.split("=") for kv in ARGS.split(",")))
     reqs = [Req("347+085=", {"until": ["\n"], "temperature": 0.7, "do_sample": True}), Req("901-256=", {"until": ["\n"]})]
     with caplog.at_level(logging.WARNING, logger="dlm_engine.integrations.lm_eval"):
         lm.generate_until(reqs)
