@@ -162,7 +162,7 @@ def attention_block(idx: int, x: torch.Tensor, norm: nn.Module, spec: AttentionS
     """``x + out_proj(attention(norm(x)))`` with the projections inside ``hooks.attention``."""
     B, T, _ = x.shape
     a = norm(x)
-    io = AttentionIO(layer=idx, x=a, call=call,
+    io = AttentionIO(layer=idx, x=a, call=call, out_proj=out_proj,
                      project_v=lambda t: _heads(spec.v_proj(t), spec.n_kv_heads, spec.head_dim))
     with hooks.attention(idx, io) as io:
         rows = io.query_rows
@@ -187,9 +187,10 @@ def attention_block(idx: int, x: torch.Tensor, norm: nn.Module, spec: AttentionS
             out = out * km.gather(1, q_cols)[:, None, :, None].to(out.dtype)
         io.out = out.transpose(1, 2).reshape(B, q.shape[2], -1)
         io.key_columns = k_cols
+        call.layer_positions += B * q.shape[2]
     if io.out.shape[1] != T:
         raise RuntimeError(f"cache hook left attention output for {io.out.shape[1]} of {T} positions in layer {idx}")
-    return x + out_proj(io.out)
+    return x + (io.out if io.projected else out_proj(io.out))
 
 
 def ffn_block(idx: int, x: torch.Tensor, norm: nn.Module, mlp: Callable[[torch.Tensor], torch.Tensor],
