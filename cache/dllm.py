@@ -5,7 +5,7 @@ only a chosen set of positions goes through the Q/K/V projections, attention and
 takes its cached attention output and cached FFN output (both after their output projections), added to its
 *current* residual stream.
 
-Schedule (per row, ``n`` = steps that wrote to the row so far): the prompt ``[0, P)`` is recomputed when
+Schedule (per row, ``n`` = steps the row took part in so far): the prompt ``[0, P)`` is recomputed when
 ``n % kp == 0``, the response ``[P, L)`` when ``n % kr == 0``. Between response refreshes the ``rou`` fraction
 of response positions whose fresh value vectors differ most from the cached ones (lowest cosine similarity) is
 recomputed (``int(R * rou)`` positions per layer); the value vectors of *all* response positions are written in
@@ -76,7 +76,7 @@ class DLLMCache(Cache):
     def begin(self, canvas) -> None:
         self.store = RowStore()
         self.k, self.v, self.att, self.mlp = {}, {}, {}, {}
-        self.steps = torch.zeros(0, dtype=torch.long)      # per held row: steps that wrote to it (host)
+        self.steps = torch.zeros(0, dtype=torch.long)      # per held row: calls it took part in (host)
         self.prev = torch.zeros(0, dtype=torch.bool)       # per held row: took part in the previous call (host)
         self._call = None
 
@@ -133,26 +133,12 @@ class DLLMCache(Cache):
         prev = torch.zeros(st.n_held, dtype=torch.bool)
         prev[slice(None) if self._rows_host is None else self._rows_host] = True
         self.prev = prev
+        self.steps += prev.long()          # a row's step count: the calls it took part in
         if self._last is not None and self._last[0] is not None:     # (None: the last layer recomputed all)
             index, keep = self._last
             rec = torch.zeros(call.input_ids.shape, dtype=torch.bool, device=index.device)
             call.recomputed = rec.scatter_(1, index, True) if keep is None else rec.scatter_(1, index, keep)
         self._call = None
-
-    def after_step(self, canvas, delta, call) -> None:
-        if call is None or delta is None:
-            return
-        wrote = delta.commit.any(-1)
-        if delta.remask is not None:
-            wrote = wrote | delta.remask.any(-1)
-        # whether each of the call's rows wrote (rows of the full call batch; CFG's copies follow their rows)
-        rows = call.request.rows
-        call_rows = torch.arange(self.store.n_held) if rows is None else rows.cpu()
-        w = wrote.cpu()[call_rows % canvas.batch_size]
-        if self._rows_host is None:
-            self.steps += w.long()
-        else:
-            self.steps[self._rows_host] += w.long()
 
     def _selection(self, layer: int, io):
         """The layer's query rows: ``(index, keep, v_new, adaptive_rows)``; index None = every column."""
