@@ -198,3 +198,70 @@ def test_bad_values_name_the_key(cache, key, value):
     ccls = cache_class(cache)
     with pytest.raises(ConfigError, match=f"cache.{key}="):
         ccls(ccls.Config(**{key: value}))
+
+
+# ------------------------------------------------------------------------------------------------ the trace option
+def test_trace_records_the_recomputed_columns_of_every_step(models, tmp_path):
+    """trace.recomputed=true: the per-step scalar ``recomputed`` holds, per row, the canvas columns each step's
+    call recomputed (what the cache chose); the HTML view outlines them. Off by default."""
+    from contextlib import contextmanager
+
+    from dlm_engine.core.protocol import recomputed_columns
+    from dlm_engine.trace.reader import open_trace
+    from dlm_engine.trace.recorder import TraceRecorder
+    from dlm_engine.trace.tools import recomputed_ranges, to_html
+
+    model = models["tiny_llada"]
+    load_plugins()
+    for cname, kw in (("d2cache", {"current_k": 4}), ("dllm", {})):
+        ccls, scls = cache_class(cname), strategy_class("threshold")
+        cache = ccls(ccls.Config(**kw))
+        seen = []
+        inner = cache.forward
+
+        @contextmanager
+        def forward(call, inner=inner, seen=seen):
+            with inner(call) as c:
+                yield c
+            rows = list(range(c.batch_size)) if c.request.rows is None else c.request.rows.tolist()
+            seen.append({r: recomputed_columns(c)[j].numpy().copy() for j, r in enumerate(rows)})
+
+        cache.forward = forward
+        for on in (True, False):
+            seen.clear()
+            canvas = Canvas.from_prompts(PROMPTS, 16, 1000, 1001)
+            path = tmp_path / f"{cname}_{on}.dlmt"
+            with TraceRecorder(str(path), {"model": {"mask_id": 1000}}, recomputed=on) as rec:
+                decode(model, canvas, scls(scls.Config(block_length=8, threshold=0.5), 16), cache=cache,
+                       sinks=[rec.sink(0, [0, 1])])
+            tr = open_trace(str(path))
+            assert tr.header["capture"]["recomputed"] is on
+            for i, seq in enumerate(tr):
+                if not on:
+                    assert "recomputed" not in seq.steps.scalars and recomputed_ranges(seq) is None
+                    continue
+                got = seq.steps.scalars["recomputed"].astype(bool)
+                assert got.shape == (len(seen), canvas.length)
+                for t, by_row in enumerate(seen):      # a row the step did not run recomputed nothing
+                    assert (got[t] == by_row[i]).all() if i in by_row else not got[t].any()
+                assert not got[1:].all()          # cached steps recompute a subset
+            if on:
+                page = to_html(tr)
+                assert "recomputed at this step" in page and '"rec": {"1": [[0, ' in page
+
+
+def test_cli_runs_the_adaptive_caches_with_the_trace_option(tmp_path):
+    from conftest import run_dlm
+
+    run = tmp_path / "run"
+    proc = run_dlm([f"hydra.run.dir={run}", "device=cpu", "strategy=threshold", "strategy.block_length=8",
+                    "cache=d2cache", "cache.current_k=4", "trace.recomputed=true", "gen_length=16",
+                    'prompts=["12+34="]', "print_outputs=false"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = tmp_path / "page.html"
+    proc = run_dlm(["html", str(run / "trace.dlmt"), "-o", str(out)], cwd=tmp_path, exe="dlm-trace")
+    assert proc.returncode == 0, proc.stderr
+    assert "recomputed at this step" in out.read_text()
+    proc = run_dlm([f"hydra.run.dir={tmp_path / 'bad'}", "device=cpu", "cache=dllm", "cache.kp=0", "gen_length=16"],
+                   cwd=tmp_path)
+    assert proc.returncode != 0 and "cache.kp=0" in proc.stderr and "Traceback" not in proc.stderr
