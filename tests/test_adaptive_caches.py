@@ -265,3 +265,34 @@ def test_cli_runs_the_adaptive_caches_with_the_trace_option(tmp_path):
     proc = run_dlm([f"hydra.run.dir={tmp_path / 'bad'}", "device=cpu", "cache=dllm", "cache.kp=0", "gen_length=16"],
                    cwd=tmp_path)
     assert proc.returncode != 0 and "cache.kp=0" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_every_strategy_decodes_a_llada_batch_with_the_adaptive_caches(models):
+    """Every registered strategy that pairs with dllm / d2cache decodes a left-padded LLaDA batch to the end (CFG's
+    doubled batch included); dllm with rou=0 reuses every cached output between refreshes (layers with no query)."""
+    from dlm_engine.core.registry import STRATEGIES
+
+    model = models["tiny_llada"]
+    load_plugins()
+    ran = []
+    for sname, cls in sorted(STRATEGIES.items()):
+        kw = {"block_length": 8} if "block_length" in cls.Config.__dataclass_fields__ else {}
+        if sname == "dream":
+            kw["steps"] = 4
+        strategy = cls(cls.Config(**kw), 16)
+        for cname, ckw in (("dllm", {}), ("dllm", {"rou": 0.0, "kr": 3}), ("d2cache", {"current_k": 4})):
+            ccls = cache_class(cname)
+            cache = ccls(ccls.Config(**ckw))
+            if incompatibility(strategy, cache) is not None:
+                continue
+            canvas = Canvas.from_prompts(PROMPTS, 16, 1000, 1001)
+            decode(model, canvas, strategy, cache)
+            assert not canvas.masked()[:, canvas.gen_start:].any(), (sname, cname)
+            ran.append((sname, cname))
+    assert {("threshold", "d2cache"), ("low_confidence", "dllm"), ("d2c", "d2cache"), ("factor", "dllm")} <= set(ran)
+    lc = strategy_class("low_confidence")
+    for cname in ("dllm", "d2cache"):
+        canvas = Canvas.from_prompts(PROMPTS, 16, 1000, 1001)
+        decode(model, canvas, lc(lc.Config(steps=16, block_length=8, cfg_scale=1.0, loop="fastdllm"), 16),
+               cache_class(cname)())
+        assert not canvas.masked()[:, canvas.gen_start:].any(), cname

@@ -185,7 +185,7 @@ def attention_block(idx: int, x: torch.Tensor, norm: nn.Module, spec: AttentionS
             if call.request.aux is not None:                            # aux columns are never padding
                 km = torch.cat([km, torch.ones_like(call.request.aux.tokens, dtype=torch.bool)], dim=1)
             out = out * km.gather(1, q_cols)[:, None, :, None].to(out.dtype)
-        io.out = out.transpose(1, 2).reshape(B, q.shape[2], -1)
+        io.out = out.transpose(1, 2).reshape(B, q.shape[2], spec.n_heads * spec.head_dim)   # (also with 0 rows)
         io.key_columns = k_cols
         call.layer_positions += B * q.shape[2]
     if io.out.shape[1] != T:
