@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from conftest import FIXTURES
+from conftest import FIXTURES, small_strategies, watch_calls
 from dlm_engine.core.canvas import Canvas
 from dlm_engine.core.capabilities import incompatibility
 from dlm_engine.core.loop import decode
@@ -143,21 +143,10 @@ def test_dllm_refreshing_every_step_is_the_uncached_model(models):
 def test_d2cache_logits_cover_only_the_query_set(models):
     """A cached d2Cache call fills logits (and ``valid``) exactly for the columns after its query set's columns
     (shifted models read the previous column), zeros elsewhere."""
-    from contextlib import contextmanager
-
     model = models["tiny_dream"]
     ccls = cache_class("d2cache")
     cache = ccls(ccls.Config(current_k=4))
-    seen = []
-    inner = cache.forward
-
-    @contextmanager
-    def forward(call):
-        with inner(call) as c:
-            yield c
-        seen.append(c)
-
-    cache.forward = forward
+    seen = watch_calls(cache)
     cls = strategy_class("d2c")
     canvas = Canvas.from_prompts(PROMPTS[:1], 16, 1000, 1001)
     decode(model, canvas, cls(cls.Config(block_length=8), 16), cache=cache)
@@ -204,8 +193,6 @@ def test_bad_values_name_the_key(cache, key, value):
 def test_trace_records_the_recomputed_columns_of_every_step(models, tmp_path):
     """trace.recomputed=true: the per-step scalar ``recomputed`` holds, per row, the canvas columns each step's
     call recomputed (what the cache chose); the HTML view outlines them. Off by default."""
-    from contextlib import contextmanager
-
     from dlm_engine.core.protocol import recomputed_columns
     from dlm_engine.trace.reader import open_trace
     from dlm_engine.trace.recorder import TraceRecorder
@@ -216,17 +203,12 @@ def test_trace_records_the_recomputed_columns_of_every_step(models, tmp_path):
     for cname, kw in (("d2cache", {"current_k": 4}), ("dllm", {})):
         ccls, scls = cache_class(cname), strategy_class("threshold")
         cache = ccls(ccls.Config(**kw))
-        seen = []
-        inner = cache.forward
 
-        @contextmanager
-        def forward(call, inner=inner, seen=seen):
-            with inner(call) as c:
-                yield c
+        def by_row(c):
             rows = list(range(c.batch_size)) if c.request.rows is None else c.request.rows.tolist()
-            seen.append({r: recomputed_columns(c)[j].numpy().copy() for j, r in enumerate(rows)})
+            return {r: recomputed_columns(c)[j].numpy().copy() for j, r in enumerate(rows)}
 
-        cache.forward = forward
+        seen = watch_calls(cache, by_row)
         for on in (True, False):
             seen.clear()
             canvas = Canvas.from_prompts(PROMPTS, 16, 1000, 1001)
@@ -270,16 +252,9 @@ def test_cli_runs_the_adaptive_caches_with_the_trace_option(tmp_path):
 def test_every_strategy_decodes_a_llada_batch_with_the_adaptive_caches(models):
     """Every registered strategy that pairs with dllm / d2cache decodes a left-padded LLaDA batch to the end (CFG's
     doubled batch included); dllm with rou=0 reuses every cached output between refreshes (layers with no query)."""
-    from dlm_engine.core.registry import STRATEGIES
-
     model = models["tiny_llada"]
-    load_plugins()
     ran = []
-    for sname, cls in sorted(STRATEGIES.items()):
-        kw = {"block_length": 8} if "block_length" in cls.Config.__dataclass_fields__ else {}
-        if sname == "dream":
-            kw["steps"] = 4
-        strategy = cls(cls.Config(**kw), 16)
+    for sname, strategy in small_strategies(16):
         for cname, ckw in (("dllm", {}), ("dllm", {"rou": 0.0, "kr": 3}), ("d2cache", {"current_k": 4})):
             ccls = cache_class(cname)
             cache = ccls(ccls.Config(**ckw))

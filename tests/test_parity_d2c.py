@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import FIXTURES, ROOT
+from conftest import FIXTURES, run_parity
 
 D2C = FIXTURES / "d2cparity"
 CACHE_SUITES = ("d2c_prefix", "d2c_dllm", "d2c_d2cache")
@@ -16,11 +16,7 @@ CACHE_SUITES = ("d2c_prefix", "d2c_dllm", "d2c_d2cache")
 
 @pytest.fixture(scope="module")
 def d2c_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("d2c") / "candidate.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "parity.py"), str(D2C), str(out)],
-                          capture_output=True, text=True, timeout=900, cwd=str(ROOT))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out, proc.stdout
+    return run_parity(D2C, tmp_path_factory.mktemp("d2c"))
 
 
 def test_every_d2c_case_that_runs_matches(d2c_run):
