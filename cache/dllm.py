@@ -157,7 +157,7 @@ class DLLMCache(Cache):
             v_new = adaptive = None
             if rr:
                 parts.append(torch.arange(P, T, device=x.device).expand(b, R))
-            elif k > 0 and layer in self.v:
+            elif float(self.cfg.rou) > 0 and layer in self.v:     # (k may be 0: the values are still written)
                 v_new, chosen = self._adaptive(layer, io, P, k)
                 parts.append(chosen)
                 adaptive = True
@@ -169,7 +169,7 @@ class DLLMCache(Cache):
         sel[:, :P] = rp[:, None]
         sel[:, P:] = rr[:, None]
         v_new = adaptive = None
-        if k > 0 and layer in self.v and not bool(rr.all()):
+        if float(self.cfg.rou) > 0 and layer in self.v and not bool(rr.all()):
             v_new, chosen = self._adaptive(layer, io, P, k)
             adaptive = ~rr
             pick = torch.zeros_like(sel).scatter_(1, chosen, True)
