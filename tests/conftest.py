@@ -108,7 +108,7 @@ def run_parity(folder, tmp):
     """``experiments/parity.py FOLDER`` in a subprocess; returns (candidate file, its stdout)."""
     out = Path(tmp) / "candidate.json"
     proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "parity.py"), str(folder), str(out)],
-                          capture_output=True, text=True, timeout=900, cwd=str(ROOT))
+                          capture_output=True, text=True, timeout=1200, cwd=str(ROOT))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, proc.stdout
 
@@ -151,12 +151,9 @@ def d2c_candidates(tmp_path_factory):
     """`experiments/parity.py` on the d2cparity copy once per session; ({case id: candidate}, stdout)."""
     import json
 
-    out = tmp_path_factory.mktemp("d2cparity") / "candidate.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "parity.py"), str(FIXTURES / "d2cparity"),
-                           str(out)], capture_output=True, text=True, timeout=1200, cwd=str(ROOT))
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    out, stdout = run_parity(FIXTURES / "d2cparity", tmp_path_factory.mktemp("d2cparity"))
     data = json.loads(out.read_text())
-    return {c["id"]: c for c in data["cases"]}, proc.stdout
+    return {c["id"]: c for c in data["cases"]}, stdout
 
 
 @pytest.fixture(scope="session")

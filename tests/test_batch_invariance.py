@@ -36,13 +36,20 @@ INTERACTING = {
     ("block_buffer", "dual"): "the buffer window is the union of the rows' buffers: cached steps recompute it for all",
     ("block_buffer", "block_store"): "a block is stored once it is complete in every row of the batch",
 }
+# d2Cache tops every row up to the same number of queried positions and takes the block bonus and the top-up
+# offset as maxima over the batch (reference semantics)
+INTERACTING.update({(name, "d2cache"): "d2Cache's equal-count top-up and batch-wide maxima" for name in SETTINGS})
+# cache options under which the guarantee holds: dLLM-Cache's reference schedule is one for the batch (rows that sit
+# steps out make it diverge: ScheduleDiverged, tests/test_adaptive_caches.py); per-row schedules are invariant
+CACHE_SETTINGS = {"dllm": dict(per_row_schedule=True)}
 
 
 def trajectory(model, prompts, name, cache, **kw):
     cls = strategy_class(name)
     canvas = Canvas.from_prompts(prompts, GEN, 1000, 1001)
     rec = RecordingSink()
-    decode(model, canvas, cls(cls.Config(**kw), GEN), CACHES.get(cache)(), sinks=[rec])
+    ccls = CACHES.get(cache)
+    decode(model, canvas, cls(cls.Config(**kw), GEN), ccls(ccls.Config(**CACHE_SETTINGS.get(cache, {}))), sinks=[rec])
     g = canvas.gen_start
     rows = []
     for r in range(len(prompts)):
