@@ -6,7 +6,8 @@
     python experiments/bench_cache.py --part tasks --n 1000
 
 (a) ``tasks``: the embedded tiny model on its held-out task mix (generation 16, blocks of 8): accuracy, NFE per
-prompt and generated tokens per second of every cache under both strategies.
+prompt and generated tokens per second of every cache under both strategies. Batched, so ``dllm`` runs with
+``per_row_schedule=true`` (its reference schedule is shared by a batch and stops when rows diverge).
 
 (b) ``random``: a LLaDA-shaped model with random weights (default d_model 512, 8 layers, blocks of 32) whose output
 head is scaled so that confidences spread out (the threshold rule then commits several tokens per step, as with a
@@ -60,9 +61,11 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def make_cache(name):
+def make_cache(name, batched: bool = False):
+    """The cache with its defaults; in batches dLLM-Cache gets per-row schedules (its reference schedule is shared
+    by the batch and stops when rows that sat steps out diverge)."""
     cls = cache_class(name)
-    return cls(cls.Config())
+    return cls(cls.Config(per_row_schedule=True) if batched and name == "dllm" else cls.Config())
 
 
 def watch(cache, n_layers: int, fractions: list):
@@ -83,7 +86,7 @@ def run(model, prompts, gen, strategy, conf, cache_name, device):
     cls = strategy_class(strategy)
     canvas = Canvas.from_prompts(prompts, gen, MASK, PAD, device=device)
     fractions: list = []
-    cache = watch(make_cache(cache_name), model.config.n_layers, fractions)
+    cache = watch(make_cache(cache_name, len(prompts) > 1), model.config.n_layers, fractions)
     sync(device)
     t0, c0 = time.perf_counter(), time.process_time()
     decode(model, canvas, cls(cls.Config(**conf), gen), cache=cache)
@@ -148,7 +151,7 @@ def tasks_part(args) -> None:
         "threshold": dict(threshold=0.9, block_length=8),
     }
     print(f"(a) embedded model {os.path.basename(str(path))}: {len(examples)} held-out prompts of the task mix, "
-          f"generation {gen}, blocks of 8, batch {args.batch}")
+          f"generation {gen}, blocks of 8, batch {args.batch}" + (" (dllm: per-row schedules)" if args.batch > 1 else ""))
     head = f"{'strategy':<15} {'cache':<8} {'accuracy':>8} {'NFE/prompt':>10} {'TPS':>8}"
     print(head)
     print("-" * len(head))
@@ -159,8 +162,8 @@ def tasks_part(args) -> None:
         cls = strategy_class(name)
         for cache in CACHES:
             torch.manual_seed(0)
-            stats = run_prompts(lm, ids, lambda: cls(cls.Config(**conf), gen), lambda: make_cache(cache), gen,
-                                args.batch)
+            stats = run_prompts(lm, ids, lambda: cls(cls.Config(**conf), gen), lambda: make_cache(cache, args.batch > 1),
+                                gen, args.batch)
             ok = sum(tasks.check(e.task, e.prompt, r.text) for r, e in zip(stats.rows, examples))
             nfe = sum(r.nfe for r in stats.rows) / len(stats.rows)
             print(f"{name:<15} {cache:<8} {ok / len(examples):>8.1%} {nfe:>10.2f} {stats.tps:>8.0f}", flush=True)

@@ -199,7 +199,7 @@ def _sweeper_params(overrides):
     ("threshold_grid", 12, {"strategy", "strategy.threshold", "strategy.block_length"}),
     ("all_strategies", 13, {"strategy"}),
     ("block_buffer_sizes", 8, {"strategy", "strategy.block_length", "strategy.buffer_size", "strategy.accept_threshold"}),
-    ("caches", 10, {"strategy", "cache", "strategy.threshold"}),
+    ("caches", 10, {"strategy", "cache", "strategy.threshold", "batch_size"}),
 ])
 def test_presets_expand_to_valid_jobs(preset, n, keys):
     from dlm_engine.app.run import validate
