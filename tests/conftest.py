@@ -74,6 +74,19 @@ def record_calls(cache):
     return watch_calls(cache, lambda c: (c.refreshed, tuple(c.compute), c.batch_size))
 
 
+# cache options a batch needs: dLLM-Cache's reference schedule is one for the batch and stops when rows that sat steps
+# out diverge (tests/test_adaptive_caches.py); per-row schedules decode every row as alone
+BATCH_CACHE_OPTIONS = {"dllm": {"per_row_schedule": True}}
+
+
+def batch_cache(name: str):
+    """A fresh cache ``name`` with the options a left-padded batch needs (``BATCH_CACHE_OPTIONS``)."""
+    from dlm_engine.core.registry import cache_class
+
+    cls = cache_class(name)
+    return cls(cls.Config(**BATCH_CACHE_OPTIONS.get(name, {})))
+
+
 def small_strategies(gen: int = 16):
     """``(name, strategy)`` of every registered strategy with small blocks (8) that fit ``gen``."""
     from dlm_engine.core.registry import STRATEGIES, load_plugins

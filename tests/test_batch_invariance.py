@@ -11,6 +11,8 @@ from dlm_engine.core.loop import decode
 from dlm_engine.core.registry import CACHES, STRATEGIES, load_plugins, strategy_class
 from dlm_engine.app.sinks import RecordingSink
 
+from conftest import batch_cache
+
 PROMPTS = [[735, 559, 771, 678, 375, 377], [127, 157, 983, 804, 991, 537, 902, 490, 136, 103, 962], [413, 750, 0]]
 GEN = 16
 
@@ -39,17 +41,13 @@ INTERACTING = {
 # d2Cache tops every row up to the same number of queried positions and takes the block bonus and the top-up
 # offset as maxima over the batch (reference semantics)
 INTERACTING.update({(name, "d2cache"): "d2Cache's equal-count top-up and batch-wide maxima" for name in SETTINGS})
-# cache options under which the guarantee holds: dLLM-Cache's reference schedule is one for the batch (rows that sit
-# steps out make it diverge: ScheduleDiverged, tests/test_adaptive_caches.py); per-row schedules are invariant
-CACHE_SETTINGS = {"dllm": dict(per_row_schedule=True)}
 
 
 def trajectory(model, prompts, name, cache, **kw):
     cls = strategy_class(name)
     canvas = Canvas.from_prompts(prompts, GEN, 1000, 1001)
     rec = RecordingSink()
-    ccls = CACHES.get(cache)
-    decode(model, canvas, cls(cls.Config(**kw), GEN), ccls(ccls.Config(**CACHE_SETTINGS.get(cache, {}))), sinks=[rec])
+    decode(model, canvas, cls(cls.Config(**kw), GEN), batch_cache(cache), sinks=[rec])   # (dllm: per-row schedules)
     g = canvas.gen_start
     rows = []
     for r in range(len(prompts)):

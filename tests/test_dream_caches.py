@@ -48,7 +48,7 @@ def test_every_strategy_and_cache_pair_decodes_a_dream_batch(model):
     from dlm_engine.core.capabilities import incompatibility
     from dlm_engine.core.loop import decode
 
-    from conftest import small_strategies
+    from conftest import batch_cache, small_strategies
 
     load_plugins()
     ran = []
@@ -57,7 +57,7 @@ def test_every_strategy_and_cache_pair_decodes_a_dream_batch(model):
             if incompatibility(strategy, ccls()) is not None:
                 continue
             canvas = Canvas.from_prompts([[406, 710, 869, 657, 230, 402], [432, 865, 699]], 16, 1000, 1001)
-            decode(model, canvas, strategy, cache_class(cname)(cache_class(cname).Config()))
+            decode(model, canvas, strategy, batch_cache(cname))
             assert not canvas.masked()[:, canvas.gen_start:].any(), (sname, cname)
             ran.append((sname, cname))
     assert ("low_confidence", "dual") in ran and ("dream", "prefix") in ran

@@ -262,7 +262,8 @@ def test_glob_sweep_of_valid_jobs_runs_clean(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     with open(d / "sweep.csv") as f:
         rows = list(csv.DictReader(f))
-    assert sorted((r["cache"], r["status"]) for r in rows) == [("dual", "ok"), ("none", "ok"), ("prefix", "ok")]
+    assert sorted((r["cache"], r["status"]) for r in rows) == [("d2cache", "ok"), ("dllm", "ok"), ("dual", "ok"),
+                                                                ("none", "ok"), ("prefix", "ok")]
     assert "Traceback" not in proc.stderr
 
 
