@@ -199,6 +199,7 @@ def _sweeper_params(overrides):
     ("threshold_grid", 12, {"strategy", "strategy.threshold", "strategy.block_length"}),
     ("all_strategies", 13, {"strategy"}),
     ("block_buffer_sizes", 8, {"strategy", "strategy.block_length", "strategy.buffer_size", "strategy.accept_threshold"}),
+    ("caches", 10, {"strategy", "cache", "strategy.threshold", "batch_size"}),
 ])
 def test_presets_expand_to_valid_jobs(preset, n, keys):
     from dlm_engine.app.run import validate
@@ -208,6 +209,10 @@ def test_presets_expand_to_valid_jobs(preset, n, keys):
     assert {o.split("=")[0] for job in jobs for o in job} == keys
     for cfg in configs:
         validate(cfg)  # every job of a preset passes the pre-model checks at the default gen_length
+    if preset == "caches":
+        from dlm_engine.core.registry import CACHES
+
+        assert {c.cache.name for c in configs} == set(CACHES) - {"block_store"}    # every cache threshold pairs with
     if preset == "all_strategies":
         from dlm_engine.core.registry import STRATEGIES
 
@@ -257,7 +262,8 @@ def test_glob_sweep_of_valid_jobs_runs_clean(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     with open(d / "sweep.csv") as f:
         rows = list(csv.DictReader(f))
-    assert sorted((r["cache"], r["status"]) for r in rows) == [("dual", "ok"), ("none", "ok"), ("prefix", "ok")]
+    assert sorted((r["cache"], r["status"]) for r in rows) == [("d2cache", "ok"), ("dllm", "ok"), ("dual", "ok"),
+                                                                ("none", "ok"), ("prefix", "ok")]
     assert "Traceback" not in proc.stderr
 
 

@@ -1,6 +1,6 @@
 """Host synchronisations per step (issue 17): at most one per step outside the model forward, for every strategy
-and cache, at batch 1 and on a padded batch: the loop's single read of the finished rows and the strategy's
-request (:meth:`Strategy.sync_request`). A decode may add at most two before its first step (the initial read,
+and cache (the adaptive ones too), at batch 1 and on a padded batch: the loop's single read of the finished rows
+and the strategy's request (:meth:`Strategy.sync_request`). A decode may add at most two before its first step (the initial read,
 and a strategy's set-up such as Dream's infilling check). Counted by wrapping the tensor methods that force a
 sync (``dlm_engine.core.instrument.SyncCounter``); runs on the CPU, where the same calls would stall a GPU."""
 import pytest
@@ -10,7 +10,9 @@ from dlm_engine.core.canvas import Canvas
 from dlm_engine.core.capabilities import incompatibility
 from dlm_engine.core.instrument import ModelTimer, SyncCounter
 from dlm_engine.core.loop import decode
-from dlm_engine.core.registry import cache_class, strategy_class
+from dlm_engine.core.registry import strategy_class
+
+from conftest import batch_cache
 
 GEN = 16
 SETUP = 2                # reads a decode may make before its first step
@@ -44,14 +46,14 @@ DREAM = [
     ("dream", dict(steps=8, block_length=8)),
     ("dream", dict(steps=8, block_length=8, alg="confidence_threshold", window="rest")),
 ]
-CACHES = ("none", "prefix", "dual", "block_store")
+CACHES = ("none", "prefix", "dual", "block_store", "dllm", "d2cache")
 PROMPTS = {1: [[5, 6, 7, 8]], 3: [[5, 6, 7, 8], [9, 10], [11, 12, 13]]}
 
 
 def counted(model, name, kw, cache, batch):
     cls = strategy_class(name)
     strategy = cls(cls.Config(**kw), GEN)
-    c = cache_class(cache)()
+    c = batch_cache(cache)                     # (dllm: per-row schedules, which a padded batch needs)
     if incompatibility(strategy, c) is not None:
         return None
     canvas = Canvas.from_prompts(PROMPTS[batch], GEN, int(model.config.mask_token_id), 0,

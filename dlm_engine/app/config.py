@@ -30,6 +30,7 @@ class ModelConfig:
 class TraceConfig:
     record: bool = True
     capture: str = "tokens"                  # tokens | confidence | topk | logits
+    recomputed: bool = False                 # per step: the canvas columns the cache recomputed (scalar `recomputed`)
     topk: int = 5
     logit_error_bound: float = 1e-2
     queue_size: int = 256

@@ -8,7 +8,7 @@ import torch
 
 from dlm_engine.core.canvas import Canvas, FrameDelta, ModelInfo
 from dlm_engine.core.protocol import CallRequest, ForwardCall
-from dlm_engine.core.rows import ActiveRows, call_rows, expand_proposal, idle_proposal
+from dlm_engine.core.rows import ActiveRows, call_rows, expand_proposal, idle_proposal, recomputed_rows
 from dlm_engine.core.sampler import Proposal, propose
 from dlm_engine.core.strategy import StepPlan, Strategy
 from dlm_engine.errors import check_finite_logits
@@ -21,10 +21,13 @@ SCORED_MIN_SAVING = 1 << 16
 class Sink:
     """Receives every FrameDelta. Sinks must not branch on the strategy and must stay cheap.
 
-    A sink with ``wants_logits = True`` gets the proposal's logits in ``delta.logits``.
+    A sink with ``wants_logits = True`` gets the proposal's logits in ``delta.logits``; one with
+    ``wants_recomputed = True`` gets the per-step scalar ``recomputed`` (``[B, L]`` bool: the canvas columns whose
+    keys/values the step's model call recomputed, :func:`dlm_engine.core.rows.recomputed_rows`).
     """
 
     wants_logits = False
+    wants_recomputed = False
 
     def on_start(self, canvas: Canvas, info: dict) -> None:
         pass
@@ -124,6 +127,7 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
         canvas.model_info = ModelInfo.of(model)
     sinks = list(sinks)
     want_logits = any(getattr(s, "wants_logits", False) for s in sinks)  # e.g. trace capture=topk|logits
+    want_recomputed = any(getattr(s, "wants_recomputed", False) for s in sinks)   # e.g. trace.recomputed=true
     cache.begin(canvas)
     for s in sinks:
         s.on_start(canvas, {"strategy": strategy.name})
@@ -167,6 +171,8 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
             if want_logits:
                 delta.logits = proposal.logits
             cache.after_step(canvas, delta, call)
+            if want_recomputed:
+                delta.scalars["recomputed"] = recomputed_rows(canvas, call, rows)
             canvas.apply(delta)
             host, state = sync_round(canvas, strategy, state, delta, bad)
             if host.bad:

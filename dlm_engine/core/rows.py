@@ -30,6 +30,7 @@ from typing import Optional, Tuple
 import torch
 
 from dlm_engine.core.canvas import Canvas
+from dlm_engine.core.protocol import ForwardCall, recomputed_columns
 from dlm_engine.core.sampler import Proposal
 
 
@@ -114,3 +115,18 @@ def idle_proposal(canvas: Canvas, window: Tuple[int, int], vocab: Tuple[int, tor
     return Proposal(start=s, x0=canvas.tokens[:, s:e].clone(),
                     confidence=torch.full((B, W), float("-inf"), device=canvas.device),
                     logits=torch.zeros((B, W, V), dtype=dtype, device=canvas.device), call_len=W, call_start=s)
+
+
+def recomputed_rows(canvas: Canvas, call: Optional[ForwardCall], rows: Optional[torch.Tensor]) -> torch.Tensor:
+    """``[B, L]`` bool: the canvas columns whose keys/values ``call`` recomputed, per row of the full batch (rows the
+    call did not run, and steps without a call: nothing; with CFG, the conditional rows)."""
+    out = torch.zeros((canvas.batch_size, canvas.length), dtype=torch.bool, device=canvas.device)
+    if call is None:
+        return out
+    rec = recomputed_columns(call)
+    n = canvas.batch_size if rows is None else int(rows.numel())
+    if rows is None:
+        out.copy_(rec[:n])
+    else:
+        out[rows] = rec[:n]
+    return out

@@ -217,7 +217,7 @@ def candidates(canvas: Canvas, proposal: Proposal, end: int) -> torch.Tensor:
     return cand
 
 
-def coerce_choices(config: Any) -> Any:
+def coerce_choices(config: Any, group: str = "strategy") -> Any:
     """A copy of a config dataclass whose Enum-typed fields hold Enum members (a plain string from Python
     code is looked up; an unknown one is a :class:`ConfigError` naming the key and the choices), and whose
     float fields are finite."""
@@ -233,9 +233,9 @@ def coerce_choices(config: Any) -> Any:
                 changes[f.name] = kind(value)
             except ValueError:
                 choices = ", ".join(m.value for m in kind)
-                raise ConfigError(f"strategy.{f.name}='{value}' (choose {choices})") from None
+                raise ConfigError(f"{group}.{f.name}='{value}' (choose {choices})") from None
         elif isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"strategy.{f.name}={value} must be a finite number")
+            raise ConfigError(f"{group}.{f.name}={value} must be a finite number")
     return dataclasses.replace(config, **changes) if changes else config
 
 
