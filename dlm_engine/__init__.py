@@ -14,3 +14,13 @@ try:  # OmegaConf resolvers of conf/ (also needed in Hydra launcher workers, whi
     _register_resolvers()
 except ImportError:  # pragma: no cover - omegaconf missing: only the Hydra app needs the resolvers
     pass
+
+
+def __getattr__(name):
+    """``dlm_engine.generate`` and ``dlm_engine.Session`` (the Python API), imported on first use: ``import
+    dlm_engine`` itself stays light (no torch) for the trace tools."""
+    if name in ("generate", "Session"):
+        from dlm_engine.app import session
+
+        return getattr(session, name)
+    raise AttributeError(f"module 'dlm_engine' has no attribute '{name}'")

@@ -56,11 +56,12 @@ def main(argv=None) -> int:
         stats = run_prompts(lm, ids, lambda: cls(conf, args.gen), lambda: none(none.Config()), args.gen, args.batch)
         wall = time.perf_counter() - t0
         acc = sum(check(e.task, e.prompt, r.text) for e, r in zip(examples, stats.rows)) / len(examples)
-        rows[stop] = (stats.nfe, stats.generated_tokens, acc, stats.wall_time, wall)
-        print(f"stop_at_eos={str(stop):5s}  NFE {stats.nfe:5d}  generated tokens {stats.generated_tokens:5d}  "
+        rows[stop] = (stats.model_calls, stats.generated_tokens, acc, stats.wall_time, wall)
+        print(f"stop_at_eos={str(stop):5s}  model calls {stats.model_calls:5d}  NFE (sum per sequence) {stats.nfe:5d}  "
+              f"generated tokens {stats.generated_tokens:5d}  "
               f"accuracy {acc:.3f}  decode time {stats.wall_time:.2f}s  TPS {stats.tps:.1f}")
     (n0, g0, a0, t0_, _), (n1, g1, a1, t1, _) = rows[False], rows[True]
-    print(f"ratios (stop / no stop): NFE {n1 / n0:.3f}  decode time {t1 / t0_:.3f}  "
+    print(f"ratios (stop / no stop): model calls {n1 / n0:.3f}  decode time {t1 / t0_:.3f}  "
           f"same accuracy: {a0 == a1}  same generated tokens: {g0 == g1}")
     return 0
 

@@ -7,8 +7,9 @@ one token per step (the baseline row, measured in the same run).
 
 Model: ``--model-path`` (an official-format checkpoint directory with a tokenizer), else the embedded
 model (``dlm_engine/checkpoints/tiny``) when it exists, else the seeded random ``tiny_random`` model
-(mechanics only: its accuracy is meaningless). Definitions (README "Metric definitions"): NFE = forward
-calls; generated tokens = generation up to and including the first EOS; TPF = tokens / NFE; TPS =
+(mechanics only: its accuracy is meaningless). Definitions (README "Metric definitions"): NFE = forwards
+each sequence took part in until it finished, summed; generated tokens = generation up to and including the
+first EOS; TPF = tokens / NFE; TPS =
 tokens / decode wall time (after a warm-up; best of ``--repeats`` interleaved runs); overhead = wall time outside
 ``model.forward`` / wall time; speed-up = TPS / TPS of the baseline, NFE ratio = baseline NFE / NFE.
 """
@@ -29,6 +30,7 @@ import torch  # noqa: E402
 from dlm_engine.app import tasks  # noqa: E402
 from dlm_engine.errors import UserError  # noqa: E402
 from dlm_engine.app.api import decode_batch, load_model, rows_from_canvas, sync  # noqa: E402
+from dlm_engine.app.sinks import StepLog  # noqa: E402
 from dlm_engine.core.registry import cache_class, load_plugins, strategy_class  # noqa: E402
 
 BASELINE = ("low_confidence", {}, "1 token/step (baseline)")
@@ -123,21 +125,22 @@ def build(name, overrides, gen_length):
 
 
 def run_once(lm, ids, make_strategy, make_cache, gen_length, batch_size):
-    """One pass over all prompts: (rows, NFE, decode wall time, time inside model.forward)."""
+    """One pass over all prompts: (rows, model calls, decode wall time, time inside model.forward)."""
     timed = TimedForward(lm.model)
     tlm = dataclasses.replace(lm, model=timed)
-    rows, nfe, wall = [], 0, 0.0
+    rows, calls, wall = [], 0, 0.0
     torch.manual_seed(0)
     for start in range(0, len(ids), batch_size):
         chunk = ids[start:start + batch_size]
+        log = StepLog()
         sync(lm.device)
         t0 = time.perf_counter()
-        canvas = decode_batch(tlm, chunk, make_strategy(), make_cache(), gen_length)
+        canvas = decode_batch(tlm, chunk, make_strategy(), make_cache(), gen_length, sinks=[log])
         sync(lm.device)
         wall += time.perf_counter() - t0
-        nfe += canvas.nfe
-        rows += rows_from_canvas(lm, canvas, chunk, None, start)
-    return rows, nfe, wall, timed.seconds
+        calls += canvas.nfe
+        rows += rows_from_canvas(lm, canvas, chunk, None, start, log.metrics(canvas, lm.eos_id))
+    return rows, calls, wall, timed.seconds
 
 
 def summarize(runs, examples):

@@ -255,12 +255,15 @@ def load_default(extra):
         cfg = default_config(extra)
         ms, mc = validate(cfg)
         lm = load_model(cfg.model, cfg.device, cfg.dtype)
-    except Exception as exc:  # the embedded checkpoint may be missing in a partial checkout
-        print(f"(default model unavailable: {exc}; using model=tiny_random)")
-        cfg = default_config(["model=tiny_random"] + [o for o in extra if not o.startswith("task")])
+        inputs = load_inputs(cfg, lm)
+    except Exception as exc:  # no embedded checkpoint (partial checkout), or its 64-position context is too short
+        gen = int(default_config(extra).gen_length)
+        print(f"(default model cannot run this: {exc}; using model=tiny_random with a {gen + 64}-position context)")
+        cfg = default_config(["model=tiny_random", f"model.random.max_sequence_length={gen + 64}"]
+                             + [o for o in extra if not o.startswith("task")])
         ms, mc = validate(cfg)
         lm = load_model(cfg.model, cfg.device, cfg.dtype)
-    inputs = load_inputs(cfg, lm)
+        inputs = load_inputs(cfg, lm)
     return cfg, ms, mc, lm, inputs
 
 

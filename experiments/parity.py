@@ -83,6 +83,8 @@ class StepLog(Sink):
 
 # -- adapters: reference call -> dlm_engine setup ----------------------------------------------------------
 def _config(name: str, kw: dict):
+    if name not in STRATEGIES:
+        raise Unsupported(f"strategy '{name}' is not implemented yet")
     cls = strategy_class(name)
     unknown = sorted(set(kw) - set(cls.Config.__dataclass_fields__))
     if unknown:
@@ -230,7 +232,7 @@ def d2c_cache(spec: dict) -> Tuple[str, dict]:
     name = spec.get("name")
     if name in ("prefix", "dual"):
         args.pop("use_dual", None)
-        return name, dict(args, logits="computed", dream_queries="shifted")
+        return name, dict(args, shifted="move")
     if name in ("dllm", "d2cache"):
         return name, args
     raise Unsupported(f"d2Cache cache '{name}'")

@@ -1,8 +1,8 @@
 """Adaptive decoding rules (CadLLM, spec §6.1-6.3), as pure functions of the confidence history.
 
 ``history`` is the sequence of per-step mean confidences, ``recent`` the most recently committed token
-ids. The arithmetic reproduces the reference exactly: float32 torch means of ``history[-2:]`` for block
-size and step budget, a float64 numpy mean of ``history[-5:]`` for the vocabulary size, ``int()``
+ids. The arithmetic reproduces the reference exactly: float32 means (torch's in the reference) of
+``history[-2:]`` for block size and step budget, a float64 numpy mean of ``history[-5:]`` for the vocabulary size, ``int()``
 truncations.
 """
 from __future__ import annotations
@@ -10,11 +10,12 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
-import torch
 
 
 def f32_mean(xs: Sequence[float]) -> float:
-    return float(torch.tensor(list(xs), dtype=torch.float32).mean().item())
+    """The float32 mean the reference takes with torch (of at most two values here: the same rounding), in
+    numpy: host numbers stay off the tensor library."""
+    return float(np.mean(np.asarray(list(xs), dtype=np.float32), dtype=np.float32))
 
 
 def repetition_score(recent: Sequence[int], window: int = 8) -> float:

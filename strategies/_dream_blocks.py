@@ -8,11 +8,14 @@ helpers (``_propose``, ``_k``, ``_pick``, ``_delta``, ``_scatter``).
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Tuple
+from typing import Tuple
 
+import numpy as np
 import torch
 
 from dlm_engine.core.canvas import BlockEvent
+from dlm_engine.core.selection import masked_order
+from dlm_engine.core.strategy import masked_after
 
 
 class DreamBlockLoop:
@@ -29,48 +32,54 @@ class DreamBlockLoop:
         commit = torch.zeros((B, W), dtype=torch.bool, device=x0.device)
         commit[:, bs - lo] = x0[:, bs - lo] != canvas.mask_id    # unconditionally (a mask id stays masked)
         ev = [BlockEvent("opened", st.block, bs, be)]
-        commit &= plan.rows[:, None]
-        return self._delta(canvas, lo, commit, x0, cval.float(), events=ev, active=plan.rows), \
+        rows = proposal.active                                    # the rows whose block has masks
+        commit &= rows[:, None]
+        return self._delta(canvas, lo, commit, x0, cval.float(), events=ev, active=rows), \
             dataclasses.replace(st, block_start=False, i=1)
 
-    @staticmethod
-    def _masks_left(canvas, bs: int, be: int, lo: int, commit, remask=None) -> bool:
-        """Whether block ``[bs, be)`` still has masks after a delta over columns ``[lo, lo + W)``."""
-        left = canvas.masked()[:, bs:be].clone()
-        a, b = max(lo, bs), min(lo + commit.shape[1], be)
-        if b > a:
-            if remask is not None:
-                left[:, a - bs:b - bs] |= remask[:, a - lo:b - lo]
-            left[:, a - bs:b - bs] &= ~commit[:, a - lo:b - lo]
-        return bool(left.any())
-
-    def _after_step(self, canvas, st, bs: int, be: int, lo: int, commit, remask=None):
-        """The state after a cached step and its block events (``completed`` when the block has no mask left)."""
-        if self._masks_left(canvas, bs, be, lo, commit, remask):
-            return dataclasses.replace(st, i=st.i + 1), []
-        ev: List[BlockEvent] = [BlockEvent("completed", st.block, bs, be)]
-        return dataclasses.replace(st, block=st.block + 1, block_start=True, i=0), ev
+    def _window_masks(self, canvas, plan, proposal, st, block_only: bool):
+        """The window's masks of the rows that take part (only the block's with ``block_only``), their flat
+        order and their number (known on the host)."""
+        bs, be = self._block(canvas, st.block)
+        lo, hi = plan.window
+        mask = canvas.masked()[:, lo:hi] & proposal.active[:, None]
+        if block_only:
+            mask[:, be - lo:] = False
+        per_row = st.inner if block_only or hi == be else st.win
+        M = sum(n for n, r in zip(per_row, plan.info["rows"]) if r)
+        return mask, masked_order(mask, M), M
 
     def _block_threshold(self, canvas, plan, proposal, st):
         bs, be = self._block(canvas, st.block)
         lo, hi = plan.window
-        mask = canvas.masked()[:, lo:hi] & plan.rows[:, None]     # window masks (later blocks too in "rest")
-        cval, x0 = self._propose(proposal.logits[mask])           # draws over every mask of the window
-        tokens = self._scatter(x0, mask, canvas.mask_id)
-        scores = self._scatter(cval, mask, float("-inf"))
+        B = canvas.batch_size
+        mask, order, _ = self._window_masks(canvas, plan, proposal, st, block_only=False)
+        # draws over every mask of the window (later blocks too in "rest")
+        cval, x0 = self._propose(proposal.logits.reshape(B * (hi - lo), -1)[order])
+        tokens = self._scatter(x0, mask, canvas.mask_id, order)
+        scores = self._scatter(cval, mask, float("-inf"), order)
         scores[:, be - lo:] = float("-inf")
         want = canvas.masked()[:, bs:be].sum(-1)
         commit = torch.zeros_like(mask)
-        kmax = int(want.max())
+        kmax = max(row[st.block] for row in st.blocks)            # max(want), read on the host
         if kmax > 0:
             vals, idx = torch.topk(scores, kmax, dim=-1)
             rank = torch.arange(kmax, device=scores.device)[None, :]
             keep = (rank < want[:, None]) & ((rank == 0) | ~(vals < self.cfg.threshold))
             commit.scatter_(1, idx, keep)
             commit &= mask
-        nxt, ev = self._after_step(canvas, st, bs, be, lo, commit)
-        done = nxt.block >= self.num_blocks
-        return self._delta(canvas, lo, commit, tokens, scores.float(), done=done, events=ev, active=plan.rows), nxt
+        return self._cached_delta(canvas, st, lo, commit, tokens, scores.float(), None, proposal), \
+            dataclasses.replace(st, check=True)
+
+    def _cached_delta(self, canvas, st, lo, commit, tokens, conf, remask, proposal):
+        """A cached step's delta. Whether it completed the block is decided on the host (``synced``); every row
+        is done once the last block has no mask left in any row (a device flag here)."""
+        done = False
+        if st.block == self.num_blocks - 1:
+            bs, be = self._block(canvas, st.block)
+            g = canvas.gen_start
+            done = ~masked_after(canvas, lo, commit, remask)[:, bs - g:be - g].any()
+        return self._delta(canvas, lo, commit, tokens, conf, remask=remask, done=done, active=proposal.active)
 
     def _block_schedule(self, canvas, plan, proposal, st):
         bs, be = self._block(canvas, st.block)
@@ -82,26 +91,25 @@ class DreamBlockLoop:
             ev = [BlockEvent("completed", st.block, bs, be)]
             empty = torch.zeros((B, hi - lo), dtype=torch.bool, device=canvas.device)
             return self._delta(canvas, lo, empty, proposal.x0, None, done=nxt.block >= self.num_blocks,
-                               events=ev, active=plan.rows), nxt
-        mask = canvas.masked()[:, lo:hi] & plan.rows[:, None]
-        mask[:, be - lo:] = False                                 # only the block's masks
-        cval, x0 = self._propose(proposal.logits[mask], "entropy")
-        tokens = self._scatter(x0, mask, canvas.mask_id)
-        n = mask.sum() / B
-        k = self._k(n.float(), st.i, S - 1)
+                               events=ev, active=proposal.active), nxt
+        mask, order, M = self._window_masks(canvas, plan, proposal, st, block_only=True)
+        cval, x0 = self._propose(proposal.logits.reshape(B * (hi - lo), -1)[order], "entropy")
+        tokens = self._scatter(x0, mask, canvas.mask_id, order)
+        n = np.float32(M) / np.float32(B)                          # batch average, float32 (reference)
+        k = self._k(n, st.i, S - 1)
         # confidences over the reference's window [bs, hi): column bs (committed) is -inf
         scores = torch.full((B, hi - bs), float("-inf"), dtype=cval.dtype, device=cval.device)
-        scores[:, lo - bs:] = self._scatter(cval, mask, float("-inf"))
+        scores[:, lo - bs:] = self._scatter(cval, mask, float("-inf"), order)
         commit = torch.zeros_like(mask)
         remask = None
         if k > 0:
             idx = self._pick(scores, k)
             chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, idx, True)[:, lo - bs:]
             commit = chosen & mask
-            extra = chosen & ~mask & ~canvas.masked()[:, lo:hi]
-            if bool(extra.any()):
-                remask = extra                                    # batch-average quirk (rows with fewer masks)
-        nxt, ev = self._after_step(canvas, st, bs, be, lo, commit, remask)
+            # batch-average quirk: a row with fewer masks than k gets decoded positions re-masked (never a row
+            # that sits the step out)
+            if any(r and n_r < k for n_r, r in zip(st.inner, plan.info["rows"])):
+                remask = chosen & ~mask & ~canvas.masked()[:, lo:hi] & proposal.active[:, None]
         conf = scores[:, lo - bs:].float()
-        return self._delta(canvas, lo, commit, tokens, conf, remask=remask, done=nxt.block >= self.num_blocks,
-                           events=ev, active=plan.rows), nxt
+        return self._cached_delta(canvas, st, lo, commit, tokens, conf, remask, proposal), \
+            dataclasses.replace(st, check=True)

@@ -32,7 +32,7 @@ class AR(D2C):
             if getattr(c, key) is not None:
                 raise ConfigError(f"strategy.{key}: ar takes a threshold (and debias), not {key}")
 
-    def pick(self, scores, cand, block_cand, sampled, st, rows):
+    def pick(self, scores, cand, block_cand, sampled, st, rows, counts):
         c = self.cfg
         G = block_cand.shape[1]
         col = torch.arange(G, device=block_cand.device)

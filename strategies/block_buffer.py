@@ -43,9 +43,11 @@ class BlockBufferConfig(EosOptions):
 
 @dataclass(frozen=True)
 class BufferState:
-    first: torch.Tensor                    # [B] first block of the buffer (= first incomplete block)
-    count: torch.Tensor                    # [B] blocks in the buffer
+    first: torch.Tensor                    # [B] first block of the buffer (= first incomplete block), on device
+    count: torch.Tensor                    # [B] blocks in the buffer, on device
     sizes: torch.Tensor                    # [num_blocks] positions per block (on the canvas device)
+    host_first: Tuple[int, ...] = ()       # ``first`` and ``count`` as of the last host read
+    host_count: Tuple[int, ...] = ()
     events: Tuple[BlockEvent, ...] = ()    # waiting for the next delta
     window: Optional[Tuple[int, int]] = None
     step_in_window: int = 0
@@ -103,21 +105,18 @@ class BlockBuffer(Strategy):
         sizes = torch.tensor([min(self.block_len, self.gen_length - b * self.block_len)
                               for b in range(self.num_blocks)], device=canvas.device)
         first = self.first_incomplete(self.blocks(canvas.masked()[:, canvas.gen_start:]))
-        count = (first < self.num_blocks).long()
-        rows = [r for r, f in enumerate(first.tolist()) if f < self.num_blocks]
-        events = self.event_list("admitted", rows, [int(first[r]) for r in rows], canvas.batch_size, canvas.gen_start)
-        return BufferState(first, count, sizes, tuple(events))
+        return BufferState(first, (first < self.num_blocks).long(), sizes)
 
     def plan(self, canvas, st: BufferState):
-        live = st.count > 0
-        if not bool(live.any()):
+        live = [(f, n) for f, n in zip(st.host_first, st.host_count) if n > 0]
+        if not live:
             return None, st
         g = canvas.gen_start
-        lo = int((st.first * self.block_len)[live].min())
-        hi = min(int(((st.first + st.count) * self.block_len)[live].max()), self.gen_length)
+        lo = min(f for f, _ in live) * self.block_len
+        hi = min(max(f + n for f, n in live) * self.block_len, self.gen_length)
         window = (g + lo, g + hi)
         step_in_window = 0 if window != st.window else st.step_in_window + 1
-        done_all = int(st.first.min())
+        done_all = min(st.host_first)
         store = [self.span(b, g) for b in range(st.stored, done_all)]
         st = dataclasses.replace(st, window=window, step_in_window=step_in_window, stored=max(st.stored, done_all))
         c = self.cfg
@@ -168,14 +167,28 @@ class BlockBuffer(Strategy):
         events = list(st.events)
         for s0, e0 in (plan.cache.stored if plan.cache is not None else []):   # honoured by the cache
             events.append(BlockEvent("stored", (s0 - g) // self.block_len, s0, e0))
-        if bool(((new_first != st.first) | admit).any()):
-            pairs = [(r, b) for r, (f0, f1) in enumerate(zip(st.first.tolist(), new_first.tolist()))
-                     for b in range(f0, min(f1, self.num_blocks))]
-            events += self.event_list("completed", [r for r, _ in pairs], [b for _, b in pairs], B, g)
-            rows = admit.nonzero().squeeze(1).tolist()
-            events += self.event_list("admitted", rows, (new_first + new_count)[rows].tolist(), B, g)
         count = new_count + admit.long()
-        delta.block_events = events
+        delta.block_events = events            # + completed / admitted, once the host knows (synced)
         delta.scalars.update({"committed": commit.sum(-1), "block_progress": prog_after,
                               "buffer_first": new_first, "buffer_count": count})
         return delta, dataclasses.replace(st, first=new_first, count=count, events=())
+
+    # -- the step's host read: the buffer of every row ----------------------------------------------------
+    def sync_request(self, canvas, st: BufferState):
+        return torch.cat([st.first, st.count])
+
+    def synced(self, canvas, st: BufferState, values, delta):
+        """Host copies of the buffer; the blocks that completed or were admitted become block events."""
+        B, g = canvas.batch_size, canvas.gen_start
+        first = tuple(int(v) for v in values[:B])
+        count = tuple(int(v) for v in values[B:2 * B])
+        if delta is None:                                  # before the first step: the initial buffers
+            rows = [r for r in range(B) if count[r] > 0]
+            events = self.event_list("admitted", rows, [first[r] for r in rows], B, g)
+            return dataclasses.replace(st, host_first=first, host_count=count, events=tuple(events))
+        old_first, old_end = st.host_first, [f + n for f, n in zip(st.host_first, st.host_count)]
+        done = [(r, b) for r in range(B) for b in range(old_first[r], min(first[r], self.num_blocks))]
+        delta.block_events += self.event_list("completed", [r for r, _ in done], [b for _, b in done], B, g)
+        new = [(r, first[r] + count[r] - 1) for r in range(B) if first[r] + count[r] > max(old_end[r], first[r])]
+        delta.block_events += self.event_list("admitted", [r for r, _ in new], [b for _, b in new], B, g)
+        return dataclasses.replace(st, host_first=first, host_count=count)

@@ -20,7 +20,7 @@ import torch
 from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.registry import register_strategy
 from dlm_engine.core.sampler import confidence_of, gumbel_argmax
-from dlm_engine.core.selection import factor_commit, threshold_commit, topk_commit, transfer_schedule
+from dlm_engine.core.selection import factor_commit, host_schedule, threshold_commit, topk_commit
 from dlm_engine.core.strategy import BlockCursor, CacheDirective, Remasking, StepPlan, Strategy, candidates
 from dlm_engine.errors import ConfigError
 from dlm_engine.strategies import _cadllm_rules as rules
@@ -65,11 +65,14 @@ class CadState:
     end: int = 0
     budget: int = 0                           # step budget of the current block
     progress: float = 0.0                     # fraction of the generation before the current block
-    counts: Optional[torch.Tensor] = None     # [B, budget] transfer schedule of the current block
+    counts: Tuple[int, ...] = ()              # transfer schedule of the current block (tokens per step)
+    masked: Tuple[bool, ...] = ()             # masked generated positions as of the last host read
+    left: int = 0                             # masked positions left in the current block (last host read)
     gaps: Tuple[float, ...] = ()              # Prophet check: top-1 minus top-2 probability per step
     confs: Tuple[float, ...] = ()             # Prophet check: mean confidence per step (after the first)
     open: bool = False
     all_in: bool = False                      # the next step commits the argmax everywhere (Prophet)
+    pending: Optional[Tuple[torch.Tensor, ...]] = None   # this step's device numbers for the host read
 
 
 @register_strategy("cadllm", CadLLMConfig)
@@ -115,10 +118,11 @@ class CadLLM(Strategy):
             budget = rules.step_budget(st.history, size, c.initial_steps, c.max_steps, c.initial_block_length,
                                        c.adaptive_steps)
             s, e = st.next_start, st.next_start + size
+            g = canvas.gen_start
+            left = sum(st.masked[s - g:e - g])
             st = dataclasses.replace(
-                st, start=s, end=e, budget=budget, open=True,
-                progress=(G - remaining) / G, counts=transfer_schedule(canvas.masked()[:, s:e].sum(-1), budget),
-                gaps=(), confs=())
+                st, start=s, end=e, budget=budget, open=True, left=left,
+                progress=(G - remaining) / G, counts=host_schedule([left], budget)[0], gaps=(), confs=())
         i = st.cursor.step
         progress = st.progress + (i / st.budget) * ((st.end - st.start) / G)
         v_t = rules.vocab_size(progress, st.history, st.recent, *self.vocab_bounds, c.adaptive_vocab_size,
@@ -127,7 +131,7 @@ class CadLLM(Strategy):
             "prob" if c.confidence_method == ConfidenceMethod.softmax else "inv_entropy")
         d = CacheDirective(block=(st.start, st.end), block_start=i == 0, step_in_block=i)
         return StepPlan(window=(st.start, st.end), temperature=c.temperature, confidence=kind, top_v=v_t, cache=d,
-                        info={"vocab_size": v_t, "threshold": self.threshold_at(i, st.budget)}), st
+                        masked=[st.left], info={"vocab_size": v_t, "threshold": self.threshold_at(i, st.budget)}), st
 
     def select(self, canvas, plan, proposal, st: CadState):
         c = self.cfg
@@ -137,50 +141,113 @@ class CadLLM(Strategy):
         if plan.info.get("allin"):               # Prophet-style commit: plain argmax everywhere
             nxt, events = st.cursor.advance(bounds, done=True)
             return (self.delta(canvas, proposal, cand, events=events, scalars=scalars),
-                    dataclasses.replace(st, cursor=nxt, all_in=False, open=False, next_start=st.end))
+                    dataclasses.replace(st, cursor=nxt, all_in=False, open=False, next_start=st.end, pending=None))
         i = st.cursor.step
         tau, v_t = plan.info["threshold"], plan.info["vocab_size"]
         scalars["vocab_size"] = v_t
         if tau is not None:
             scalars["threshold"] = tau
         conf = proposal.confidence
+        # ranked in the reference's row, as its torch.topk ranks (exact ties: the zero confidences at T > 0)
+        span, n = proposal.row_span, (st.left if proposal.valid is None else None)
         if c.factor is not None:
-            commit = factor_commit(conf, cand, float(c.factor))
+            commit = factor_commit(conf, cand, float(c.factor), span)
         elif tau is not None:
-            commit = threshold_commit(conf, cand, tau)
+            commit = threshold_commit(conf, cand, tau, span, None if n is None else [n])
         else:
-            k = st.counts[:, i] if i < st.budget else torch.ones_like(st.counts[:, 0])
-            commit = topk_commit(conf, cand, k)
-        history, confs, gaps = st.history, st.confs, st.gaps
-        if c.remasking == Remasking.low_confidence:     # confidence tracking, with a second Gumbel draw
-            x0b = gumbel_argmax(proposal.logits, c.temperature, proposal.call_len,
-                                proposal.start - proposal.call_start)
-            cb = confidence_of(proposal.logits, x0b, plan.confidence, top_v=plan.top_v)
-            if bool(cand.any()):
-                history = history + (cb[cand].mean().item(),)
-                if i > 0:
-                    confs = confs + (history[-1],)
-        st = dataclasses.replace(st, history=history, confs=confs)
+            commit = topk_commit(conf, cand, [st.counts[i] if i < st.budget else 1], span)
+        # n: the candidates are the block's masked positions; a cache that leaves block columns out makes
+        # their number unknown on the host (one more host read for the mean, below)
+        mean = gap = None
+        if c.remasking == Remasking.low_confidence:     # confidence tracking, with a second Gumbel draw at T > 0
+            if c.temperature > 0:
+                x0b = gumbel_argmax(proposal.logits, c.temperature, proposal.call_len,
+                                    proposal.start - proposal.call_start)
+                cb = confidence_of(proposal.logits, x0b, plan.confidence, top_v=plan.top_v)
+            else:                                    # the same argmax: the proposal's confidences are the pass
+                cb = conf
+            mean = candidate_mean(cb, cand, n)
+        stable = None
         if c.prophet_enabled and i > 0:
             p = torch.softmax(proposal.logits, dim=-1).topk(2, dim=-1).values
-            gaps = gaps + ((p[..., 0] - p[..., 1]).mean().item(),)
-            st = dataclasses.replace(st, gaps=gaps)
-            if i > 0.2 * st.budget and self._stable(gaps, confs):
-                scalars["prophet_commit"] = True
-                return (self.delta(canvas, proposal, torch.zeros_like(cand), scalars=scalars),
-                        dataclasses.replace(st, all_in=True))
+            gap = (p[..., 0] - p[..., 1]).mean()
+            if i > 0.2 * st.budget:
+                stable = self._stable_now(st, gap, mean, n if n is not None else int(cand.sum()))
+                commit = commit & ~stable
+                scalars["prophet_commit"] = stable
+        delta = self.delta(canvas, proposal, commit, scalars=scalars)
+        tokens = torch.where(commit, proposal.x0, torch.full_like(proposal.x0, -1))
+        flags = torch.stack([(cand & ~commit).any(), stable if stable is not None else cand.new_zeros(())])
+        return delta, dataclasses.replace(st, pending=(tokens, flags, mean, gap))
+
+    def _stable_now(self, st: CadState, gap: torch.Tensor, mean: Optional[torch.Tensor], n: int) -> torch.Tensor:
+        """The Prophet check with this step's gap and mean confidence still on the device: the earlier values
+        are host numbers, so the device decides with one comparison each."""
+        c, k = self.cfg, self.cfg.prophet_patience
+        gaps_ok = len(st.gaps) + 1 >= k and all(g > c.min_confidence_gap for g in st.gaps[len(st.gaps) - k + 1:])
+        if mean is not None and n > 0:             # this step's confidence joins the window
+            confs_ok = len(st.confs) + 1 >= k and all(h > c.min_confidence_commit
+                                                      for h in st.confs[len(st.confs) - k + 1:])
+            conf_now = mean > c.min_confidence_commit
+        else:
+            confs_ok = len(st.confs) >= k and all(h > c.min_confidence_commit for h in st.confs[-k:])
+            conf_now = True
+        if not (gaps_ok and confs_ok):
+            return gap.new_zeros((), dtype=torch.bool)
+        return (gap > c.min_confidence_gap) & conf_now
+
+    # -- the step's host read ---------------------------------------------------------------------------
+    def sync_request(self, canvas, st: CadState):
+        parts = [canvas.masked()[0, canvas.gen_start:]]
+        if st.pending is not None:
+            tokens, flags, mean, gap = st.pending
+            parts += [tokens.reshape(-1), flags]
+            parts += [x.reshape(1) for x in (mean, gap) if x is not None]
+        return torch.cat([p.to(torch.float64) for p in parts])
+
+    def synced(self, canvas, st: CadState, values, delta):
+        G = self.gen_length
+        masked = tuple(v != 0.0 for v in values[:G])
+        st = dataclasses.replace(st, masked=masked)
+        if st.pending is None:                       # before the first step, or after an all-in step
+            return st
+        c = self.cfg
+        tokens, _, mean, gap = st.pending
+        W = tokens.shape[-1]
+        rest = values[G:]
+        committed, (open_left, stable), rest = rest[:W], rest[W:W + 2], rest[W + 2:]
+        i = st.cursor.step
+        history, confs, gaps = st.history, st.confs, st.gaps
+        if mean is not None:
+            m = rest.pop(0)
+            if m == m:                               # NaN: no candidate this step
+                history = history + (m,)
+                if i > 0:
+                    confs = confs + (m,)
+        if gap is not None:
+            gaps = gaps + (rest.pop(0),)
+        g = canvas.gen_start
+        st = dataclasses.replace(st, history=history, confs=confs, gaps=gaps, pending=None,
+                                 left=sum(masked[st.start - g:st.end - g]))
+        if stable:
+            return dataclasses.replace(st, all_in=True)
         if c.repetition_detection:
-            st = dataclasses.replace(st, recent=(st.recent + tuple(proposal.x0[commit].tolist()))[-50:])
-        done = not bool((cand & ~commit).any())
-        nxt, events = st.cursor.advance(bounds, done)
+            st = dataclasses.replace(st, recent=(st.recent + tuple(int(t) for t in committed if t >= 0))[-50:])
+        done = not open_left
+        nxt, events = st.cursor.advance((st.start, st.end), done)
+        delta.block_events += events
         st = dataclasses.replace(st, cursor=nxt)
         if done:
             st = dataclasses.replace(st, open=False, next_start=st.end)
-        return self.delta(canvas, proposal, commit, events=events, scalars=scalars), st
+        return st
 
-    def _stable(self, gaps: Tuple[float, ...], confs: Tuple[float, ...]) -> bool:
-        c, n = self.cfg, self.cfg.prophet_patience
-        if len(gaps) < n or len(confs) < n:
-            return False
-        return all(g > c.min_confidence_gap for g in gaps[-n:]) and \
-            all(h > c.min_confidence_commit for h in confs[-n:])
+
+def candidate_mean(values: torch.Tensor, cand: torch.Tensor, n: Optional[int]) -> torch.Tensor:
+    """``values[cand].mean()`` (the reference's order and length, so the same float) without a host read when
+    the number of candidates ``n`` is known on the host; NaN when there is none."""
+    if n is None:
+        return values[cand].mean() if bool(cand.any()) else values.new_full((), float("nan"))
+    if n == 0:
+        return values.new_full((), float("nan"))
+    order = torch.argsort((~cand).reshape(-1).to(torch.uint8), stable=True)[:n]
+    return values.reshape(-1)[order].mean()

@@ -23,10 +23,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from enum import Enum
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
+from dlm_engine.core.blockwise import block_counts, host_rows
 from dlm_engine.core.canvas import FrameDelta
 from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.eos import stop_at_eos
@@ -76,7 +77,8 @@ class D2CConfig:
 class BlockState:
     block: int = 0
     step: int = 0                               # steps taken in the current block
-    freq: Optional[torch.Tensor] = None         # PC-Sampler table (length V), loaded at init
+    freq: Optional[torch.Tensor] = None         # PC-Sampler table (length V), loaded on the first step
+    counts: Tuple[Tuple[int, ...], ...] = ()    # last host read: eligible positions per row and block
 
 
 @register_strategy("d2c", D2CConfig)
@@ -154,18 +156,29 @@ class D2C(Strategy):
     # -- plan / select -----------------------------------------------------------------------------------
     def plan(self, canvas, st: BlockState):
         g = canvas.gen_start
-        elig = self.eligible(canvas, canvas.masked()[:, g:]) & ~canvas.finished[:, None]
         while st.block < self.num_blocks:
-            a, b = self.block_cols(st.block)
-            rows = elig[:, a:b].any(-1)
-            if bool(rows.any()):
+            left = [row[st.block] for row in st.counts]      # eligible positions per row (last host read)
+            if any(left):
                 break
             st = dataclasses.replace(st, block=st.block + 1, step=0)
         else:
             return None, st
+        a, b = self.block_cols(st.block)
         d = CacheDirective(block=(g + a, g + b), block_start=st.step == 0, step_in_block=st.step)
-        return StepPlan(window=(g, canvas.length), sample=False, rows=rows, cache=d,
-                        temperature=self.cfg.temperature, position_ids=self.positions(canvas)), st
+        return StepPlan(window=(g, canvas.length), sample=False, rows=None if all(left) else [n > 0 for n in left],
+                        cache=d, temperature=self.cfg.temperature, position_ids=self.positions(canvas),
+                        info={"counts": [n for n in left if n > 0]}), st
+
+    # -- the step's host read: eligible positions per row and block -----------------------------------------
+    def sync_request(self, canvas, st: BlockState):
+        elig = self.eligible(canvas, canvas.masked()[:, canvas.gen_start:]) & ~canvas.finished[:, None]
+        return block_counts(canvas, self.block_len, elig)
+
+    def synced(self, canvas, st: BlockState, values, delta):
+        counts = host_rows(values, canvas.batch_size)
+        if delta is not None and st.block < self.num_blocks and not any(row[st.block] for row in counts):
+            st = dataclasses.replace(st, block=st.block + 1, step=0)        # the step finished the block
+        return dataclasses.replace(st, counts=counts)
 
     def sample(self, logits: torch.Tensor, cand: torch.Tensor, st: BlockState) -> Sampled:
         """The step's proposals for every generated position of the call's rows (or only the candidates)."""
@@ -183,17 +196,20 @@ class D2C(Strategy):
         conf[cand], x0[cand], probs[cand] = part.confidence, part.x0, part.probs
         return Sampled(conf, x0, probs)
 
-    def pick(self, scores, cand, block_cand, sampled: Sampled, st: BlockState, rows):
-        """``[B_a, G]`` commits of the call's rows and the new state (subclasses: KLASS, AR)."""
+    def pick(self, scores, cand, block_cand, sampled: Sampled, st: BlockState, rows, counts):
+        """``[B_a, G]`` commits of the call's rows and the new state (subclasses: KLASS, AR); ``counts``: the
+        block's candidates per call row when known on the host (None when a cache may have left some out)."""
         c = self.cfg
-        commit = d2c_commit(scores, block_cand, c.num_transfer_tokens, threshold=c.threshold, factor=c.factor,
-                            gamma=c.gamma, probs=sampled.probs, eb_over_ranks=c.eb_cummax_over_ranks)
+        commit = d2c_commit(scores, block_cand, c.num_transfer_tokens, counts=counts, threshold=c.threshold,
+                            factor=c.factor, gamma=c.gamma, probs=sampled.probs, eb_over_ranks=c.eb_cummax_over_ranks)
         return commit, st
 
     def select(self, canvas, plan, proposal, st: BlockState):
         c, g, B = self.cfg, canvas.gen_start, canvas.batch_size
-        rows = proposal.rows if proposal.rows is not None else torch.arange(B, device=canvas.device)
-        masked = canvas.masked()[rows, g:]
+        every = proposal.rows is None                    # the call ran every row: no gathers and scatters
+        rows = torch.arange(B, device=canvas.device) if every else proposal.rows
+        masked_all = canvas.masked()[:, g:]
+        masked = masked_all if every else masked_all[rows]
         cand = masked if (proposal.valid is None or not c.restrict_to_computed_logits) else masked & proposal.valid
         st = self.frequencies(canvas, st, proposal.logits.shape[-1])
         sampled = self.sample(proposal.logits, cand, st)
@@ -202,17 +218,27 @@ class D2C(Strategy):
         a, b = self.block_cols(st.block)
         in_block = torch.zeros_like(cand)
         in_block[:, a:b] = True
-        block_cand = cand & in_block & self.eligible(canvas, canvas.masked()[:, g:])[rows]
-        commit_a, st = self.pick(scores, cand, block_cand, sampled, st, rows)
-        delta = self.frame(canvas, rows, commit_a, sampled.x0, conf)
-        left = self.after(canvas, delta)[:, a:b]
-        nxt = dataclasses.replace(st, step=st.step + 1)
+        block_cand = cand & in_block
+        if c.stop_until_eos:
+            elig = self.eligible(canvas, masked_all)
+            block_cand &= elig if every else elig[rows]
+        counts = plan.info["counts"] if cand is masked else None
+        commit_a, st = self.pick(scores, cand, block_cand, sampled, st, rows, counts)
+        delta = self.frame(canvas, None if every else rows, commit_a, sampled.x0, conf)
         delta.scalars.update(block=st.block, committed=delta.commit.sum(-1))
-        return delta, nxt if bool(left.any()) else dataclasses.replace(nxt, block=st.block + 1, step=0)
+        return delta, dataclasses.replace(st, step=st.step + 1)   # the block ends in synced, on the host read
 
     def frame(self, canvas, rows, commit_a, x0_a, conf_a) -> FrameDelta:
-        """The full-batch delta over the generation from the call rows' commits, tokens and confidences."""
+        """The full-batch delta over the generation from the call rows' commits, tokens and confidences
+        (``rows`` None: the call ran every row)."""
         g, B = canvas.gen_start, canvas.batch_size
+        if rows is None:
+            delta = FrameDelta(step=canvas.step + 1, nfe=1, start=g, commit=commit_a,
+                               tokens=torch.where(commit_a, x0_a, canvas.tokens[:, g:]),
+                               active=torch.ones(B, dtype=torch.bool, device=canvas.device),
+                               finished=torch.zeros(B, dtype=torch.bool, device=canvas.device),
+                               confidence=conf_a.float())
+            return self.finish(canvas, delta)
         commit = torch.zeros((B, canvas.gen_length), dtype=torch.bool, device=canvas.device)
         commit[rows] = commit_a
         tokens = canvas.tokens[:, g:].clone()

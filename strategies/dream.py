@@ -33,14 +33,17 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from enum import Enum
-from typing import Optional
+from typing import Optional, Tuple
 
+import numpy as np
 import torch
 
-from dlm_engine.core.canvas import FrameDelta
+from dlm_engine.core.blockwise import block_counts, host_rows
+from dlm_engine.core.canvas import BlockEvent, FrameDelta
 from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.registry import register_strategy
 from dlm_engine.core.sampler import sample_positions, sample_tokens
+from dlm_engine.core.selection import masked_order
 from dlm_engine.core.strategy import CacheDirective, StepPlan, Strategy
 from dlm_engine.errors import ConfigError
 from dlm_engine.strategies._dream_blocks import DreamBlockLoop
@@ -83,7 +86,15 @@ class DreamState:
     steps_row: Optional[torch.Tensor] = None    # confidence_threshold: per-row (possibly grown) steps
     quota: Optional[torch.Tensor] = None        # confidence_threshold: per-row tokens per step
     carry: Optional[torch.Tensor] = None        # confidence_threshold: per-row rejected tokens carried over
-    lo: int = 0                                 # first column that can hold a mask (window start)
+    lo: Optional[int] = None                    # first column that can hold a mask (window start; host read)
+    # as of the last host read:
+    masks: Tuple[int, ...] = ()                 # Dream's loop: masks per row in [lo, L)
+    kmax: int = 0                               # confidence_threshold: the most tokens a row may commit next
+    steps_max: int = 0                          # confidence_threshold: the longest (grown) step budget
+    blocks: Tuple[Tuple[int, ...], ...] = ()    # block loop: masks per row and block
+    win: Tuple[int, ...] = ()                   # block loop: masks per row in the cached steps' window
+    inner: Tuple[int, ...] = ()                 # block loop: masks per row in the block after its first column
+    check: bool = False                         # block loop: the host read decides whether the block is done
 
 
 @register_strategy("dream", DreamConfig)
@@ -119,8 +130,9 @@ class Dream(DreamBlockLoop, Strategy):
             self.check_steps_per_block(self.steps, self.num_blocks)
         self.steps_per_block = self.steps // max(self.num_blocks, 1)
         n = self.steps_per_block if c.block_length is not None else self.steps
-        # the reference's float32 timesteps (computed on the CPU, where the fixtures were made)
-        self.ts = torch.linspace(1, float(c.eps), n + 1, dtype=torch.float32)
+        # the reference's float32 timesteps (computed on the CPU, where the fixtures were made); the schedule's
+        # float32 arithmetic runs on the host, in numpy
+        self.ts = torch.linspace(1, float(c.eps), n + 1, dtype=torch.float32).numpy()
 
     # -- set-up ----------------------------------------------------------------------------------------
     def prepare(self, canvas) -> Optional[FrameDelta]:
@@ -136,28 +148,64 @@ class Dream(DreamBlockLoop, Strategy):
                           active=~none, finished=none, remask=holes, scalars={"infill": holes.sum(-1)})
 
     def init_state(self, canvas) -> DreamState:
-        c = self.cfg
-        if c.block_length is not None:
-            return DreamState()
-        masked_cols = canvas.masked().any(dim=0).nonzero()
-        lo = int(masked_cols[0]) if masked_cols.numel() else canvas.gen_start
-        if c.alg != Alg.confidence_threshold:
-            return DreamState(lo=lo)
-        counts = canvas.masked().sum(-1)
-        if bool((counts % self.steps != 0).any()):
-            raise ConfigError(f"strategy.alg=confidence_threshold: the number of masks per row "
-                              f"({counts.tolist()}) must be divisible by strategy.steps={self.steps}")
-        return DreamState(lo=lo, steps_row=torch.full_like(counts, self.steps),
-                          quota=torch.div(counts, self.steps, rounding_mode="floor"), carry=torch.zeros_like(counts))
+        return DreamState()
+
+    # -- the step's host read ----------------------------------------------------------------------------
+    def sync_request(self, canvas, st: DreamState):
+        m = canvas.masked()
+        if self.cfg.block_length is not None:
+            bs, be = self._block(canvas, min(st.block, self.num_blocks - 1))
+            end = canvas.length if self.cfg.window == Window.rest else be
+            return torch.cat([block_counts(canvas, self.block_length).reshape(-1),
+                              m[:, bs + 1:end].sum(-1), m[:, bs + 1:be].sum(-1)])
+        if st.lo is None:                       # before the first step: the window start, masks per row
+            cols = m.any(0)
+            first = torch.where(cols.any(), cols.int().argmax(), torch.tensor(canvas.gen_start, device=m.device))
+            return torch.cat([first.reshape(1), m.sum(-1)])
+        parts = [m[:, st.lo:].sum(-1)]
+        if st.steps_row is not None:
+            want = torch.where(st.i < st.steps_row, st.quota + st.carry, torch.zeros_like(st.quota))
+            parts += [want.max().reshape(1), st.steps_row.max().reshape(1)]
+        return torch.cat(parts)
+
+    def synced(self, canvas, st: DreamState, values, delta):
+        B = canvas.batch_size
+        ints = [int(v) for v in values]
+        if self.cfg.block_length is not None:
+            nb = self.num_blocks
+            blocks = host_rows(ints[:B * nb], B)
+            st = dataclasses.replace(st, blocks=blocks, win=tuple(ints[B * nb:B * nb + B]),
+                                     inner=tuple(ints[B * nb + B:]))
+            if not st.check:
+                return st
+            bs, be = self._block(canvas, st.block)
+            if any(row[st.block] for row in blocks):
+                return dataclasses.replace(st, i=st.i + 1, check=False)
+            delta.block_events.append(BlockEvent("completed", st.block, bs, be))
+            return dataclasses.replace(st, block=st.block + 1, block_start=True, i=0, check=False)
+        if st.lo is None:
+            lo, masks = ints[0], tuple(ints[1:])
+            st = dataclasses.replace(st, lo=lo, masks=masks)
+            if self.cfg.alg != Alg.confidence_threshold:
+                return st
+            if any(n % self.steps for n in masks):
+                raise ConfigError(f"strategy.alg=confidence_threshold: the number of masks per row "
+                                  f"({list(masks)}) must be divisible by strategy.steps={self.steps}")
+            dev = canvas.device
+            quota = torch.tensor([n // self.steps for n in masks], dtype=torch.long, device=dev)
+            return dataclasses.replace(st, steps_row=torch.full((B,), self.steps, dtype=torch.long, device=dev),
+                                       quota=quota, carry=torch.zeros_like(quota),
+                                       kmax=max(n // self.steps for n in masks), steps_max=self.steps)
+        st = dataclasses.replace(st, masks=tuple(ints[:B]))
+        if st.steps_row is not None:
+            st = dataclasses.replace(st, kmax=ints[B], steps_max=ints[B + 1])
+        return st
 
     # -- plan ------------------------------------------------------------------------------------------
     def plan(self, canvas, st: DreamState):
         L = canvas.length
         if self.cfg.block_length is None:
-            if st.steps_row is not None:
-                if st.i >= int(st.steps_row.max()):
-                    return None, st
-            elif st.i >= self.steps:
+            if st.i >= (st.steps_max if st.steps_row is not None else self.steps):
                 return None, st
             return StepPlan(window=(st.lo, L), temperature=0.0, confidence="prob"), st
         if st.block >= self.num_blocks:
@@ -173,8 +221,9 @@ class Dream(DreamBlockLoop, Strategy):
             end = L if self.cfg.window == Window.rest else be
             window = (min(bs + 1, end), end)
         # rows whose block is already full sit the step out (their trajectory is the one they have alone)
+        left = [row[st.block] > 0 for row in st.blocks]
         return StepPlan(window=window, temperature=0.0, confidence="prob", cache=d,
-                        rows=canvas.masked()[:, bs:be].any(-1)), st
+                        rows=None if all(left) else left, info={"rows": left}), st
 
     # -- select ----------------------------------------------------------------------------------------
     def select(self, canvas, plan, proposal, st: DreamState):
@@ -195,7 +244,7 @@ class Dream(DreamBlockLoop, Strategy):
         s = sample_tokens(logits, c.temperature, c.top_p, c.top_k, alg=alg)
         return s.confidence, s.x0
 
-    def _k(self, n: torch.Tensor, i: int, last: int) -> int:
+    def _k(self, n: np.float32, i: int, last: int) -> int:
         """``int(n (1 - s/t))`` in float32 (everything left at the last step)."""
         if i < last:
             t, s = self.ts[i], self.ts[i + 1]
@@ -225,10 +274,10 @@ class Dream(DreamBlockLoop, Strategy):
                           block_events=list(events), scalars={"committed": commit.sum(-1)})
 
     @staticmethod
-    def _scatter(values: torch.Tensor, where: torch.Tensor, fill) -> torch.Tensor:
-        out = torch.full(where.shape, fill, dtype=values.dtype, device=values.device)
-        out[where] = values
-        return out
+    def _scatter(values: torch.Tensor, where: torch.Tensor, fill, order: torch.Tensor) -> torch.Tensor:
+        """``out[where] = values`` with ``order`` from :func:`masked_order` (no host read)."""
+        out = torch.full((where.numel(),), fill, dtype=values.dtype, device=values.device)
+        return out.index_copy_(0, order, values).view(where.shape)
 
     # Dream's loop: maskgit_plus / topk_margin / entropy / origin ---------------------------------------
     def _dream_step(self, canvas, plan, proposal, st: DreamState):
@@ -236,27 +285,32 @@ class Dream(DreamBlockLoop, Strategy):
         lo = plan.window[0]
         B, W = proposal.x0.shape
         mask = canvas.masked()[:, lo:]
-        mask_logits = proposal.logits[mask]                       # [M, V] row-major, as logits[mask_index]
+        M = sum(st.masks)                                          # masks of the window, known on the host
+        order = masked_order(mask, M)
+        mask_logits = proposal.logits.reshape(B * W, -1)[order]    # [M, V] row-major, as logits[mask_index]
         i, mid = st.i, canvas.mask_id
-        commit = torch.zeros_like(mask)
         nxt = dataclasses.replace(st, i=st.i + 1)
         done = nxt.i >= self.steps
         if c.alg == Alg.origin:
-            p_transfer = (1 - self.ts[i + 1] / self.ts[i]) if i < self.steps - 1 else 1
-            sel = torch.rand(mask_logits.shape[0], device=mask_logits.device) < p_transfer
-            x0 = torch.full((mask_logits.shape[0],), mid, dtype=torch.long, device=mask_logits.device)
-            _, x0[sel] = self._propose(mask_logits[sel])
-            tokens = self._scatter(x0, mask, mid)
+            p_transfer = float(1 - self.ts[i + 1] / self.ts[i]) if i < self.steps - 1 else 1
+            sel = torch.rand(M, device=mask_logits.device) < p_transfer
+            if c.temperature > 0:     # the draws have the shape of the revealed positions: one more host read
+                x0 = torch.full((M,), mid, dtype=torch.long, device=mask_logits.device)
+                _, x0[sel] = self._propose(mask_logits[sel])
+            else:                     # argmax: the same tokens whichever rows are proposed
+                x0 = torch.where(sel, self._propose(mask_logits)[1], torch.full_like(sel, mid, dtype=torch.long))
+            tokens = self._scatter(x0, mask, mid, order)
             commit = mask & (tokens != mid)
             conf = torch.zeros((B, W), dtype=torch.float32, device=tokens.device)
             return self._delta(canvas, lo, commit, tokens, conf, done=done), nxt
         kind = {Alg.maskgit_plus: "prob", Alg.topk_margin: "margin", Alg.entropy: "entropy"}[c.alg]
         cval, x0 = self._propose(mask_logits, kind)
-        n = mask.sum() / B                                         # batch average, float32 (reference)
-        k = self._k(n.float(), i, self.steps - 1)
-        tokens = self._scatter(x0, mask, mid)
-        conf_w = self._scatter(cval, mask, float("-inf"))
+        n = np.float32(M) / np.float32(B)                          # batch average, float32 (reference)
+        k = self._k(n, i, self.steps - 1)
+        tokens = self._scatter(x0, mask, mid, order)
+        conf_w = self._scatter(cval, mask, float("-inf"), order)
         conf = conf_w.float()
+        commit = torch.zeros_like(mask)
         if k > 0:
             # ranked over the whole canvas width, as the reference does (matters for alg_temp draws)
             scores = torch.full((B, canvas.length), float("-inf"), dtype=conf_w.dtype, device=conf_w.device)
@@ -264,7 +318,7 @@ class Dream(DreamBlockLoop, Strategy):
             idx = self._pick(scores, k)
             chosen = torch.zeros((B, canvas.length), dtype=torch.bool, device=scores.device)
             chosen.scatter_(1, idx, True)
-            if bool((chosen[:, :lo]).any()) or bool((chosen[:, lo:] & ~mask).any()):
+            if min(st.masks) < k:
                 # reference quirk: a row with fewer masks than k gets non-masked positions re-masked
                 return self._remask_step(canvas, chosen, tokens, conf, mask, lo, done), nxt
             commit = chosen[:, lo:]
@@ -286,14 +340,16 @@ class Dream(DreamBlockLoop, Strategy):
     def _threshold_step(self, canvas, plan, proposal, st: DreamState):
         lo = plan.window[0]
         mask = canvas.masked()[:, lo:]
+        B, W = mask.shape
         active = st.i < st.steps_row                               # rows whose (grown) step budget lasts
-        cval, x0 = self._propose(proposal.logits[mask])
-        tokens = self._scatter(x0, mask, canvas.mask_id)
-        scores = self._scatter(cval, mask, float("-inf"))
+        order = masked_order(mask, sum(st.masks))
+        cval, x0 = self._propose(proposal.logits.reshape(B * W, -1)[order])
+        tokens = self._scatter(x0, mask, canvas.mask_id, order)
+        scores = self._scatter(cval, mask, float("-inf"), order)
         want = torch.where(active, st.quota + st.carry, torch.zeros_like(st.quota))
         commit = torch.zeros_like(mask)
         rejected = torch.zeros_like(want)
-        kmax = int(want.max())
+        kmax = st.kmax                                             # max(want), read on the host
         if kmax > 0:
             vals, idx = torch.topk(scores, kmax, dim=-1)
             rank = torch.arange(kmax, device=scores.device)[None, :]
@@ -310,7 +366,8 @@ class Dream(DreamBlockLoop, Strategy):
                                   quota=torch.where(grow, torch.zeros_like(st.quota), st.quota),
                                   steps_row=st.steps_row + grow.long())
         done_rows = nxt.i >= nxt.steps_row
-        delta = self._delta(canvas, lo, commit, tokens, scores.float(), done=bool(done_rows.all()))
+        delta = self._delta(canvas, lo, commit, tokens, scores.float(), done=done_rows.all())
         delta.active = active & ~canvas.finished
         delta.finished = delta.finished | (done_rows & ~canvas.finished)
         return delta, nxt
+

@@ -10,15 +10,17 @@ at generation positions before decoding (they count as given: never candidates, 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from dlm_engine.core.canvas import FrameDelta
 from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.registry import register_strategy
-from dlm_engine.core.selection import topk_commit, transfer_schedule
+from dlm_engine.core.blockwise import block_counts, host_rows
+from dlm_engine.core.selection import host_schedule, topk_commit
 from dlm_engine.core.strategy import (BlockCursor, CacheDirective, Remasking, StepPlan, Strategy, block_range,
                                       candidates)
 from dlm_engine.errors import ConfigError
@@ -46,7 +48,9 @@ class EarlyExitConfig:
 class ExitState:
     cursor: BlockCursor
     exited: torch.Tensor                     # [B] bool: rows that went all-in
-    counts: Optional[torch.Tensor] = None    # [B, steps_per_block] transfer schedule of the current block
+    schedule: Tuple[Tuple[int, ...], ...] = ()    # the current block's transfer schedule per row (host)
+    counts: Tuple[Tuple[int, ...], ...] = ()      # last host read: masked positions per row and block
+    all_exited: bool = False                      # last host read: every row went all-in
 
 
 @register_strategy("early_exit", EarlyExitConfig)
@@ -98,16 +102,30 @@ class EarlyExit(Strategy):
 
     def plan(self, canvas, st: ExitState):
         cur = st.cursor
-        if cur.block >= self.num_blocks or bool(st.exited.all()):
+        if cur.block >= self.num_blocks or st.all_exited:
             return None, st
         s, e = block_range(canvas, cur.block, self.block_length)
         if cur.step == 0:
-            st = ExitState(cur, st.exited, transfer_schedule(canvas.masked()[:, s:e].sum(-1), self.steps_per_block))
+            st = dataclasses.replace(st, schedule=host_schedule([row[cur.block] for row in st.counts],
+                                                                self.steps_per_block))
         c = self.cfg
-        # the window is the whole generation: the answer window and the all-in commit reach past the block
-        return StepPlan(window=(canvas.gen_start, canvas.length), temperature=c.temperature,
+        if self.answer_window is None:      # LLaDA's loop: the block is all a step needs
+            window, masked = (s, e), [row[cur.block] for row in st.counts]
+        else:
+            # the answer window and the all-in commit reach past the block: the whole generation, with
+            # confidences at its masked positions (all of them may be committed by an all-in)
+            window, masked = (canvas.gen_start, canvas.length), [sum(row) for row in st.counts]
+        return StepPlan(window=window, temperature=c.temperature,
                         confidence="random" if c.remasking == Remasking.random else "prob", cfg_scale=c.cfg_scale,
-                        cache=CacheDirective(block=(s, e), block_start=cur.step == 0, step_in_block=cur.step)), st
+                        cache=CacheDirective(block=(s, e), block_start=cur.step == 0, step_in_block=cur.step),
+                        masked=masked, info={"k": [sch[cur.step] for sch in st.schedule]}), st
+
+    def sync_request(self, canvas, st: ExitState):
+        return torch.cat([block_counts(canvas, self.block_length).reshape(-1), st.exited.reshape(-1)])
+
+    def synced(self, canvas, st: ExitState, values, delta):
+        B = canvas.batch_size
+        return dataclasses.replace(st, counts=host_rows(values[:-B], B), all_exited=all(values[-B:]))
 
     def phase_threshold(self, global_step: int) -> float:
         q = global_step / self.steps
@@ -128,7 +146,7 @@ class EarlyExit(Strategy):
         cur = st.cursor
         s, e = block_range(canvas, cur.block, self.block_length)
         cand = candidates(canvas, proposal, e)
-        commit = topk_commit(proposal.confidence, cand, st.counts[:, cur.step], proposal.row_span)
+        commit = topk_commit(proposal.confidence, cand, plan.info["k"], proposal.row_span)
         scalars = {"block": cur.block, "committed": commit.sum(-1)}
         exited = st.exited
         if self.answer_window is not None:
@@ -142,4 +160,4 @@ class EarlyExit(Strategy):
         done = cur.step + 1 >= self.steps_per_block
         nxt, events = cur.advance((s, e), done)
         delta = self.delta(canvas, proposal, commit, events=events, scalars=scalars)
-        return delta, ExitState(nxt, exited, None if done else st.counts)
+        return delta, dataclasses.replace(st, cursor=nxt, exited=exited)

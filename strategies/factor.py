@@ -29,5 +29,5 @@ class Factor(FillBlocks):
         if f is None or not float(f) > 0:
             raise ConfigError(f"strategy.factor={f} must be > 0")
 
-    def rule(self, conf, cand, cur, span=None):
+    def rule(self, conf, cand, cur, span=None, counts=None):
         return factor_commit(conf, cand, float(self.cfg.factor), span)

@@ -57,7 +57,7 @@ class Klass(D2C):
                            device=canvas.device)
         return KlassState(history=hist)
 
-    def pick(self, scores, cand, block_cand, sampled, st: KlassState, rows):
+    def pick(self, scores, cand, block_cand, sampled, st: KlassState, rows, counts):
         c = self.cfg
         p = sampled.probs                                              # [B_a, G, V], model dtype
         V = p.shape[-1]
@@ -74,7 +74,7 @@ class Klass(D2C):
             chosen = pool
         else:
             chosen = d2c_commit(scores, pool, 0, threshold=c.threshold, factor=c.factor)
-        fallback = d2c_commit(scores, block_cand, c.num_transfer_tokens)
+        fallback = d2c_commit(scores, block_cand, c.num_transfer_tokens, counts=counts)
         commit = torch.where(chosen.any(-1, keepdim=True), chosen, fallback)
         st = dataclasses.replace(st, history=hist.index_copy(0, rows, h), previous=prev.index_copy(0, rows, p64))
         return commit, st

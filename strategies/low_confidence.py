@@ -15,16 +15,19 @@ decoded (the rest of the row becomes EOS) and stops decoding when every row has 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from enum import Enum
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
 from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.eos import EosOptions, check_eos_options, eos_confidence, eos_stop, eos_suppress
 from dlm_engine.core.registry import register_strategy
-from dlm_engine.core.selection import topk_commit, transfer_schedule
+from dlm_engine.core.blockwise import block_counts, host_rows
+from dlm_engine.core.canvas import BlockEvent
+from dlm_engine.core.selection import host_schedule, topk_commit
 from dlm_engine.core.strategy import (BlockCursor, CacheDirective, Remasking, StepPlan, Strategy, block_range,
                                       candidates)
 
@@ -54,10 +57,13 @@ class LowConfidenceConfig(EosOptions):            # + logits_eos_inf, confidence
 
 @dataclass(frozen=True)
 class Schedule:
-    """The block cursor plus the current block's transfer schedule ``[B, steps_per_block]``."""
+    """The block cursor, the current block's transfer schedule per row (host ints) and, from the last host
+    read, the masked positions per row and block and whether every row is finished."""
 
     cursor: BlockCursor = BlockCursor()
-    counts: Optional[torch.Tensor] = None
+    schedule: Tuple[Tuple[int, ...], ...] = ()
+    counts: Tuple[Tuple[int, ...], ...] = ()
+    all_finished: bool = False
 
 
 @register_strategy("low_confidence", LowConfidenceConfig)
@@ -81,21 +87,24 @@ class LowConfidence(Strategy):
         return Schedule()
 
     def plan(self, canvas, st: Schedule):
-        cur = st.cursor
-        if cur.block >= self.num_blocks:
-            return None, st
-        if self.cfg.stop_at_eos and bool(canvas.finished.all()):
+        cur, c = st.cursor, self.cfg
+        if cur.block >= self.num_blocks or (c.stop_at_eos and st.all_finished):
             return None, st
         s, e = block_range(canvas, cur.block, self.block_length)
+        left = [row[cur.block] for row in st.counts]
         if cur.step == 0:
-            st = Schedule(cur, transfer_schedule(canvas.masked()[:, s:e].sum(-1), self.steps_per_block))
-        c = self.cfg
+            st = dataclasses.replace(st, schedule=host_schedule(left, self.steps_per_block))
+        rows = None
+        if c.loop == Loop.fastdllm and not all(left):   # rows whose block is full sit the step out
+            rows = [n > 0 for n in left]
+        i = min(cur.step, self.steps_per_block - 1)
+        k = [sch[i] if cur.step < self.steps_per_block else 1 for sch in st.schedule]
         return StepPlan(
             window=(s, e), temperature=c.temperature,
             confidence="random" if c.remasking == Remasking.random else c.confidence.value,
             softmax_dtype="float64" if c.loop == Loop.fastdllm else "model", cfg_scale=c.cfg_scale,
             cache=CacheDirective(block=(s, e), block_start=cur.step == 0, step_in_block=cur.step),
-            suppress=eos_suppress(c, canvas),
+            suppress=eos_suppress(c, canvas), rows=rows, masked=left, info={"k": k},
         ), st
 
     def select(self, canvas, plan, proposal, st: Schedule):
@@ -103,13 +112,24 @@ class LowConfidence(Strategy):
         cur, c = st.cursor, self.cfg
         cand = candidates(canvas, proposal, e)
         conf = eos_confidence(c, canvas, plan, proposal)
-        k = st.counts[:, cur.step] if cur.step < self.steps_per_block else torch.ones_like(st.counts[:, 0])
-        commit = topk_commit(conf, cand, k, proposal.row_span)    # ranked in the reference's row
-        if c.loop == Loop.llada:
-            done = cur.step + 1 >= self.steps_per_block
-        else:
-            done = not bool((canvas.masked()[:, s:e] & ~commit).any())
+        commit = topk_commit(conf, cand, plan.info["k"], proposal.row_span)    # ranked in the reference's row
+        # LLaDA runs every scheduled step; Fast-dLLM's loop ends the block when it is full (decided on the host)
+        done = c.loop == Loop.llada and cur.step + 1 >= self.steps_per_block
         nxt, events = cur.advance((s, e), done)
         delta = self.delta(canvas, proposal, commit, events=events, confidence=conf,
                            scalars={"block": cur.block, "committed": commit.sum(-1)})
-        return eos_stop(c, canvas, delta), Schedule(nxt, None if done else st.counts)
+        return eos_stop(c, canvas, delta), dataclasses.replace(st, cursor=nxt)
+
+    def sync_request(self, canvas, st: Schedule):
+        return block_counts(canvas, self.block_length)
+
+    def synced(self, canvas, st: Schedule, values, delta):
+        counts = host_rows(values, canvas.batch_size)
+        st = dataclasses.replace(st, counts=counts, all_finished=all(canvas.finished_host))
+        cur = st.cursor
+        if (delta is not None and self.cfg.loop == Loop.fastdllm and cur.block < self.num_blocks
+                and not any(row[cur.block] for row in counts)):
+            s, e = block_range(canvas, cur.block, self.block_length)
+            delta.block_events.append(BlockEvent("completed", cur.block, s, e))
+            st = dataclasses.replace(st, cursor=BlockCursor(cur.block + 1, 0))
+        return st

@@ -26,5 +26,5 @@ class Threshold(FillBlocks):
         super().validate()
         self.check_unit_interval("threshold", self.cfg.threshold)
 
-    def rule(self, conf, cand, cur, span=None):
-        return threshold_commit(conf, cand, float(self.cfg.threshold), span)
+    def rule(self, conf, cand, cur, span=None, counts=None):
+        return threshold_commit(conf, cand, float(self.cfg.threshold), span, counts)

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
+from dlm_engine.core.blockwise import block_counts, host_rows
 from dlm_engine.core.canvas import FrameDelta
 from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.priors import certainty_density
@@ -35,7 +36,13 @@ from dlm_engine.core.strategy import StepPlan, Strategy, masked_after
 from dlm_engine.errors import ConfigError, UserError
 from dlm_engine.strategies.d2c import Alg
 
-_SEVEN_TENTHS = torch.tensor(0.7, dtype=torch.float32)
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to float32 (the reference computes ``int(0.7 * n)`` in float32)."""
+    import struct
+
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 @dataclass
@@ -59,6 +66,9 @@ class WinoState:
     block: int = 0
     block_mask: Optional[torch.Tensor] = None   # [B, G] the reference's in-place-shrunk block mask (shrinking_window)
     window: tuple = (0, 0)                      # generated positions [bs, be) of the step being planned
+    counts: Tuple[Tuple[int, ...], ...] = ()    # last host read: masked positions per row and block
+    shrunk: Optional[tuple] = None              # last host read (shrinking_window): (rows active, row 0's span,
+                                                # masked positions per row in that span) under block_mask
 
 
 @register_strategy("wino", WinoConfig)
@@ -95,25 +105,26 @@ class Wino(Strategy):
 
     def plan(self, canvas, st: WinoState):
         c, g = self.cfg, canvas.gen_start
-        masked = canvas.masked()[:, g:] & ~canvas.finished[:, None]
         while st.block < self.num_blocks:
-            bm = st.block_mask if st.block_mask is not None else self.fresh_mask(canvas, st.block)
-            if c.shrinking_window:
-                idx = bm[0].nonzero()                      # the reference reads the window off row 0 first
-                bs, be = (int(idx[0]), int(idx[-1]) + 1) if idx.numel() else (None, None)
+            if c.shrinking_window and st.block_mask is not None:      # the reference's shrinking window
+                rows, (bs, be), n = st.shrunk
             else:
                 bs, be = st.block * self.block_len, (st.block + 1) * self.block_len
-            eligible = bm & masked                         # the active-row check (shrinks the reference's mask)
-            rows = eligible.any(-1)
-            if bool(rows.any()):
-                if bs is None:
+                n = [row[st.block] for row in st.counts]
+                rows = [k > 0 for k in n]
+            if any(rows):
+                if bs < 0:
                     raise UserError("wino (shrinking_window=true): row 0 has nothing left in its block while another "
                                     "row does -- the reference fails here; use the corrected window")
                 break
-            st = WinoState(block=st.block + 1)
+            st = dataclasses.replace(st, block=st.block + 1, block_mask=None)
         else:
             return None, st
-        st = WinoState(block=st.block, block_mask=eligible if c.shrinking_window else None, window=(bs, be))
+        mask = None
+        if c.shrinking_window:     # the active-row check shrinks the reference's block mask in place
+            bm = st.block_mask if st.block_mask is not None else self.fresh_mask(canvas, st.block)
+            mask = bm & canvas.masked()[:, g:]
+        st = dataclasses.replace(st, block_mask=mask, window=(bs, be))
         W = be - bs
         B, L = canvas.batch_size, canvas.length
         pos = canvas.position_ids
@@ -126,8 +137,38 @@ class Wino(Strategy):
         attend[:, L + i, g + bs + i] = False
         aux = AuxColumns(tokens=torch.full((B, W), canvas.mask_id, dtype=torch.long, device=canvas.device),
                          positions=pos[:, g + bs:g + be], attend=attend, shift_within=c.shadow_shift_within)
-        return StepPlan(window=(g + bs, g + be), sample=False, rows=rows, aux=aux, position_ids=pos,
-                        temperature=c.temperature), st
+        ntt = c.num_transfer_tokens
+        run = [n[r] for r in range(B) if rows[r]]
+        cap = [max(min(max(int(_f32(k) * _f32(0.7)), 5), 20), ntt) for k in run]   # clamp(0.7 n, 5, 20), >= ntt
+        return StepPlan(window=(g + bs, g + be), sample=False, rows=None if all(rows) else list(rows), aux=aux,
+                        position_ids=pos, temperature=c.temperature, info={"counts": run, "cap": cap}), st
+
+    # -- the step's host read -----------------------------------------------------------------------------------
+    def sync_request(self, canvas, st: WinoState):
+        g = canvas.gen_start
+        masked = canvas.masked()[:, g:] & ~canvas.finished[:, None]
+        parts = [block_counts(canvas, self.block_len, masked).reshape(-1)]
+        if self.cfg.shrinking_window and st.block_mask is not None:
+            bm = st.block_mask
+            G = bm.shape[1]
+            col = torch.arange(G, device=bm.device)
+            any0 = bm[0].any()
+            first = torch.where(any0, bm[0].int().argmax(), torch.tensor(-1, device=bm.device))
+            last = torch.where(any0, G - 1 - bm[0].flip(0).int().argmax(), torch.tensor(-1, device=bm.device))
+            inside = (col >= first) & (col <= last)
+            parts += [(bm & masked).any(-1), first.reshape(1), last.reshape(1),
+                      (canvas.masked()[:, g:] & inside[None, :]).sum(-1)]
+        return torch.cat([x.to(torch.int64) for x in parts])
+
+    def synced(self, canvas, st: WinoState, values, delta):
+        B, nb = canvas.batch_size, self.num_blocks
+        counts = host_rows(values[:B * nb], B)
+        shrunk = None
+        if self.cfg.shrinking_window and st.block_mask is not None:
+            rest = [int(v) for v in values[B * nb:]]
+            first, last = rest[B], rest[B + 1]
+            shrunk = ([v > 0 for v in rest[:B]], (first, last + 1) if first >= 0 else (-1, -1), rest[B + 2:])
+        return dataclasses.replace(st, counts=counts, shrunk=shrunk)
 
     # -- select ----------------------------------------------------------------------------------------------
     def select(self, canvas, plan, proposal, st: WinoState):
@@ -144,10 +185,9 @@ class Wino(Strategy):
         if c.sigma:
             dens = certainty_density(~canvas.masked()[rows, g:], c.sigma)[:, bs:be].to(conf.dtype)
             scores = conf * dens
-        n = masked_w.sum(-1)
-        cap = torch.clamp((n.to(torch.float32) * _SEVEN_TENTHS).long(), 5, 20)
         ntt = c.num_transfer_tokens
-        wide = d2c_commit(scores, masked_w, ntt, torch.clamp(cap, min=ntt), threshold=c.wide_in_thres)
+        wide = d2c_commit(scores, masked_w, ntt, plan.info["cap"], counts=plan.info["counts"],
+                          threshold=c.wide_in_thres)
         k = torch.clamp(wide.sum(-1) - ntt, min=0)
         decoded = ~masked_w
         low = decoded & (conf < c.narrow_out_thres)

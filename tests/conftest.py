@@ -17,6 +17,20 @@ BIN = Path(sys.executable).parent
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+def need(module: str, extra: str):
+    """Import an optional dependency or skip, naming the extra that installs it. With
+    ``DLM_ENGINE_TEST_ALL=1`` (CI: `.ci/run`) a missing one fails instead, so CI cannot skip it silently."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        if os.environ.get("DLM_ENGINE_TEST_ALL") == "1":
+            raise
+        pytest.skip(f"{module} is not installed: pip install -e '.[{extra}]' (the 'dev' extra has it)",
+                    allow_module_level=True)
+
+
 def run_dlm(args, cwd, env=None, timeout=300, exe="dlm"):
     """Run a console script of this environment as a subprocess; returns CompletedProcess."""
     e = dict(os.environ)
@@ -38,8 +52,8 @@ def parity():
     return mod
 
 
-def record_calls(cache):
-    """Wrap ``cache.forward`` to record (refresh?, compute span, batch) of every model call."""
+def watch_calls(cache, what=lambda c: c):
+    """Wrap ``cache.forward``; returns the list that gets ``what(call)`` of every model call once it ran."""
     from contextlib import contextmanager
 
     calls = []
@@ -49,10 +63,40 @@ def record_calls(cache):
     def forward(call):
         with inner(call) as c:
             yield c
-        calls.append((c.refreshed, tuple(c.compute), c.batch_size))
+        calls.append(what(c))
 
     cache.forward = forward
     return calls
+
+
+def record_calls(cache):
+    """Wrap ``cache.forward`` to record (refresh?, compute span, batch) of every model call."""
+    return watch_calls(cache, lambda c: (c.refreshed, tuple(c.compute), c.batch_size))
+
+
+# cache options a batch needs: dLLM-Cache's reference schedule is one for the batch and stops when rows that sat steps
+# out diverge (tests/test_adaptive_caches.py); per-row schedules decode every row as alone
+BATCH_CACHE_OPTIONS = {"dllm": {"per_row_schedule": True}}
+
+
+def batch_cache(name: str):
+    """A fresh cache ``name`` with the options a left-padded batch needs (``BATCH_CACHE_OPTIONS``)."""
+    from dlm_engine.core.registry import cache_class
+
+    cls = cache_class(name)
+    return cls(cls.Config(**BATCH_CACHE_OPTIONS.get(name, {})))
+
+
+def small_strategies(gen: int = 16):
+    """``(name, strategy)`` of every registered strategy with small blocks (8) that fit ``gen``."""
+    from dlm_engine.core.registry import STRATEGIES, load_plugins
+
+    load_plugins()
+    for name, cls in sorted(STRATEGIES.items()):
+        kw = {"block_length": 8} if "block_length" in cls.Config.__dataclass_fields__ else {}
+        if name == "dream":
+            kw["steps"] = 4
+        yield name, cls(cls.Config(**kw), gen)
 
 
 @pytest.fixture(scope="session")
@@ -68,12 +112,18 @@ def parity_candidates(tmp_path_factory):
     """Run `experiments/parity.py` on the refparity copy once per session; {case id: candidate}."""
     import json
 
-    out = tmp_path_factory.mktemp("parity") / "candidate.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "parity.py"), str(REFPARITY), str(out)],
-                          capture_output=True, text=True, timeout=900, cwd=str(ROOT))
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    out, stdout = run_parity(REFPARITY, tmp_path_factory.mktemp("parity"))
     data = json.loads(out.read_text())
-    return {c["id"]: c for c in data["cases"]}, proc.stdout
+    return {c["id"]: c for c in data["cases"]}, stdout
+
+
+def run_parity(folder, tmp):
+    """``experiments/parity.py FOLDER`` in a subprocess; returns (candidate file, its stdout)."""
+    out = Path(tmp) / "candidate.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "parity.py"), str(folder), str(out)],
+                          capture_output=True, text=True, timeout=1200, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc.stdout
 
 
 def compare_with_reference(candidates, ids, tmp_path):
@@ -114,12 +164,9 @@ def d2c_candidates(tmp_path_factory):
     """`experiments/parity.py` on the d2cparity copy once per session; ({case id: candidate}, stdout)."""
     import json
 
-    out = tmp_path_factory.mktemp("d2cparity") / "candidate.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "parity.py"), str(FIXTURES / "d2cparity"),
-                           str(out)], capture_output=True, text=True, timeout=1200, cwd=str(ROOT))
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    out, stdout = run_parity(FIXTURES / "d2cparity", tmp_path_factory.mktemp("d2cparity"))
     data = json.loads(out.read_text())
-    return {c["id"]: c for c in data["cases"]}, proc.stdout
+    return {c["id"]: c for c in data["cases"]}, stdout
 
 
 @pytest.fixture(scope="session")

@@ -88,8 +88,34 @@ def test_non_finite_logits_at_the_first_forward_stop_the_decode(tiny_llada):
             call.logits = call.logits * float("nan")
             return call
 
+    from dlm_engine.core.loop import Sink
+
+    class Seen(Sink):
+        deltas = 0
+
+        def on_delta(self, delta, canvas):
+            self.deltas += 1
+
     cls = strategy_class("threshold")
     canvas = Canvas.from_prompts([[5, 6, 7]], 8, 1000, 1001)
+    seen = Seen()
     with pytest.raises(NonFiniteError, match="non-finite logits at the first forward") as err:
-        decode(NaNModel(), canvas, cls(cls.Config(), 8))
-    assert isinstance(err.value, UserError) and canvas.step == 0
+        decode(NaNModel(), canvas, cls(cls.Config(), 8), sinks=[seen])
+    # read in the step's one host sync: the first step is the last, and no sink (trace, progress) saw it
+    assert isinstance(err.value, UserError) and canvas.nfe == 1 and seen.deltas == 0
+
+
+def test_the_first_forward_health_flag():
+    """NaN, +inf or a position whose logits are all -inf are unhealthy; -inf on some tokens (suppressed EOS) is not."""
+    from dlm_engine.core.loop import non_finite
+
+    ok = torch.randn(2, 3, 5)
+    ok[..., 1] = float("-inf")
+    assert not bool(non_finite(ok))
+    for value, where in ((float("nan"), (1, 2, 3)), (float("inf"), (0, 0, 0))):
+        bad = ok.clone()
+        bad[where] = value
+        assert bool(non_finite(bad))
+    dead = ok.clone()
+    dead[1, 1, :] = float("-inf")
+    assert bool(non_finite(dead))

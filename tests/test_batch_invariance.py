@@ -11,6 +11,8 @@ from dlm_engine.core.loop import decode
 from dlm_engine.core.registry import CACHES, STRATEGIES, load_plugins, strategy_class
 from dlm_engine.app.sinks import RecordingSink
 
+from conftest import batch_cache
+
 PROMPTS = [[735, 559, 771, 678, 375, 377], [127, 157, 983, 804, 991, 537, 902, 490, 136, 103, 962], [413, 750, 0]]
 GEN = 16
 
@@ -36,13 +38,16 @@ INTERACTING = {
     ("block_buffer", "dual"): "the buffer window is the union of the rows' buffers: cached steps recompute it for all",
     ("block_buffer", "block_store"): "a block is stored once it is complete in every row of the batch",
 }
+# d2Cache tops every row up to the same number of queried positions and takes the block bonus and the top-up
+# offset as maxima over the batch (reference semantics)
+INTERACTING.update({(name, "d2cache"): "d2Cache's equal-count top-up and batch-wide maxima" for name in SETTINGS})
 
 
 def trajectory(model, prompts, name, cache, **kw):
     cls = strategy_class(name)
     canvas = Canvas.from_prompts(prompts, GEN, 1000, 1001)
     rec = RecordingSink()
-    decode(model, canvas, cls(cls.Config(**kw), GEN), CACHES.get(cache)(), sinks=[rec])
+    decode(model, canvas, cls(cls.Config(**kw), GEN), batch_cache(cache), sinks=[rec])   # (dllm: per-row schedules)
     g = canvas.gen_start
     rows = []
     for r in range(len(prompts)):

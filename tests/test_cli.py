@@ -22,11 +22,16 @@ def test_default_run_writes_results_and_summary(tmp_path):
         assert {"prompt", "text", "tokens", "nfe"} <= set(r)
         assert len(r["tokens"]) == 16
     summary = json.loads((out / "summary.json").read_text())
-    for key in ("nfe", "tpf", "tps", "generated_tokens", "strategy", "model"):
+    for key in ("nfe", "tpf", "tps", "model_calls", "latency_mean", "generated_tokens", "strategy", "model"):
         assert key in summary
     assert summary["strategy"]["name"] == "low_confidence"
     assert "TPF" in proc.stdout and "TPS" in proc.stdout
     assert rows[0]["prompt"] in proc.stdout
+    # a single run ends with its output directory; the job's log holds what the terminal showed
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-1] == f"outputs: {out.resolve()}" and lines[-2].startswith("accuracy ")
+    log = (out / "cli.log").read_text()
+    assert lines[-2] in log and f"outputs: {out.resolve()}" in log and "decoded 50/50 prompts" in log
 
 
 def test_prompts_file_batch_and_strategy_options(tmp_path):
@@ -39,7 +44,9 @@ def test_prompts_file_batch_and_strategy_options(tmp_path):
     assert [r["prompt"] for r in rows] == ["12+34=", "name a color:", "sum 3:"]
     assert all(r["nfe"] == 8 for r in rows)
     s = json.loads((out / "summary.json").read_text())
-    assert s["strategy"]["block_length"] == 4 and s["batch_size"] == 2 and s["nfe"] == 16
+    # NFE sums per-sequence forwards (3 x 8); model calls count the batched forwards (2 batches x 8 steps)
+    assert s["strategy"]["block_length"] == 4 and s["batch_size"] == 2 and s["nfe"] == 24 and s["model_calls"] == 16
+    assert s["nfe_per_prompt"] == 8 and s["tpf"] == pytest.approx(s["generated_tokens"] / 24)
 
 
 def test_local_checkpoint_directory(tmp_path):
@@ -57,7 +64,7 @@ def test_local_checkpoint_directory(tmp_path):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["strategy=nope"], "Could not find 'strategy/nope'"),
+    (["strategy=nope"], "strategy=nope: no such strategy"),
     (["strategy.steps=abc"], "strategy.steps"),
     (["strategy.bogus=1"], "bogus"),
     (["gen_length=10", "strategy.block_length=4"], "gen_length=10 is not divisible by strategy.block_length=4"),
@@ -83,3 +90,29 @@ def test_malformed_checkpoint_is_reported_before_loading(tmp_path):
     lines = [l for l in proc.stderr.splitlines() if l.strip()]
     assert len(lines) == 1 and str(ck) in lines[0] and "not valid JSON" in lines[0]
     assert not out.exists() or not (out / "summary.json").exists()
+
+
+@pytest.mark.parametrize("args, line", [
+    (["strategy=treshold"], "strategy=treshold: no such strategy (choose from ar, block_buffer, cadllm, certainty_prior, d2c, "
+                            "dream, early_exit, eb_sampler, factor, klass, low_confidence, pc_sampler, threshold, wino); "
+                            "did you mean strategy=threshold?"),
+    (["strategy=threshold", "strategy.treshold=0.5"], "strategy.treshold: unknown key; did you mean strategy.threshold?"),
+    (["gen_lenght=8"], "gen_lenght: unknown key; did you mean gen_length?"),
+    (["gen_length=abc"], "gen_length: Value 'abc' of type 'str' could not be converted to Integer"),
+    (["cache=dul"], "cache=dul: no such cache (choose from block_store, d2cache, dllm, dual, none, prefix); did you mean cache=dual?"),
+])
+def test_hydra_config_errors_are_one_line_with_a_suggestion(tmp_path, args, line):
+    proc, out = _run(tmp_path, *args)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"dlm: error: {line}"]
+    assert not out.exists()
+
+
+def test_help_into_a_closed_pipe_is_quiet(tmp_path):
+    import subprocess
+
+    from conftest import BIN
+
+    proc = subprocess.run(f"{BIN / 'dlm'} --help | head -1", shell=True, capture_output=True, text=True,
+                          cwd=str(tmp_path), timeout=120)
+    assert proc.stdout.strip() and "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr

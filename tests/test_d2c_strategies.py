@@ -163,13 +163,18 @@ def test_reference_positions_number_dream_rows_from_zero():
 
     cls = strategy_class("d2c")
     canvas = Canvas.from_prompts([[5, 6], [5, 6, 7, 8]], 8, 9, 0)
+
+    def first_plan(**kw):
+        s = cls(cls.Config(**kw), 8)
+        st = s.init_state(canvas)
+        st = s.synced(canvas, st, s.sync_request(canvas, st).reshape(-1).tolist(), None)   # the first host read
+        return s.plan(canvas, st)[0]
+
     canvas.model_info = ModelInfo("Dream", 1)
-    plan, _ = cls(cls.Config(), 8).plan(canvas, cls(cls.Config(), 8).init_state(canvas))
-    assert torch.equal(plan.position_ids[0], torch.arange(canvas.length))
-    plan, _ = cls(cls.Config(reference_positions=False), 8).plan(canvas, cls(cls.Config(), 8).init_state(canvas))
-    assert plan.position_ids is None                                  # the canvas' cumsum positions
+    assert torch.equal(first_plan().position_ids[0], torch.arange(canvas.length))
+    assert first_plan(reference_positions=False).position_ids is None          # the canvas' cumsum positions
     canvas.model_info = ModelInfo("llada", 0)
-    assert cls(cls.Config(), 8).plan(canvas, cls(cls.Config(), 8).init_state(canvas))[0].position_ids is None
+    assert first_plan().position_ids is None
 
 
 def test_wino_run_through_dlm_and_the_trace_tools(tmp_path):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dlm_engine.models.loader import load_pretrained
-from dlm_engine.core.registry import CACHES, cache_class, load_plugins, STRATEGIES
+from dlm_engine.core.registry import CACHES, cache_class, load_plugins
 from dlm_engine.core.protocol import CacheDirective, CallRequest
 
 DREAM = Path(__file__).resolve().parent / "fixtures" / "dreamparity" / "tiny_dream"
@@ -48,18 +48,16 @@ def test_every_strategy_and_cache_pair_decodes_a_dream_batch(model):
     from dlm_engine.core.capabilities import incompatibility
     from dlm_engine.core.loop import decode
 
+    from conftest import batch_cache, small_strategies
+
     load_plugins()
     ran = []
-    for sname, cls in sorted(STRATEGIES.items()):
-        kw = {"block_length": 8} if "block_length" in cls.Config.__dataclass_fields__ else {}
-        if sname == "dream":
-            kw["steps"] = 4
-        strategy = cls(cls.Config(**kw), 16)
+    for sname, strategy in small_strategies(16):
         for cname, ccls in CACHES.items():
             if incompatibility(strategy, ccls()) is not None:
                 continue
             canvas = Canvas.from_prompts([[406, 710, 869, 657, 230, 402], [432, 865, 699]], 16, 1000, 1001)
-            decode(model, canvas, strategy, cache_class(cname)(cache_class(cname).Config()))
+            decode(model, canvas, strategy, batch_cache(cname))
             assert not canvas.masked()[:, canvas.gen_start:].any(), (sname, cname)
             ran.append((sname, cname))
     assert ("low_confidence", "dual") in ran and ("dream", "prefix") in ran

@@ -50,7 +50,7 @@ def test_a_killed_rerun_leaves_no_earlier_complete_files_beside_its_partial(tmp_
     n = 200
     prompts = "prompts=[" + ",".join(f"p{i}" for i in range(n)) + "]"
     proc = subprocess.Popen([str(BIN / "dlm"), f"hydra.run.dir={out}", "device=cpu", prompts, "batch_size=1",
-                             "gen_length=64"], cwd=str(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             "gen_length=48"], cwd=str(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             env=dict(os.environ, HYDRA_FULL_ERROR="0"))
     deadline = time.time() + 120
     try:

@@ -81,8 +81,10 @@ def test_stop_at_eos_row_stops_costing_work(tiny_llada, name, cache, kw):
     full = 2 * len(PROMPTS) if kw.get("cfg_scale") else len(PROMPTS)
     B = len(PROMPTS)
     # (a) the row finished early and the model ran on fewer rows from then on, never more again
+    sits_out = name in ("threshold", "factor") or kw.get("loop") == "fastdllm"   # rows with a full block wait
     assert bool(canvas.finished[row]) and rec.sizes[0] == full and rec.rows[0] is None
-    assert all(a >= b for a, b in zip(rec.sizes, rec.sizes[1:]))
+    if not sits_out:                              # (rows that sit a step out come back for the next block)
+        assert all(a >= b for a, b in zip(rec.sizes, rec.sizes[1:]))
     assert any(r is not None and row not in r and r for r in rec.rows)      # others ran without it
     if name == "low_confidence":                  # fixed schedule: only the EOS row ends early
         assert rec.rows[-1] == [0, 2] + ([3, 5] if kw.get("cfg_scale") else [])
@@ -100,7 +102,10 @@ def test_stop_at_eos_row_stops_costing_work(tiny_llada, name, cache, kw):
     assert torch.equal(canvas.tokens, plain.tokens) and torch.equal(canvas.step_of, plain.step_of)
     assert canvas.nfe == plain.nfe and torch.equal(canvas.row_nfe, plain.row_nfe)
     assert canvas.row_nfe[row] < canvas.row_nfe.max()
-    assert sum(rec.sizes) < sum(prec.sizes) and set(prec.sizes) == {full}
+    # block fillers let a row whose block is full sit steps out (the finished row has no mask left), so only
+    # the others keep every row in every call without compaction
+    if not sits_out:
+        assert sum(rec.sizes) < sum(prec.sizes) and set(prec.sizes) == {full}
     assert sum(rec.sizes) == int(canvas.row_nfe.sum()) * full // B    # work done = per-row NFE
 
 
@@ -185,8 +190,8 @@ def test_stored_cache_keeps_the_right_rows():
         B = 4 if rows is None else len(rows)
         ids = torch.zeros((B, L), dtype=torch.long)
         req = CallRequest(directive=dataclasses.replace(d, block_start=start))
-        if rows is not None:
-            req.rows, req.full_batch = torch.tensor(rows), 4
+        if rows is not None:                       # the other rows finished: they are not live any more
+            req.rows, req.live, req.full_batch = torch.tensor(rows), torch.tensor(rows), 4
         c = ForwardCall(input_ids=ids, position_ids=ids, key_mask=None, columns=Columns.span(0, L),
                         logits_range=(0, L), request=req)
         with cache.forward(c) as c:

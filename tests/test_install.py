@@ -3,7 +3,7 @@ import os
 import subprocess
 import sys
 
-from conftest import ROOT
+from conftest import ROOT, need
 
 
 def test_non_editable_install_finds_configs(tmp_path):
@@ -27,6 +27,7 @@ def test_non_editable_install_finds_configs(tmp_path):
 def test_non_editable_install_ships_the_lm_eval_start_up_hook(tmp_path):
     """The wheel puts ``dlm_engine_lm_eval.pth`` and its module at the root of site-packages; processing that
     site directory makes ``--model dlm_engine`` resolve to the installed copy of the adapter."""
+    need("lm_eval", "eval")
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                     "--target", str(target), str(ROOT)], check=True, capture_output=True, timeout=600)

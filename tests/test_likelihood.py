@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import write_lm_eval_task
+from conftest import need, write_lm_eval_task
 
 from dlm_engine.errors import ConfigError, UserError
 from dlm_engine.integrations.likelihood import greedy_matches, mc_loglikelihood
@@ -108,6 +108,7 @@ metric_list:
 
 
 def test_lm_eval_multiple_choice_through_the_adapter(mc_task, monkeypatch):
+    need("lm_eval", "eval")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
@@ -126,6 +127,7 @@ def test_lm_eval_multiple_choice_through_the_adapter(mc_task, monkeypatch):
 
 
 def test_adapter_options_are_checked():
+    need("lm_eval", "eval")
     import dlm_engine.integrations.lm_eval as adapter
 
     with pytest.raises(ConfigError, match="mc_samples=0"):

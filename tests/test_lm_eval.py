@@ -7,9 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import lm_eval  # noqa: E402,F401  (the 'eval' extra; the 'dev' extra installs it too)
 import pytest
-from conftest import write_lm_eval_task
+from conftest import need, write_lm_eval_task
+
+lm_eval = need("lm_eval", "eval")  # the only test module that needs lm-eval (plus one test each in two others)
 
 ARGS = "model=tiny_random,strategy=threshold,strategy.block_length=8,gen_length=8,device=cpu,trace.record=false"
 DOCS = [{"prompt": "347+085=", "answer": "0432"}, {"prompt": "901-256=", "answer": "645"},
@@ -35,21 +36,28 @@ def _env():
     return dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", OMP_WAIT_POLICY="PASSIVE")
 
 
-def test_simple_evaluate_runs_generate_until_with_our_generations(task_dir, monkeypatch):
+# the d2Cache family through the adapter too (issue 14): each with the generations dlm_engine makes directly
+NEW = "model=tiny_random,gen_length=8,device=cpu,trace.record=false,strategy="
+
+
+@pytest.mark.parametrize("args", [ARGS] + [NEW + s for s in ("d2c", "pc_sampler", "eb_sampler", "certainty_prior",
+                                                               "klass", "ar", "wino")],
+                         ids=lambda a: a.split("strategy=")[1].split(",")[0])
+def test_simple_evaluate_runs_generate_until_with_our_generations(task_dir, monkeypatch, args):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
     import dlm_engine.integrations.lm_eval as adapter
 
-    res = simple_evaluate(model="dlm_engine", model_args=ARGS, tasks=["dlm_tiny"],
+    res = simple_evaluate(model="dlm_engine", model_args=args, tasks=["dlm_tiny"],
                           task_manager=TaskManager(include_path=str(task_dir)), log_samples=True)
     metrics = res["results"]["dlm_tiny"]
     samples = res["samples"]["dlm_tiny"]
     assert metrics["exact_match,none"] == sum(s["exact_match"] for s in samples) / len(samples)
     assert len(samples) == len(DOCS)
     # the harness received exactly what dlm_engine decodes for these prompts with this config
-    lm = adapter.DLMEngineLM(**dict(kv.split("=") for kv in ARGS.split(",")))
+    lm = adapter.DLMEngineLM(**dict(kv.split("=") for kv in args.split(",")))
     import torch
 
     from dlm_engine.app.api import run_prompts
@@ -143,6 +151,47 @@ def test_bad_model_args_fail_like_dlm():
 
     with pytest.raises(ConfigError, match="strategy.threshold"):
         adapter.DLMEngineLM(**{"model": "tiny_random", "strategy": "threshold", "strategy.threshold": 1.5})
+
+
+def test_a_model_args_typo_on_lm_evals_command_line_is_one_line(task_dir, monkeypatch, capsys):
+    """On lm-eval's command line (argv[0] lm_eval) a bad --model_args value is one line and exit 2, through
+    lm-eval's own simple_evaluate; called as a library, the ConfigError propagates."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from dlm_engine.errors import ConfigError
+
+    args = dict(model="dlm_engine", model_args="model=tiny_random,strategy=treshold", tasks=["dlm_tiny"],
+                task_manager=TaskManager(include_path=str(task_dir)))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(ConfigError, match="did you mean strategy=threshold"):
+        simple_evaluate(**args)
+    monkeypatch.setattr(sys, "argv", [str(Path(sys.executable).parent / "lm_eval"), "--model", "dlm_engine"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as done:
+        simple_evaluate(**args)
+    assert done.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1:] == [
+        "dlm_engine: error: strategy=treshold: no such strategy (choose from ar, block_buffer, cadllm, certainty_prior, "
+        "d2c, dream, early_exit, eb_sampler, factor, klass, low_confidence, pc_sampler, threshold, wino); "
+        "did you mean strategy=threshold?"]
+
+
+def test_generate_until_reports_per_sequence_metrics(capsys):
+    import dlm_engine.integrations.lm_eval as adapter
+
+    class Req:
+        def __init__(self, ctx):
+            self.args = (ctx, {"until": ["\n"]})
+
+    lm = adapter.DLMEngineLM(**dict(kv.split("=") for kv in ARGS.split(",")), batch_size=2)
+    lm.generate_until([Req(d["prompt"]) for d in DOCS])
+    m = lm.metrics
+    assert m.sequences == 3 and m.nfe == sum(r.nfe for r in lm.rows)
+    assert m.tpf == pytest.approx(sum(r.generated_tokens for r in lm.rows) / m.nfe)
+    assert m.model_calls <= m.nfe  # two batches: fewer batched calls than per-sequence forwards
+    line = [l for l in capsys.readouterr().err.splitlines() if l.startswith("dlm_engine: generate_until:")]
+    assert len(line) == 1 and "NFE/seq" in line[0] and "TPF" in line[0] and "model calls" in line[0]
 
 
 def test_cut_at_stop_strings():

@@ -158,4 +158,4 @@ def test_cli_runs_a_cached_strategy(tmp_path):
                    cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["cache"] == {"name": "prefix", "refresh_interval": 2, "wasted_draw": True}
+    assert summary["cache"] == {"name": "prefix", "refresh_interval": 2, "wasted_draw": True, "shifted": "extend"}

@@ -5,6 +5,7 @@ import copy
 import dataclasses
 
 import pytest
+import numpy as np
 import torch
 
 from dlm_engine.core.canvas import Canvas, FrameDelta
@@ -30,6 +31,8 @@ def snapshot(x):
     """A comparable deep copy of a value made of dataclasses, tuples, lists, dicts and tensors."""
     if isinstance(x, torch.Tensor):
         return ("tensor", x.detach().clone())
+    if isinstance(x, np.ndarray):
+        return ("tensor", torch.from_numpy(x.copy()))
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         return (type(x).__name__, {f.name: snapshot(getattr(x, f.name)) for f in dataclasses.fields(x)})
     if isinstance(x, (list, tuple)):
@@ -69,6 +72,18 @@ class Checked(Strategy):
 
     def max_steps(self, canvas):
         return self.inner.max_steps(canvas)
+
+    def sync_request(self, canvas, state):
+        st0 = snapshot(state)
+        req = self.inner.sync_request(canvas, state)
+        assert same(snapshot(state), st0), f"{self.name}: sync_request mutated the state"
+        return req
+
+    def synced(self, canvas, state, values, delta):
+        st0 = snapshot(state)
+        new = self.inner.synced(canvas, state, values, delta)
+        assert same(snapshot(state), st0), f"{self.name}: synced mutated the state passed in"
+        return new
 
     def _canvas(self, canvas):
         return snapshot([canvas.tokens, canvas.step_of, canvas.finished, canvas.step])

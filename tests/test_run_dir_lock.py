@@ -77,5 +77,5 @@ def test_two_sweeps_into_one_directory_at_once(tmp_path):
         assert res["trace"]["digest"] == "sha256:" + hashlib.sha256(trace.read_bytes()).hexdigest(), r
         summary = json.loads((r.parent / "summary.json").read_text())
         assert summary["trace_digest"] == res["trace"]["digest"]
-    decoded = sum(o.count("prompts 6  NFE") for o, _ in outs)
+    decoded = sum(o.count("sequences 6  NFE/seq") for o, _ in outs)
     assert decoded == 3                                  # every job decoded by exactly one of the two

@@ -8,7 +8,7 @@ import pytest
 from conftest import run_dlm
 
 SWEEP = ["strategy=threshold", "strategy.threshold=0.5,0.9", "strategy.block_length=range(8,17,8)",
-         "task=tiny_mix", "task.n=8", "gen_length=16", "device=cpu", "print_outputs=false"]
+         "task=tiny_mix", "task.n=8", "gen_length=16", "device=cpu"]
 
 
 def _results(sweep_dir):
@@ -73,6 +73,9 @@ def test_end_of_multirun_callback_writes_table_and_plots(sweep):
     for png in ("accuracy_vs_nfe.png", "tps.png"):
         assert (d / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
     assert "4 jobs (4 ok)" in proc.stdout and "strategy.threshold" in (d / "sweep.md").read_text()
+    # a multirun prints one summary line per job, not one line per prompt
+    assert sum(line.startswith("accuracy ") for line in proc.stdout.splitlines()) == 4
+    assert "-> '" not in proc.stdout
     # workers have no terminal: a log line per batch instead of a progress bar, in the job's log
     log = next(d.glob("*/cli.log")).read_text()
     assert "decoded 8/8 prompts" in log
@@ -85,26 +88,33 @@ def test_rerun_skips_finished_jobs_and_says_so(sweep):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming sweep" in proc.stdout and "4 finished job(s)" in proc.stdout
     assert proc.stdout.count("skipped, result.json exists") == 4
-    assert "prompts 8  NFE" not in proc.stdout  # nothing was decoded
+    assert "sequences 8  NFE" not in proc.stdout  # nothing was decoded
     assert {p: p.stat().st_mtime_ns for p in d.glob("*/result.json")} == before
     assert len(_csv(d)) == 4
 
 
-def test_dlm_sweep_on_partial_sweep_then_resume_runs_only_the_missing_job(sweep):
+def test_dlm_sweep_on_partial_sweep_then_resume_runs_only_the_missing_jobs(sweep):
+    import shutil
+
     tmp, d, _ = sweep
-    victim = sorted(d.glob("*/result.json"))[0]
-    victim.unlink()
+    victim, gone = sorted(d.glob("*/result.json"))[:2]
+    victim.unlink()                 # killed while running: its directory has no result
+    shutil.rmtree(gone.parent)      # never started: no directory at all (the grid is in multirun.yaml)
     (d / "sweep.csv").unlink()
     proc = run_dlm([str(d)], cwd=tmp, exe="dlm-sweep")
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 1, proc.stdout + proc.stderr
     rows = {r["job"]: r for r in _csv(d)}
     assert len(rows) == 4 and rows[victim.parent.name]["status"] == "incomplete"
-    # the incomplete job's settings come from its .hydra/config.yaml
+    assert rows[gone.parent.name]["status"] == "not started"
+    # the incomplete job's settings come from its .hydra/config.yaml, the missing one's from the grid
     assert rows[victim.parent.name]["strategy.threshold"] in ("0.5", "0.9")
-    assert "1 incomplete" in proc.stdout and "hydra.sweep.dir=" in proc.stdout
+    assert rows[gone.parent.name]["strategy.block_length"] in ("8", "16")
+    assert "1 incomplete" in proc.stdout and "1 not started" in proc.stdout and "hydra.sweep.dir=" in proc.stdout
+    assert f"not started: {gone.parent.name}" in proc.stdout
 
     proc = run_dlm(["-m", f"hydra.sweep.dir={d}", *SWEEP], cwd=tmp)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("skipped, result.json exists") == 3
-    assert proc.stdout.count("prompts 8  NFE") == 1
-    assert victim.is_file() and all(r["status"] == "ok" for r in _csv(d))
+    assert proc.stdout.count("skipped, result.json exists") == 2
+    assert proc.stdout.count("sequences 8  NFE") == 2
+    assert victim.is_file() and gone.is_file() and all(r["status"] == "ok" for r in _csv(d))
+    assert run_dlm([str(d)], cwd=tmp, exe="dlm-sweep").returncode == 0  # complete now

@@ -12,6 +12,7 @@ from conftest import run_dlm
 from dlm_engine.sweeps import cli as sweep
 from dlm_engine.sweeps import jobs as sweep_jobs
 from dlm_engine.sweeps.cli import aggregate
+from dlm_engine.metrics import METRICS_VERSION
 from dlm_engine.sweeps.jobs import JobRecord, job_dirname
 
 
@@ -60,6 +61,13 @@ def test_resume_decisions(tmp_path, monkeypatch, capsys):
     assert res["metrics"]["tps"] == 10.0 and "resume" not in res["config"]
     assert JobRecord(_cfg(print_outputs=False), tmp_path).should_skip()  # neutral keys do not matter
     assert "skipped, result.json exists" in capsys.readouterr().out
+    # a result written under older metric definitions (batch-dependent TPF) is never reused
+    old = json.loads((tmp_path / "result.json").read_text())
+    assert old["metrics_version"] == METRICS_VERSION
+    (tmp_path / "result.json").write_text(json.dumps(dict(old, metrics_version=1)))
+    assert not JobRecord(_cfg(), tmp_path).should_skip()
+    assert "older metric definitions" in capsys.readouterr().out
+    (tmp_path / "result.json").write_text(json.dumps(old))
     assert not JobRecord(_cfg(resume=False), tmp_path).should_skip()
     assert "resume=false, re-running" in capsys.readouterr().out
     assert not JobRecord(_cfg(gen_length=32), tmp_path).should_skip()
@@ -77,12 +85,12 @@ def test_resume_decisions(tmp_path, monkeypatch, capsys):
 
 
 # ------------------------------------------------------------------------------------------- aggregation
-def _write_result(d, name, threshold, block, acc, nfe, tps):
+def _write_result(d, name, threshold, block, acc, nfe, tps, metrics_version=METRICS_VERSION):
     job = d / name
     job.mkdir(parents=True)
     ov = ["strategy=threshold", f"strategy.threshold={threshold}", f"strategy.block_length={block}"]
     (job / "result.json").write_text(json.dumps({
-        "status": "ok", "overrides": ov, "strategy": {"name": "threshold", "threshold": threshold, "block_length": block},
+        "status": "ok", "metrics_version": metrics_version, "overrides": ov, "strategy": {"name": "threshold", "threshold": threshold, "block_length": block},
         "cache": {"name": "none"}, "model": "tiny", "task": "tiny_mix",
         "metrics": {"accuracy": acc, "nfe_per_prompt": nfe, "nfe": nfe * 4, "tpf": 16 / nfe, "tps": tps,
                     "wall_time": 1.0, "job_time": 2.0, "generated_tokens": 64, "prompts": 4,
@@ -111,6 +119,17 @@ def fake_sweep(tmp_path):
     return d
 
 
+def test_results_under_older_metric_definitions_are_stale(fake_sweep, capsys):
+    _write_result(fake_sweep, "old", 0.3, 8, 0.9, 1.0, 999.0, metrics_version=None)  # would dominate everything
+    report = aggregate(fake_sweep, plots=False)
+    assert report["counts"]["stale"] == 1 and report["counts"]["ok"] == 4
+    with open(fake_sweep / "sweep.csv") as f:
+        rows = {r["job"]: r for r in csv.DictReader(f)}
+    assert rows["old"]["status"] == "stale" and rows["old"]["pareto"] == ""
+    assert {k for k, r in rows.items() if r["pareto"] == "True"} == {"a", "b"}
+    assert "stale: old" in capsys.readouterr().out
+
+
 def test_aggregate_table_pareto_and_plots(fake_sweep, capsys):
     report = aggregate(fake_sweep)
     assert report["counts"] == {"ok": 4, "failed": 1, "incomplete": 1}
@@ -126,7 +145,7 @@ def test_aggregate_table_pareto_and_plots(fake_sweep, capsys):
     header = next(csv.reader(open(fake_sweep / "sweep.csv")))
     assert header[:5] == ["job", "status", "strategy", "strategy.threshold", "strategy.block_length"]
     md = (fake_sweep / "sweep.md").read_text().splitlines()
-    assert md[0] == "| status | strategy.threshold | strategy.block_length | accuracy | NFE/prompt | TPF | TPS | Pareto |"
+    assert md[0] == "| status | strategy.threshold | strategy.block_length | accuracy | NFE/seq | TPF | TPS | Pareto |"
     assert len(md) == 2 + 6
     for png in ("accuracy_vs_nfe.png", "tps.png"):
         assert (fake_sweep / png).read_bytes()[:4] == b"\x89PNG"
@@ -135,7 +154,7 @@ def test_aggregate_table_pareto_and_plots(fake_sweep, capsys):
 
 
 def test_dlm_sweep_command(fake_sweep, tmp_path, capsys):
-    assert sweep.main([str(fake_sweep), "--no-plots"]) == 0
+    assert sweep.main([str(fake_sweep), "--no-plots"]) == 1  # a failed and an incomplete job
     assert not (fake_sweep / "tps.png").exists() and (fake_sweep / "sweep.csv").is_file()
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -149,7 +168,8 @@ def test_without_matplotlib_the_table_is_written_and_the_hint_given(fake_sweep):
             "from dlm_engine.sweeps.cli import main\n"
             f"sys.exit(main([{str(fake_sweep)!r}]))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 1, proc.stderr  # the fake sweep has a failed and an incomplete job
+    assert "Traceback" not in proc.stderr
     assert (fake_sweep / "sweep.csv").is_file() and not list(fake_sweep.glob("*.png"))
     assert 'pip install "dlm-engine[viz]"' in proc.stdout
 
@@ -179,6 +199,7 @@ def _sweeper_params(overrides):
     ("threshold_grid", 12, {"strategy", "strategy.threshold", "strategy.block_length"}),
     ("all_strategies", 13, {"strategy"}),
     ("block_buffer_sizes", 8, {"strategy", "strategy.block_length", "strategy.buffer_size", "strategy.accept_threshold"}),
+    ("caches", 10, {"strategy", "cache", "strategy.threshold", "batch_size"}),
 ])
 def test_presets_expand_to_valid_jobs(preset, n, keys):
     from dlm_engine.app.run import validate
@@ -188,6 +209,10 @@ def test_presets_expand_to_valid_jobs(preset, n, keys):
     assert {o.split("=")[0] for job in jobs for o in job} == keys
     for cfg in configs:
         validate(cfg)  # every job of a preset passes the pre-model checks at the default gen_length
+    if preset == "caches":
+        from dlm_engine.core.registry import CACHES
+
+        assert {c.cache.name for c in configs} == set(CACHES) - {"block_store"}    # every cache threshold pairs with
     if preset == "all_strategies":
         from dlm_engine.core.registry import STRATEGIES
 
@@ -211,18 +236,34 @@ def test_slurm_preset_composes():
 
 
 # ------------------------------------------------------------------------------------------- a real failing sweep
-def test_glob_sweep_with_failing_jobs_still_aggregates_and_exits_nonzero(tmp_path):
+def test_every_job_is_checked_before_the_first_one_runs(tmp_path):
+    """Bad values and unsupported strategy x cache pairs are reported together, and nothing runs."""
     d = tmp_path / "sw"
     proc = run_dlm(["-m", f"hydra.sweep.dir={d}", "strategy=threshold", "strategy.block_length=5,8",
-                    "cache=glob([n*,p*],exclude=*_schema)", 'prompts=["12+34="]', "gen_length=16", "device=cpu",
+                    "cache=glob([n*,p*,b*])", 'prompts=["12+34="]', "gen_length=16", "device=cpu",
                     "trace.record=false"], cwd=tmp_path)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines[0] == "dlm: error: 4 of 6 jobs of the sweep have invalid configs (no job was run):"
+    assert sorted(lines[1:]) == sorted([
+        "  strategy.block_length=5 cache=none: gen_length=16 is not divisible by strategy.block_length=5",
+        "  strategy.block_length=5 cache=prefix: gen_length=16 is not divisible by strategy.block_length=5",
+        "  strategy.block_length=5 cache=block_store: gen_length=16 is not divisible by strategy.block_length=5",
+        "  strategy.block_length=8 cache=block_store: " + lines[-1].split("cache=block_store: ")[-1]])
+    assert "strategy=threshold does not provide what cache=block_store needs" in lines[-1]
+    assert not d.exists() or not any(d.iterdir())
+
+
+def test_glob_sweep_of_valid_jobs_runs_clean(tmp_path):
+    """The README's glob() example: every cache the strategy supports (block_store excluded)."""
+    d = tmp_path / "sw"
+    proc = run_dlm(["-m", f"hydra.sweep.dir={d}", "strategy=threshold", "cache=glob(*,exclude=block_store)",
+                    'prompts=["12+34="]', "device=cpu", "trace.record=false"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     with open(d / "sweep.csv") as f:
         rows = list(csv.DictReader(f))
-    assert {(r["cache"], r["strategy.block_length"], r["status"]) for r in rows} == {
-        ("none", "5", "failed"), ("prefix", "5", "failed"), ("none", "8", "ok"), ("prefix", "8", "ok")}
-    assert all("not divisible by strategy.block_length=5" in r["error"] for r in rows if r["status"] == "failed")
-    assert "dlm: error: 2 job(s) of the sweep failed" in proc.stderr
+    assert sorted((r["cache"], r["status"]) for r in rows) == [("d2cache", "ok"), ("dllm", "ok"), ("dual", "ok"),
+                                                                ("none", "ok"), ("prefix", "ok")]
     assert "Traceback" not in proc.stderr
 
 
@@ -249,7 +290,32 @@ def test_progress_bar_only_on_a_terminal_and_log_lines_in_multirun_jobs(monkeypa
     monkeypatch.setattr(sweep_jobs, "in_multirun", lambda: False)
     monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
     p = ProgressSink(8)
-    assert p.bar.disable and not p.log_lines  # a single run without a terminal stays quiet
+    assert p.bar.disable and p.log_lines  # a single run without a terminal logs lines too
+
+
+def test_without_a_terminal_a_long_batch_logs_every_interval_with_rate_and_eta(monkeypatch, caplog):
+    import logging
+    from types import SimpleNamespace
+
+    from dlm_engine.app import sinks
+
+    clock = [100.0]
+    monkeypatch.setattr(sinks.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    p = sinks.ProgressSink(20, log_interval=10)
+    canvas = SimpleNamespace(batch_size=10)
+    with caplog.at_level(logging.INFO, logger="dlm_engine.progress"):
+        for step in range(1, 7):           # one batch of 10: 6 steps of 4 s each
+            clock[0] += 4
+            p.on_delta(SimpleNamespace(step=step), canvas)
+        p.on_end(canvas)                   # 10/20 after 24 s: the last line was 0 s ago, so no line
+        clock[0] += 30
+        p.on_end(canvas)                   # the last prompt: always a line
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "decoded 0/20 prompts (12.0 s, 0.0 prompts/s, ETA unknown) (batch of 10 at step 3)",
+        "decoded 0/20 prompts (24.0 s, 0.0 prompts/s, ETA unknown) (batch of 10 at step 6)",
+        "decoded 20/20 prompts (54.0 s, 0.4 prompts/s, ETA 0.0 s)"]
 
 
 def test_long_tables_are_cut_on_screen_only(fake_sweep, monkeypatch, capsys):
@@ -257,3 +323,35 @@ def test_long_tables_are_cut_on_screen_only(fake_sweep, monkeypatch, capsys):
     aggregate(fake_sweep, plots=False)
     assert "... 4 more rows in sweep.md" in capsys.readouterr().out
     assert len((fake_sweep / "sweep.md").read_text().splitlines()) == 8
+
+
+def test_accuracy_plot_shows_every_strategy_even_at_the_same_point():
+    """Three strategies with identical accuracy and NFE (block_buffer buffer_size=1 is threshold): each keeps
+    its own marker and legend entry, and no marker lands on another."""
+    pytest.importorskip("matplotlib", reason="plots need the 'viz' extra (matplotlib)")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from dlm_engine.sweeps.plots import accuracy_figure, spread
+
+    rows = [{"status": "ok", "strategy": s, "accuracy": a, "nfe_per_prompt": n, "pareto": p}
+            for s, a, n, p in [("threshold", 0.98, 2.56, True), ("block_buffer", 0.98, 2.56, True),
+                               ("factor", 0.98, 2.56, True), ("low_confidence", 1.0, 16.0, True)]]
+    groups = {r["strategy"]: [r] for r in rows}
+    fig = accuracy_figure(plt, rows, "strategy", groups, [])
+    ax = fig.axes[0]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["strategy=block_buffer", "strategy=factor", "strategy=low_confidence", "strategy=threshold",
+                      "Pareto front"]
+    fig.canvas.draw()
+    shown = [tuple(c.get_offset_transform().transform(c.get_offsets())[0]) for c in ax.collections
+             if len(c.get_offsets()) and c.get_sizes()[0] > 0]
+    assert len(shown) == 4 and len({(round(x), round(y)) for x, y in shown}) == 4
+    markers = {c.get_paths()[0].vertices.tobytes() for c in ax.collections if c.get_sizes()[0] > 0}
+    assert len(markers) == 4
+    plt.close(fig)
+    # the layout is deterministic: the same input gives the same offsets; a lone point is not moved
+    assert spread([(10, 10), (11, 10), (200, 50)]) == spread([(10, 10), (11, 10), (200, 50)])
+    assert spread([(10, 10), (11, 10), (200, 50)])[2] == (0.0, 0.0)

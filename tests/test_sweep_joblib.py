@@ -27,3 +27,62 @@ def test_joblib_2x2_sweep(tmp_path):
     for log in d.glob("*/cli.log"):  # a joblib worker never draws a bar; it logs its progress
         assert "decoded 8/8 prompts" in log.read_text()
     assert "decode:" not in proc.stderr  # no tqdm bar
+
+
+def _children(pid):
+    import os
+
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def _alive(pid):
+
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+    return True
+
+
+def test_killed_joblib_sweep_leaves_no_workers_running(tmp_path):
+    """SIGKILL the `dlm -m` process while both workers decode: they notice their parent is gone and end."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from conftest import BIN
+
+    d = tmp_path / "sw"
+    proc = subprocess.Popen([str(BIN / "dlm"), "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
+                             f"hydra.sweep.dir={d}", "seed=0,1", "strategy.steps=64", "task.n=2000", "batch_size=1",
+                             "trace.record=false", "device=cpu"], cwd=str(tmp_path), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"))
+    try:
+        deadline = time.time() + 240
+        while len(list(d.glob("*/cli.log"))) < 2 and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.5)
+        assert len(list(d.glob("*/cli.log"))) == 2, "the two jobs did not start"
+        workers = [p for p in _children(proc.pid) if "loky" in open(f"/proc/{p}/cmdline").read()]
+        assert workers
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    deadline = time.time() + 90
+    while any(_alive(p) for p in workers) and time.time() < deadline:
+        time.sleep(0.5)
+    left = [p for p in workers if _alive(p)]
+    for p in left:  # do not leave them behind even when the check fails
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"workers still running after their sweep was killed: {left}"

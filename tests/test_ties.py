@@ -86,3 +86,25 @@ def test_d2cache_family_ranks_in_the_generated_row():
 def test_wino_ranks_in_its_window():
     # wide-in: nothing reaches 0.99, so the top num_transfer_tokens slots of the window (the block) commit
     assert first_step("wino", wide_in_thres=0.99, block_length=G) == reference_pick(G, 0, 1)
+
+
+def test_cadllm_ranks_in_the_call_row():
+    # the adaptive threshold (0.85 at the block start) is out of reach: the top-1 of topk(row, |candidates|) commits
+    top = torch.topk(_row(P + G, P), G).indices[0].item() - P
+    assert first_step("cadllm", initial_block_length=G, min_block=G, max_block=G) == [top]
+
+
+def test_padding_never_changes_a_pick():
+    """In a left-padded batch each row is ranked without its padding: the pick of a batch of one."""
+    cls = strategy_class("low_confidence")
+    prompts = [[1, 2, 3], [1], [2, 3]]
+    canvas = Canvas.from_prompts(prompts, G, MASK, 0)
+    rec = RecordingSink()
+    decode(Tied(), canvas, cls(cls.Config(), G), cache_class("none")(), sinks=[rec])
+    d = rec.deltas[0]
+    for r, p in enumerate(prompts):
+        cols = sorted((d.commit[r].nonzero().squeeze(1) + d.start - P).tolist())
+        assert cols == reference_pick(len(p) + G, len(p), 1), r
+    # and the padded row would pick differently if it were ranked with its padding
+    assert reference_pick(P + G, P, 1) != reference_pick(1 + G, 1, 1) or \
+        reference_pick(P + G, P, 1) != reference_pick(2 + G, 2, 1)

@@ -243,7 +243,7 @@ def test_ctrl_c_keeps_a_flushed_partial_trace(tmp_path):
     # A shell starts background jobs with SIGINT ignored, and an ignored SIGINT is inherited (Python then keeps
     # it ignored): give the child the default disposition, as a terminal's Ctrl-C would find it.
     proc = subprocess.Popen([str(BIN / "dlm"), f"hydra.run.dir={out}", "device=cpu", prompts, "batch_size=1",
-                             "gen_length=64"], cwd=str(tmp_path), env=env, stdout=subprocess.PIPE,
+                             "gen_length=48"], cwd=str(tmp_path), env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     partial = out / "trace.dlmt.partial"

@@ -4,13 +4,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, List, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
 
 from dlm_engine.core.canvas import Canvas
 from dlm_engine.errors import UserError
+from dlm_engine.app.sinks import StepLog
 from dlm_engine.core.loop import Sink, decode
+from dlm_engine.metrics import (SequenceMetrics, Totals, generated_token_count,  # noqa: F401  (re-exported)
+                                tokens_per_forward, totals)
 
 
 @dataclass
@@ -37,6 +40,12 @@ class LoadedModel:
 
             return encode_chat(self.tokenizer, text)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    @property
+    def vocab_size(self) -> Optional[int]:
+        """Rows of the embedding matrix: valid token ids are ``0..vocab_size-1``."""
+        v = self.config.get("embedding_size") or self.config.get("vocab_size")
+        return int(v) if v else None
 
     def decode_text(self, ids: Sequence[int]) -> str:
         if self.tokenizer is None:
@@ -100,25 +109,29 @@ def load_model(model_cfg, device: str = "auto", dtype: str = "auto") -> LoadedMo
 
 @dataclass
 class RowResult:
+    """One decoded prompt. ``nfe``, ``generated_tokens``, ``tpf`` and ``latency`` follow
+    :mod:`dlm_engine.metrics` (per sequence; they never depend on the batch size)."""
+
     index: int
     prompt: Optional[str]
     prompt_ids: List[int]
     tokens: List[int]            # generation region
     step_of: List[int]           # generation region: step that committed each position
     text: str
-    nfe: int
-    steps: int
-    generated_tokens: int
+    nfe: int                     # forwards this sequence took part in, until it finished
+    steps: int                   # the step after which it was finished
+    generated_tokens: int        # up to and including the first EOS
+    latency: float = 0.0         # seconds from its batch's decode start to its finish
     extra: dict = field(default_factory=dict)
 
+    @property
+    def tpf(self) -> float:
+        return tokens_per_forward(self.generated_tokens, self.nfe)
 
-def generated_token_count(tokens: Sequence[int], eos_id: Optional[int]) -> int:
-    """Tokens up to and including the first EOS (all of them when there is none)."""
-    if eos_id is not None:
-        for i, t in enumerate(tokens):
-            if t == eos_id:
-                return i + 1
-    return len(tokens)
+    @property
+    def metrics(self) -> Dict[str, Any]:
+        return {"nfe": self.nfe, "generated_tokens": self.generated_tokens, "tpf": self.tpf,
+                "latency": self.latency, "steps": self.steps}
 
 
 def decode_batch(lm: LoadedModel, prompt_ids: Sequence[Sequence[int]], strategy, cache=None,
@@ -131,19 +144,19 @@ def decode_batch(lm: LoadedModel, prompt_ids: Sequence[Sequence[int]], strategy,
     return decode(lm.model, canvas, strategy, cache=cache, sinks=sinks)
 
 
-def rows_from_canvas(lm: LoadedModel, canvas: Canvas, prompt_ids, prompts, first_index: int) -> List[RowResult]:
+def rows_from_canvas(lm: LoadedModel, canvas: Canvas, prompt_ids, prompts, first_index: int,
+                     seq_metrics: Sequence[SequenceMetrics]) -> List[RowResult]:
     g = canvas.gen_start
     toks = canvas.tokens[:, g:].tolist()
     steps = canvas.step_of[:, g:].tolist()
-    row_nfe = canvas.row_nfe.tolist()
     out = []
-    for r, (ids, t, so) in enumerate(zip(prompt_ids, toks, steps)):
-        n_gen = generated_token_count(t, lm.eos_id)
+    for r, (ids, t, so, m) in enumerate(zip(prompt_ids, toks, steps, seq_metrics)):
+        n_gen = m.generated_tokens
         shown = t[:n_gen - 1] if (lm.eos_id is not None and n_gen and t[n_gen - 1] == lm.eos_id) else t[:n_gen]
         out.append(RowResult(
             index=first_index + r, prompt=None if prompts is None else prompts[r], prompt_ids=list(ids),
             tokens=t, step_of=so, text=lm.decode_text([x for x in shown if x != lm.mask_id]),
-            nfe=int(row_nfe[r]), steps=max([s for s in so if s > 0], default=0), generated_tokens=n_gen,
+            nfe=m.nfe, steps=m.finish_step, generated_tokens=n_gen, latency=m.latency,
         ))
     return out
 
@@ -155,28 +168,48 @@ def sync(device: torch.device) -> None:
 
 @dataclass
 class RunStats:
+    """Rows of a run and its aggregates (:mod:`dlm_engine.metrics`: totals over sequences)."""
+
     rows: List[RowResult]
-    wall_time: float
-    nfe: int                 # forward passes over all batches
-    generated_tokens: int
+    wall_time: float         # decode wall time, device synchronised, after a warm-up call
+    model_calls: int         # batched forwards over all batches (depends on the batch size)
+
+    @property
+    def totals(self) -> Totals:
+        return totals(self.rows, model_calls=self.model_calls, wall_time=self.wall_time)
+
+    @property
+    def nfe(self) -> int:
+        """Sum of per-sequence NFE."""
+        return sum(r.nfe for r in self.rows)
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(r.generated_tokens for r in self.rows)
 
     @property
     def tpf(self) -> float:
-        return self.generated_tokens / self.nfe if self.nfe else 0.0
+        return self.totals.tpf
 
     @property
     def tps(self) -> float:
-        return self.generated_tokens / self.wall_time if self.wall_time > 0 else 0.0
+        return self.totals.tps
 
 
-def run_prompts(lm: LoadedModel, prompt_ids: Sequence[Sequence[int]], make_strategy, make_cache,
+def run_prompts(lm: LoadedModel, prompt_ids: Sequence[Union[str, Sequence[int]]], make_strategy, make_cache,
                 gen_length: int, batch_size: int, sinks_for_batch=None, prompts: Optional[Sequence[str]] = None,
                 canvas_hook=None, warmup: bool = True) -> RunStats:
     """Decode all prompts in batches of ``batch_size`` (a strategy may cap it with ``max_batch``).
 
+    ``prompt_ids``: token-id lists, or strings (encoded with ``lm.encode``; they are then also the rows'
+    ``prompt``). Per-sequence metrics come from a :class:`~dlm_engine.app.sinks.StepLog` of every batch.
+
     ``make_strategy()``/``make_cache()`` build fresh per-batch objects; ``sinks_for_batch(i, rows)`` returns
     the sinks of batch ``i``. Wall time covers decoding only (device synchronised, after a warm-up call).
     """
+    prompt_ids_given, prompt_ids = prompt_ids, as_token_ids(lm, prompt_ids, gen_length)
+    if prompts is None and any(isinstance(p, str) for p in prompt_ids_given):
+        prompts = [p if isinstance(p, str) else None for p in prompt_ids_given]
     strategy0 = make_strategy()
     bs = max(1, int(batch_size))
     if strategy0.max_batch is not None:
@@ -187,16 +220,32 @@ def run_prompts(lm: LoadedModel, prompt_ids: Sequence[Sequence[int]], make_strat
             lm.model(c.tokens)
         sync(lm.device)
     rows: List[RowResult] = []
-    total_time, nfe = 0.0, 0
+    total_time, calls = 0.0, 0
     for b, start in enumerate(range(0, len(prompt_ids), bs)):
         chunk = prompt_ids[start:start + bs]
-        sinks = sinks_for_batch(b, list(range(start, start + len(chunk)))) if sinks_for_batch else ()
+        log = StepLog()
+        sinks = [log, *(sinks_for_batch(b, list(range(start, start + len(chunk)))) if sinks_for_batch else ())]
         strategy = strategy0 if b == 0 else make_strategy()
         sync(lm.device)
         t0 = time.perf_counter()
         canvas = decode_batch(lm, chunk, strategy, make_cache(), gen_length, sinks, canvas_hook)
         sync(lm.device)
         total_time += time.perf_counter() - t0
-        nfe += canvas.nfe
-        rows.extend(rows_from_canvas(lm, canvas, chunk, None if prompts is None else prompts[start:start + bs], start))
-    return RunStats(rows=rows, wall_time=total_time, nfe=nfe, generated_tokens=sum(r.generated_tokens for r in rows))
+        calls += canvas.nfe
+        rows.extend(rows_from_canvas(lm, canvas, chunk, None if prompts is None else prompts[start:start + bs], start,
+                                     log.metrics(canvas, lm.eos_id)))
+    return RunStats(rows=rows, wall_time=total_time, model_calls=calls)
+
+
+def as_token_ids(lm: LoadedModel, prompts: Sequence[Any], gen_length: int) -> List[List[int]]:
+    """Prompts as token-id lists (:func:`dlm_engine.app.inputs.prepare`: strings and ``{"prompt"}`` /
+    ``{"messages"}`` objects encoded, ids checked against the vocabulary, lengths against the context); a
+    prompt that is none of these is a :class:`UserError` naming it. Unrepresentable characters warn once."""
+    import warnings
+
+    from dlm_engine.app.inputs import prepare
+
+    _, ids, warning = prepare(lm, prompts, gen_length)
+    if warning:
+        warnings.warn(warning, UserWarning, stacklevel=3)
+    return ids

@@ -33,6 +33,10 @@ def _hydra_main(cfg: DictConfig) -> None:
     from dlm_engine.sweeps.jobs import JobRecord
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
+    from dlm_engine.sweeps.worker import exit_with_parent, uses_local_pool
+
+    if uses_local_pool():
+        exit_with_parent()  # a killed `dlm -m hydra/launcher=joblib` must not leave its workers decoding
     job = JobRecord(cfg, out_dir)  # multirun: resume check, result.json / error.json
     try:
         if not job.claim():  # one writer per directory: another process runs this job (multirun: skipped)
@@ -58,6 +62,10 @@ def _run_job(job, cfg: DictConfig, out_dir) -> None:
         summary = run(cfg, out_dir)
         ran = True
         job.finish(summary)
+        if not job.multirun:  # a sweep's jobs are listed by the sweep summary instead
+            import logging
+
+            logging.getLogger("dlm_engine.run").info(f"outputs: {out_dir.resolve()}")
     except Exception as exc:  # in a multirun, a failed job must not end the other jobs of the sweep
         if isinstance(exc, OSError):  # a full, read-only or missing output directory: path + errno text
             exc = UserError(os_error_message(exc, out_dir))
@@ -79,8 +87,8 @@ def _run_job(job, cfg: DictConfig, out_dir) -> None:
 
 def main() -> None:
     from dlm_engine.app.config import register_configs
-    from dlm_engine.errors import UserError
     from dlm_engine.core.registry import load_plugins
+    from dlm_engine.errors import UserError
 
     try:
         load_plugins()
@@ -91,19 +99,28 @@ def main() -> None:
 
 
 def _run_hydra() -> None:
-    """Hydra prints a traceback for errors outside the task function, e.g. creating or writing the output
-    directory (read-only, full disk, a path through a file). Ask it to re-raise instead and report those in
-    one line; its own configuration errors are printed the way Hydra prints them."""
+    """Hydra prints its config errors over several lines (exit 1) and a traceback for errors outside the task
+    function, e.g. creating or writing the output directory (read-only, full disk, a path through a file). Ask
+    it to re-raise instead: config errors become one line with a suggestion (exit 2), file-system errors one
+    line naming the path. A user who set HYDRA_FULL_ERROR=1 gets Hydra's own full report."""
     import logging
 
     logging.raiseExceptions = False  # a log line that cannot be written (full disk) is not a second traceback
-    if os.environ.get("HYDRA_FULL_ERROR") == "1":  # the user asked for full tracebacks
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
         _hydra_main()
         return
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         _hydra_main()
+    except BrokenPipeError:  # `dlm --help | head`, `dlm | head`: the reader is gone, nothing to report
+        _silence_stdout()
+        sys.exit(0)
     except Exception as exc:
+        from dlm_engine.app.compose import describe_config_error
+
+        message = describe_config_error(exc)
+        if message is not None:
+            _fail(message, None)
         from hydra.errors import CompactHydraException
         from omegaconf.errors import OmegaConfBaseException
 
@@ -117,6 +134,15 @@ def _run_hydra() -> None:
 
             _fail(os_error_message(exc, _hydra_output_path(exc)), None)   # e.g. a full disk while writing .hydra/
         raise
+
+
+def _silence_stdout() -> None:
+    """After a broken pipe: point stdout at /dev/null so that the interpreter's final flush stays quiet."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 def _hydra_output_path(exc: BaseException) -> str:

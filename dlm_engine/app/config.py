@@ -30,6 +30,7 @@ class ModelConfig:
 class TraceConfig:
     record: bool = True
     capture: str = "tokens"                  # tokens | confidence | topk | logits
+    recomputed: bool = False                 # per step: the canvas columns the cache recomputed (scalar `recomputed`)
     topk: int = 5
     logit_error_bound: float = 1e-2
     queue_size: int = 256
@@ -58,8 +59,9 @@ class RunConfig:
     device: str = "auto"
     dtype: str = "auto"
     batch_size: int = 8
-    progress: bool = True
-    print_outputs: bool = True
+    progress: bool = True                    # a bar on a terminal; elsewhere a log line every progress_interval s
+    progress_interval: float = 30.0          # seconds between progress log lines without a terminal
+    print_outputs: Optional[bool] = None     # one line per prompt; null = yes for a single run, no in a multirun
     resume: bool = True                      # multirun: skip a job whose result.json exists (same config)
 
 

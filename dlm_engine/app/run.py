@@ -53,10 +53,13 @@ def validate(cfg: DictConfig):
     found = check_checkpoint(cfg.model)
     if found is not None and str(found) != str(cfg.model.path):  # a Hugging Face cache folder or snapshot
         cfg.model.path = str(found)
-    if cfg.prompts_file and not Path(cfg.prompts_file).is_file():
-        raise ConfigError(f"prompts_file: '{cfg.prompts_file}' does not exist")
     if cfg.prompts_file:
-        check_text_file(str(cfg.prompts_file), "prompts_file")
+        from dlm_engine.app.inputs import read_prompts_file
+
+        if Path(cfg.prompts_file).is_file():
+            check_text_file(str(cfg.prompts_file), "prompts_file")   # binary or not UTF-8: one line
+        read_prompts_file(cfg.prompts_file)
+    _check_declared_length(cfg, found)
     from dlm_engine.models.loader import resolve_device, resolve_dtype
 
     resolve_dtype(cfg.dtype, resolve_device(cfg.device))
@@ -82,24 +85,50 @@ def check_text_file(path: str, key: str) -> None:
         raise ConfigError(f"{key}: '{path}' is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
 
 
+def _check_declared_length(cfg: DictConfig, found) -> None:
+    """gen_length against the context length the model's config.json declares (before loading weights)."""
+    import json
+
+    from dlm_engine.app.inputs import check_gen_length
+
+    declared = None
+    if found is not None and (Path(found) / "config.json").is_file():
+        try:
+            declared = json.loads((Path(found) / "config.json").read_text())
+        except (OSError, ValueError):
+            declared = None  # the loader reports a broken config.json with its own message
+    elif cfg.model.get("random") is not None:
+        declared = OmegaConf.to_container(cfg.model.random)
+    if isinstance(declared, dict):
+        check_gen_length(int(cfg.gen_length), declared, str(cfg.model.name))
+
+
 def load_inputs(cfg: DictConfig, lm) -> Dict[str, Any]:
-    """Prompts (text and ids) plus the task examples when the task has a checker."""
+    """Prompts (text and ids) plus the task examples when the task has a checker; every check that needs the
+    model (context length, vocabulary, token ids in the strategy config) fails here, before decoding."""
+    from dlm_engine.app import inputs as inp
     from dlm_engine.app import tasks as taskmod
 
     examples = None
     if cfg.prompts is not None:
-        prompts = [str(p) for p in cfg.prompts]
+        prompts = [inp.Prompt(text=str(p)) for p in cfg.prompts]
     elif cfg.prompts_file:
-        with open(cfg.prompts_file) as f:
-            prompts = [line.rstrip("\n") for line in f if line.strip()]
+        prompts = inp.read_prompts_file(cfg.prompts_file)
     elif cfg.task.name == "prompts":
-        prompts = list(DEMO_PROMPTS)
+        prompts = [inp.Prompt(text=p) for p in DEMO_PROMPTS]
     else:
         examples = taskmod.held_out_for(cfg.task)
-        prompts = [e.prompt for e in examples]
+        prompts = [inp.Prompt(text=e.prompt) for e in examples]
     if not prompts:
         raise ConfigError("prompts: no prompts to decode")
-    return {"prompts": prompts, "ids": [lm.encode(p) for p in prompts], "examples": examples}
+    prompts, ids, warning = inp.prepare(lm, prompts, int(cfg.gen_length), cfg)
+    if warning:
+        import sys
+
+        print(f"dlm: warning: {warning}", file=sys.stderr)
+    extra = [dict({"messages": p.messages} if p.messages else {}, **({"meta": p.meta} if p.meta else {}))
+             for p in prompts]
+    return {"prompts": [p.shown for p in prompts], "ids": ids, "examples": examples, "extra": extra}
 
 
 def run(cfg: DictConfig, out_dir: Path) -> Dict[str, Any]:
@@ -113,7 +142,7 @@ def run(cfg: DictConfig, out_dir: Path) -> Dict[str, Any]:
     lm = load_model(cfg.model, cfg.device, cfg.dtype)
     inputs = load_inputs(cfg, lm)
     prompts, ids, examples = inputs["prompts"], inputs["ids"], inputs["examples"]
-    progress = ProgressSink(len(ids), enabled=None if cfg.progress else False)
+    progress = ProgressSink(len(ids), enabled=None if cfg.progress else False, log_interval=cfg.progress_interval)
 
     torch.manual_seed(cfg.seed)
     from dlm_engine.trace.runtime import open_run_recorder
@@ -126,6 +155,8 @@ def run(cfg: DictConfig, out_dir: Path) -> Dict[str, Any]:
     progress.close()
 
     correct = None
+    for row, extra in zip(stats.rows, inputs["extra"]):
+        row.extra.update(extra)
     if examples is not None:
         from dlm_engine.app.tasks import check
 
@@ -133,16 +164,15 @@ def run(cfg: DictConfig, out_dir: Path) -> Dict[str, Any]:
             row.extra["task"] = ex.task
             row.extra["correct"] = bool(check(ex.task, ex.prompt, row.text))
         correct = sum(r.extra["correct"] for r in stats.rows)
-    rows = [{"index": r.index, "prompt": r.prompt, "text": r.text, "tokens": r.tokens, "nfe": r.nfe,
-             "steps": r.steps, "generated_tokens": r.generated_tokens, "step_of": r.step_of, **r.extra}
+    rows = [{"index": r.index, "prompt": r.prompt, "text": r.text, "tokens": r.tokens, **r.metrics,
+             "step_of": r.step_of, **r.extra}
             for r in stats.rows]
     summary = {
         "model": lm.name, "model_path": cfg.model.path or None, "model_digest": lm.digest, "chat_template": lm.chat_template,
         "strategy": OmegaConf.to_container(cfg.strategy),
         "cache": OmegaConf.to_container(cfg.cache), "gen_length": cfg.gen_length, "batch_size": cfg.batch_size,
         "seed": cfg.seed, "device": str(lm.device), "dtype": str(lm.dtype).replace("torch.", ""),
-        "prompts": len(rows), "nfe": stats.nfe, "nfe_per_prompt": sum(r.nfe for r in stats.rows) / len(rows),
-        "generated_tokens": stats.generated_tokens, "tpf": stats.tpf, "tps": stats.tps, "wall_time": stats.wall_time,
+        "prompts": len(rows), **run_metrics(stats.totals),
         "versions": versions(),
         **({"trace": Path(recorder.path).name, "trace_digest": recorder.digest} if recorder else {}),
     }
@@ -150,7 +180,7 @@ def run(cfg: DictConfig, out_dir: Path) -> Dict[str, Any]:
         summary["accuracy"] = correct / len(rows)
         summary["accuracy_by_task"] = accuracy_by_task(rows)
     write_outputs(out_dir, rows, summary)
-    report(cfg, rows, summary)
+    report(cfg, rows, summary, stats.totals)
     return summary
 
 
@@ -166,6 +196,15 @@ def write_outputs(out_dir: Path, rows: List[dict], summary: Dict[str, Any]) -> N
     except BaseException:
         results.unlink(missing_ok=True)
         raise
+
+
+def run_metrics(t) -> Dict[str, Any]:
+    """The aggregate figures of summary.json / result.json (:mod:`dlm_engine.metrics`)."""
+    from dlm_engine.metrics import METRICS_VERSION
+
+    return {"nfe": t.nfe, "nfe_per_prompt": t.nfe_per_sequence, "generated_tokens": t.generated_tokens,
+            "tpf": t.tpf, "tps": t.tps, "latency_mean": t.latency_mean, "model_calls": t.model_calls,
+            "wall_time": t.wall_time, "metrics_version": METRICS_VERSION}
 
 
 def accuracy_by_task(rows: List[dict]) -> Dict[str, float]:
@@ -185,15 +224,22 @@ def versions() -> Dict[str, str]:
             "python": platform.python_version()}
 
 
-def report(cfg: DictConfig, rows: List[dict], summary: Dict[str, Any]) -> None:
-    if cfg.print_outputs:
+def report(cfg: DictConfig, rows: List[dict], summary: Dict[str, Any], totals) -> None:
+    """The run's lines on the terminal and in the job's log (Hydra's job logging: cli.log)."""
+    import logging
+
+    from dlm_engine.metrics import summary_line
+    from dlm_engine.sweeps.jobs import in_multirun
+
+    log = logging.getLogger("dlm_engine.run")
+    show = cfg.print_outputs if cfg.print_outputs is not None else not in_multirun()
+    if show:
         for r in rows[:200]:
             mark = "" if "correct" not in r else ("  ok" if r["correct"] else "  WRONG")
-            print(f"[{r['index']}] {r['prompt']!r} -> {r['text']!r}  (nfe {r['nfe']}){mark}")
+            log.info(f"[{r['index']}] {r['prompt']!r} -> {r['text']!r}  (nfe {r['nfe']}){mark}")
         if len(rows) > 200:
-            print(f"... {len(rows) - 200} more rows in results.jsonl")
-    line = (f"prompts {summary['prompts']}  NFE {summary['nfe']} (per prompt {summary['nfe_per_prompt']:.2f})  "
-            f"TPF {summary['tpf']:.2f}  TPS {summary['tps']:.1f}  wall {summary['wall_time']:.2f}s")
+            log.info(f"... {len(rows) - 200} more rows in results.jsonl")
+    line = summary_line(totals) + f"  wall {summary['wall_time']:.2f}s"
     if "accuracy" in summary:
         line = f"accuracy {summary['accuracy']:.3f}  " + line
-    print(line)
+    log.info(line)

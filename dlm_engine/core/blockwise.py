@@ -14,10 +14,36 @@ from typing import Optional, Tuple
 
 import torch
 
+from dlm_engine.core.canvas import BlockEvent
 from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.eos import EosOptions, check_eos_options, eos_confidence, eos_stop, eos_suppress
 from dlm_engine.core.strategy import (BlockCursor, CacheDirective, Remasking, StepPlan, Strategy, block_range,
                                       candidates)
+
+
+@dataclass(frozen=True)
+class BlockState:
+    """The block cursor and, from the last host read, the masked positions per row and block."""
+
+    cursor: BlockCursor = BlockCursor()
+    counts: Tuple[Tuple[int, ...], ...] = ()
+
+
+def block_counts(canvas, block_length: int, masked: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``[B, num_blocks]`` masked positions per row and block of the generation (``masked``: a ``[B, G]`` mask
+    to count instead of the canvas'); the last block may be shorter."""
+    m = canvas.masked()[:, canvas.gen_start:] if masked is None else masked
+    B, G = m.shape
+    nb = -(-G // block_length)
+    if nb * block_length != G:
+        m = torch.nn.functional.pad(m, (0, nb * block_length - G))
+    return m.view(B, nb, block_length).sum(-1)
+
+
+def host_rows(values, batch: int) -> Tuple[Tuple[int, ...], ...]:
+    """A flat host list of per-row numbers (row-major) as one tuple of ints per row."""
+    n = len(values) // batch
+    return tuple(tuple(int(v) for v in values[r * n:(r + 1) * n]) for r in range(batch))
 
 
 @dataclass
@@ -48,50 +74,62 @@ class FillBlocks(Strategy):
             self.check_steps_per_block(int(c.steps), self.num_blocks)
         self.check_non_negative("temperature", c.temperature)
 
-    def rule(self, conf: torch.Tensor, cand: torch.Tensor, cur: BlockCursor, span=None) -> torch.Tensor:
+    def rule(self, conf: torch.Tensor, cand: torch.Tensor, cur: BlockCursor, span=None, counts=None) -> torch.Tensor:
         """Which candidates to commit this step (``[B, W]`` bool, a subset of ``cand``); ``span`` is the row the
-        reference ranks in (``Proposal.row_span``: exact ties break as its ``torch.topk`` does)."""
+        reference ranks in (``Proposal.row_span``: exact ties break as its ``torch.topk`` does), ``counts`` the
+        block's masked positions per row, known on the host."""
         raise NotImplementedError
 
     def init_state(self, canvas):
         check_eos_options(self.cfg, canvas)
-        return BlockCursor()
+        return BlockState()
 
-    def plan(self, canvas, cur: BlockCursor) -> Tuple[Optional[StepPlan], BlockCursor]:
+    def plan(self, canvas, st: "BlockState") -> Tuple[Optional[StepPlan], "BlockState"]:
+        cur, counts = st.cursor, st.counts
         while cur.block < self.num_blocks:
-            s, e = block_range(canvas, cur.block, self.block_length)
-            # the block-full test sits before the forward (v2 loop): a block that is full when it
-            # starts (constraints, or a prompt-side fill) costs nothing
-            if cur.step > 0 or bool(canvas.masked()[:, s:e].any()):
+            # a block full when it starts (constraints, a prompt-side fill) costs nothing
+            if any(row[cur.block] for row in counts):
                 break
             cur = BlockCursor(cur.block + 1, 0)
         else:
-            return None, cur
+            return None, st
+        s, e = block_range(canvas, cur.block, self.block_length)
         c = self.cfg
         # rows whose block is already full sit the step out (no forward, no NFE): each row's trajectory is the
         # one it has alone
-        waiting = canvas.masked()[:, s:e].any(-1)
+        left = [row[cur.block] for row in counts]
         return StepPlan(
             window=(s, e), temperature=c.temperature,
             confidence="random" if c.remasking == Remasking.random else "prob", softmax_dtype="float64",
             cache=CacheDirective(block=(s, e), block_start=cur.step == 0, step_in_block=cur.step),
-            suppress=eos_suppress(c, canvas), rows=waiting,
-        ), cur
+            suppress=eos_suppress(c, canvas), rows=None if all(left) else [n > 0 for n in left],
+            masked=left, info={"counts": left},
+        ), BlockState(cur, counts)
 
-    def select(self, canvas, plan, proposal, cur: BlockCursor):
+    def select(self, canvas, plan, proposal, st: "BlockState"):
         s, e = plan.window
+        cur = st.cursor
         cand = candidates(canvas, proposal, e)
         conf = eos_confidence(self.cfg, canvas, plan, proposal)
-        commit = self.rule(conf, cand, cur, proposal.row_span) & cand
-        active = plan.rows & ~canvas.finished if plan.rows is not None else None
-        delta = eos_stop(self.cfg, canvas, self.delta(canvas, proposal, commit, confidence=conf, active=active))
-        # rows finished by this step (stop_at_eos fills their remaining masks) leave nothing in the block
-        left = canvas.masked()[:, s:e] & ~commit & ~delta.finished[:, None]
-        nxt, events = cur.advance((s, e), done=not bool(left.any()))
-        delta.block_events = events
+        commit = self.rule(conf, cand, cur, proposal.row_span, plan.info["counts"]) & cand
+        delta = eos_stop(self.cfg, canvas, self.delta(canvas, proposal, commit, confidence=conf))
+        delta.block_events = [BlockEvent("opened", cur.block, s, e)] if cur.step == 0 else []
         delta.scalars.update({"block": cur.block, "committed": commit.sum(-1)})
         delta.scalars.update(self.step_scalars(proposal, cand, commit))
-        return delta, nxt
+        return delta, BlockState(BlockCursor(cur.block, cur.step + 1), st.counts)
+
+    # -- the step's host read: masked positions per row and block -------------------------------------------
+    def sync_request(self, canvas, st: "BlockState"):
+        return block_counts(canvas, self.block_length)
+
+    def synced(self, canvas, st: "BlockState", values, delta):
+        counts = host_rows(values, canvas.batch_size)
+        cur = st.cursor
+        if delta is not None and cur.block < self.num_blocks and not any(row[cur.block] for row in counts):
+            s, e = block_range(canvas, cur.block, self.block_length)   # the step just filled the block
+            delta.block_events.append(BlockEvent("completed", cur.block, s, e))
+            cur = BlockCursor(cur.block + 1, 0)
+        return BlockState(cur, counts)
 
     def step_scalars(self, proposal, cand: torch.Tensor, commit: torch.Tensor) -> dict:
         """Extra per-step scalars of a subclass (empty by default)."""

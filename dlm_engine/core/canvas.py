@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -89,8 +89,12 @@ class Canvas:
         self.step = 0
         self.nfe = 0
         self.row_nfe = torch.zeros(tokens.shape[0], dtype=torch.long, device=tokens.device)
+        # ``finished`` as the step loop last read it on the host (set by the loop once per step)
+        self.finished_host: Tuple[bool, ...] = (False,) * tokens.shape[0]
         self.position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-        self.is_padded = not bool(attention_mask.all())
+        # left padding per row, on the host (read once here: rows are ranked as in a batch of one)
+        self.pads = tuple(int(n) for n in (~attention_mask.bool()).sum(-1).tolist())
+        self.is_padded = any(self.pads)
         self.model_info = ModelInfo()
 
     @classmethod
@@ -153,4 +157,5 @@ class Canvas:
         self.finished |= delta.finished
         self.step = delta.step
         self.nfe += delta.nfe
-        self.row_nfe += delta.active.long() * delta.nfe
+        if delta.nfe:
+            self.row_nfe.add_(delta.active, alpha=delta.nfe)

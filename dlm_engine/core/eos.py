@@ -84,8 +84,8 @@ def eos_eot_confidence(logits: torch.Tensor, x0: torch.Tensor, kind: str, softma
 def stop_at_eos(canvas: Canvas, delta: FrameDelta, eos_id: int) -> FrameDelta:
     """Finish rows whose generation has an EOS with every position before it decoded (after ``delta``).
 
-    Returns ``delta`` itself when no row finishes, else a copy widened to ``[min(start, gen_start), L)``
-    that also commits EOS at the finishing rows' remaining masked generated positions.
+    Returns a copy widened to ``[min(start, gen_start), L)`` that also commits EOS at the finishing rows'
+    remaining masked generated positions (built whether or not a row finishes: no host read).
     """
     g, L = canvas.gen_start, canvas.length
     s, W = delta.start, delta.width
@@ -107,8 +107,6 @@ def stop_at_eos(canvas: Canvas, delta: FrameDelta, eos_id: int) -> FrameDelta:
     first = torch.where(is_eos.any(-1), is_eos.int().argmax(-1), torch.full((B,), G, device=canvas.device))
     open_before = (gen_masked & (col[None, :] < first[:, None])).any(-1)
     done = (first < G) & ~open_before & ~canvas.finished & ~delta.finished
-    if not bool(done.any()):
-        return delta
     fill = torch.zeros_like(commit)
     fill[:, g - lo:] = gen_masked & done[:, None] & (col[None, :] > first[:, None])
     out_tokens = canvas.tokens[:, lo:].clone()

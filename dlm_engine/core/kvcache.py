@@ -12,6 +12,7 @@ import torch
 
 from dlm_engine.core.capabilities import Cap, Caps, caps
 from dlm_engine.core.protocol import Columns, ForwardCall, NullHooks
+from dlm_engine.core.strategy import coerce_choices
 from dlm_engine.errors import ConfigError
 
 
@@ -22,7 +23,7 @@ class Cache(NullHooks):
     offers: Caps = caps(Cap.BLOCK_LOGITS, Cap.SUFFIX_LOGITS, Cap.WINDOW_LOGITS)   # what the strategy may need
 
     def __init__(self, config: Any = None):
-        self.cfg = config if config is not None else type(self).Config()
+        self.cfg = coerce_choices(config if config is not None else type(self).Config(), "cache")
 
     def begin(self, canvas) -> None:
         """Forget everything stored for a previous decode."""
@@ -95,6 +96,9 @@ class StoredKVCache(Cache):
 
     needs = caps(Cap.BLOCKS)
     offers = caps(Cap.BLOCK_LOGITS)
+    # shifted-logit models (Dream): widen the span to the hidden state the window's first logit reads. A
+    # subclass whose compute_span already accounts for the shift sets this False.
+    extend_for_shift: bool = True
 
     def __init__(self, config: Any = None):
         config = config if config is not None else type(self).Config()
@@ -158,7 +162,7 @@ class StoredKVCache(Cache):
             self.on_reset()
         refresh = fresh or self.wants_refresh(call, d)
         a, b, key_end = self.compute_span(call, d, refresh)
-        if call.logits_shift and 0 <= call.logits_range[0] - call.logits_shift < a:
+        if self.extend_for_shift and call.logits_shift and 0 <= call.logits_range[0] - call.logits_shift < a:
             # a shifted-logits model (Dream) reads column j from hidden state j - 1: recompute from there
             a = int(call.logits_range[0]) - call.logits_shift
         if fresh and (a, key_end) != (0, b):

@@ -8,19 +8,26 @@ import torch
 
 from dlm_engine.core.canvas import Canvas, FrameDelta, ModelInfo
 from dlm_engine.core.protocol import CallRequest, ForwardCall
-from dlm_engine.core.rows import ActiveRows, call_rows, expand_proposal, idle_proposal, step_rows
+from dlm_engine.core.rows import ActiveRows, call_rows, expand_proposal, idle_proposal, recomputed_rows
 from dlm_engine.core.sampler import Proposal, propose
 from dlm_engine.core.strategy import StepPlan, Strategy
 from dlm_engine.errors import check_finite_logits
 
 
+# logits left out of the confidence pass for StepPlan.masked to pay off (about 20 us of gathering on a CPU)
+SCORED_MIN_SAVING = 1 << 16
+
+
 class Sink:
     """Receives every FrameDelta. Sinks must not branch on the strategy and must stay cheap.
 
-    A sink with ``wants_logits = True`` gets the proposal's logits in ``delta.logits``.
+    A sink with ``wants_logits = True`` gets the proposal's logits in ``delta.logits``; one with
+    ``wants_recomputed = True`` gets the per-step scalar ``recomputed`` (``[B, L]`` bool: the canvas columns whose
+    keys/values the step's model call recomputed, :func:`dlm_engine.core.rows.recomputed_rows`).
     """
 
     wants_logits = False
+    wants_recomputed = False
 
     def on_start(self, canvas: Canvas, info: dict) -> None:
         pass
@@ -74,9 +81,10 @@ def forward(model, canvas: Canvas, plan: StepPlan, cache, rows: Optional[torch.T
     return logits, call
 
 
-def sample(logits: torch.Tensor, plan: StepPlan, call: ForwardCall, rows: Optional[torch.Tensor] = None) -> Proposal:
+def sample(logits: torch.Tensor, plan: StepPlan, call: ForwardCall, rows: Optional[torch.Tensor] = None,
+           canvas: Optional[Canvas] = None, run: Optional[Tuple[bool, ...]] = None) -> Proposal:
     """The shared sampler on a call's window (or the bare logits of the call's canvas ``rows`` when the plan
-    samples itself)."""
+    samples itself). ``canvas`` and ``run`` (the host flags of the call's rows) serve ``StepPlan.masked``."""
     start = plan.window[0]
     if not plan.sample:
         return Proposal(start=start, x0=None, confidence=None, logits=logits, valid=call.valid, rows=rows,
@@ -86,9 +94,16 @@ def sample(logits: torch.Tensor, plan: StepPlan, call: ForwardCall, rows: Option
         call_len, call_start = cols.end - cols.start, cols.start
     else:   # per-row column sets: random draws have the window's shape
         call_len, call_start = logits.shape[1], start
+    scored = None
+    if plan.masked is not None and canvas is not None:     # confidences at the window's masked positions only
+        B, W, V = logits.shape
+        count = sum(plan.masked) if rows is None else sum(n for n, f in zip(plan.masked, run) if f)
+        if (B * W - count) * V >= SCORED_MIN_SAVING:       # else gathering them costs more than it saves
+            mask = canvas.masked()[:, start:start + W]
+            scored = (mask if rows is None else mask[rows], count)
     return propose(logits, start, temperature=plan.temperature, confidence=plan.confidence,
                    softmax_dtype=plan.softmax_dtype, call_len=call_len, call_start=call_start, top_v=plan.top_v,
-                   discard_draws=call.discard_draws, valid=call.valid)
+                   discard_draws=call.discard_draws, valid=call.valid, scored=scored)
 
 
 def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterable[Sink] = (),
@@ -99,6 +114,10 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
     ``compact``: once rows are finished, run the model on the active rows only (:mod:`dlm_engine.core.rows`);
     a step the strategy schedules after every row finished still runs one (discarded) forward, so
     ``canvas.nfe`` always equals the number of model calls.
+
+    Host synchronisation: once per step, after the delta is applied, the loop reads the finished rows and
+    whatever the strategy asks for (:meth:`Strategy.sync_request`) in a single transfer and hands the values
+    to :meth:`Strategy.synced` before the sinks see the delta. Plans decide on those host values alone.
     """
     from dlm_engine.core.registry import cache_class
 
@@ -108,6 +127,7 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
         canvas.model_info = ModelInfo.of(model)
     sinks = list(sinks)
     want_logits = any(getattr(s, "wants_logits", False) for s in sinks)  # e.g. trace capture=topk|logits
+    want_recomputed = any(getattr(s, "wants_recomputed", False) for s in sinks)   # e.g. trace.recomputed=true
     cache.begin(canvas)
     for s in sinks:
         s.on_start(canvas, {"strategy": strategy.name})
@@ -118,8 +138,8 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
             s.on_delta(setup, canvas)
     state = strategy.init_state(canvas)
     limit = max_steps if max_steps is not None else strategy.max_steps(canvas)
-    active = ActiveRows(canvas) if compact else None
-    first_call = True
+    active = ActiveRows(canvas, compact)
+    host, state = sync_round(canvas, strategy, state, None)
     t0 = time.perf_counter()
     with torch.inference_mode():
         while True:
@@ -129,10 +149,9 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
             if canvas.step >= limit:
                 raise StalledDecode(f"strategy '{strategy.name}' did not finish within {limit} steps "
                                     "(did the model propose the mask token?)")
-            live = None if active is None else active.update(canvas)
-            rows = live if plan.rows is None else step_rows(canvas, plan.rows, live)
-            call = None
-            if active is not None and active.none_active:
+            live, rows = active.rows_for(host.finished, plan.rows)
+            call = bad = None
+            if active.none_active:
                 # Every row is finished but the strategy still schedules a step (LLaDA's zero-transfer
                 # steps): the reference runs that forward, and NFE counts model calls, so run it (uncached:
                 # caches may have dropped finished rows) and discard it; nothing can be committed.
@@ -140,23 +159,60 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
                 proposal = idle_proposal(canvas, plan.window, active.vocab)
             else:
                 logits, call = forward(model, canvas, plan, cache, rows=rows, live=live)
-                if first_call:      # NaN weights or fp16 overflow: stop with one line instead of decoding garbage
-                    check_finite_logits(logits)
-                    first_call = False
-                proposal = sample(logits, plan, call, rows)
-                if active is not None:
+                if active.vocab is None:    # the first forward: NaN weights or fp16 overflow end the decode
+                    bad = non_finite(logits)
                     active.seen(logits)
+                proposal = sample(logits, plan, call, rows, canvas, active.run)
                 if rows is not None and plan.sample:
                     proposal = expand_proposal(proposal, rows, canvas)
+            proposal.active, proposal.pads = active.mask, canvas.pads
             delta, state = strategy.select(canvas, plan, proposal, state)
             delta.wall_time = time.perf_counter() - t0
             if want_logits:
                 delta.logits = proposal.logits
             cache.after_step(canvas, delta, call)
+            if want_recomputed:
+                delta.scalars["recomputed"] = recomputed_rows(canvas, call, rows)
             canvas.apply(delta)
+            host, state = sync_round(canvas, strategy, state, delta, bad)
+            if host.bad:
+                check_finite_logits(logits)             # describes the problem and raises
             for s in sinks:
                 s.on_delta(delta, canvas)
     cache.end(canvas)
     for s in sinks:
         s.on_end(canvas)
     return canvas
+
+
+class HostView:
+    """What the loop read from the device in a step's one synchronisation."""
+
+    __slots__ = ("finished", "values", "bad")
+
+    def __init__(self, finished, values, bad):
+        self.finished, self.values, self.bad = finished, values, bad
+
+
+def sync_round(canvas: Canvas, strategy: Strategy, state, delta: Optional[FrameDelta],
+               bad: Optional[torch.Tensor] = None):
+    """The one host read of a step: finished rows, the first forward's health and the strategy's request;
+    returns ``(HostView, state after Strategy.synced)``."""
+    parts = [canvas.finished]
+    if bad is not None:
+        parts.append(bad.reshape(1))
+    req = strategy.sync_request(canvas, state)
+    if req is not None:
+        parts.append(req.reshape(-1))
+    flat = torch.cat(parts).tolist() if len(parts) > 1 else parts[0].tolist()   # cat promotes to one dtype
+    B = canvas.batch_size
+    n_bad = 0 if bad is None else 1
+    host = HostView([bool(v) for v in flat[:B]], flat[B + n_bad:], bool(flat[B]) if bad is not None else False)
+    canvas.finished_host = tuple(host.finished)
+    return host, strategy.synced(canvas, state, host.values, delta)
+
+
+def non_finite(logits: torch.Tensor) -> torch.Tensor:
+    """A device flag: NaN, +inf or a position whose logits are all -inf (read in the step's one sync). A
+    position's maximum is finite exactly when none of these holds (``amax`` propagates NaN)."""
+    return ~logits.amax(dim=-1).isfinite().all()

@@ -14,7 +14,8 @@ caching, and caches know nothing about the model family beyond the fields named 
   weights (:attr:`AttentionIO.need_weights`). Inside, the model projects the selected rows and calls
   ``hooks.keys_values(layer, io, k, v)``, which returns the keys/values to attend to -- fresh ones merged
   into the cache's store, or the fresh ones unchanged. On exit :attr:`AttentionIO.out` must cover every
-  column of the call (a cache that narrowed the queries widens it from its store).
+  column of the call (a cache that narrowed the queries widens it from its store; it may apply
+  :attr:`AttentionIO.out_proj` itself and set :attr:`AttentionIO.projected`, to keep projected outputs).
 * ``hooks.ffn(layer, io)`` wraps each feed-forward block in the same way (:attr:`FFNIO.rows`).
 
 :class:`NullHooks` is the no-cache behaviour; concrete caches live in ``cache/``.
@@ -145,6 +146,10 @@ class ForwardCall:
     refreshed: bool = False                       # set by a cache: this call recomputed and stored every column
     discard_draws: int = 0                        # set by a cache: noise draws the sampler makes and discards first
     computed: int = 0                             # set by the model: positions fed through the layers (all rows)
+    recomputed: Optional[torch.Tensor] = None     # set by a cache that chooses positions per layer: [B, L] bool
+                                                  # columns recomputed in the last layer (None: see recomputed_columns)
+    layer_positions: int = 0                      # set by the model: positions projected in attention, summed
+                                                  # over layers and rows (the work a cache left to do)
     memo: dict = field(default_factory=dict, repr=False)  # per-call scratch of the model (masks, column ids)
 
     @property
@@ -179,9 +184,12 @@ class AttentionIO:
     x: torch.Tensor                               # [B, T, d] attention-norm output of the call's columns
     call: ForwardCall
     project_v: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # x -> V [B, Hkv, n, D] (no RoPE)
+    out_proj: Optional[Callable[[torch.Tensor], torch.Tensor]] = None   # the layer's output projection
     query_rows: Optional[torch.Tensor] = None     # [B, Q] rows of x that are projected and queried; None = all
     need_weights: bool = False                    # ask the model for head-averaged attention weights
     out: Optional[torch.Tensor] = None            # [B, Q or T, d] attention output (before the output projection)
+    projected: bool = False                       # set by a cache on exit: ``out`` already went through
+                                                  # ``out_proj`` (a cache that keeps projected outputs)
     weights: Optional[torch.Tensor] = None        # [B, Q, Tk] head-averaged attention weights (need_weights)
     key_columns: Optional[torch.Tensor] = None    # [Tk] or [B, Tk] canvas columns of the keys attended to
 
@@ -195,6 +203,21 @@ class FFNIO:
     call: ForwardCall
     rows: Optional[torch.Tensor] = None           # [B, Q] rows computed; None = all (set by a cache on entry)
     out: Optional[torch.Tensor] = None            # [B, Q or T, d] FFN output before the residual add
+
+
+def recomputed_columns(call: ForwardCall) -> torch.Tensor:
+    """``[B, L]`` bool: the canvas columns whose keys/values ``call`` recomputed -- what the cache reported in
+    :attr:`ForwardCall.recomputed`, else the columns that got a residual stream (:attr:`ForwardCall.columns`)."""
+    if call.recomputed is not None:
+        return call.recomputed
+    B, L = call.input_ids.shape
+    out = torch.zeros((B, L), dtype=torch.bool, device=call.input_ids.device)
+    cols = call.columns
+    if cols.is_span:
+        out[:, cols.start:cols.end] = True
+    else:
+        out.scatter_(1, cols.index, True)
+    return out
 
 
 def key_padding_mask(attention_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -30,45 +30,58 @@ from typing import Optional, Tuple
 import torch
 
 from dlm_engine.core.canvas import Canvas
+from dlm_engine.core.protocol import ForwardCall, recomputed_columns
 from dlm_engine.core.sampler import Proposal
 
 
 class ActiveRows:
-    """Tracks which rows the next model call runs; ``rows`` is None while every row is active."""
+    """Which rows the next model call runs, decided on the host from the finished rows the loop read and the
+    plan's rows (a host sequence of flags, or None = every unfinished row): no device synchronisation. Index
+    tensors are rebuilt only when the set changes."""
 
-    def __init__(self, canvas: Canvas):
-        self.batch = canvas.batch_size
-        self.n_finished = 0
-        self.rows: Optional[torch.Tensor] = None
+    def __init__(self, canvas: Canvas, compact: bool = True):
+        self.batch, self.compact, self.device = canvas.batch_size, compact, canvas.device
         self.vocab: Optional[Tuple[int, torch.dtype]] = None   # logits' last dim and dtype, once seen
+        self.none_active = False
+        self.mask: Optional[torch.Tensor] = None                 # [B] bool: the rows of the current call
+        self.run: Tuple[bool, ...] = ()                          # host flags: the rows the current call runs
+        self._memo = {}
 
-    def update(self, canvas: Canvas) -> Optional[torch.Tensor]:
-        """Re-read the finished rows (one host sync); returns the active row indices or None (= all)."""
-        n = int(canvas.finished.sum())
-        if n == self.batch and self.vocab is None:
-            return None          # nothing was run yet (never happens with the bundled strategies): run all
-        if n != self.n_finished:
-            self.n_finished = n
-            self.rows = None if n == 0 else (~canvas.finished).nonzero().squeeze(1)
-        return self.rows
+    def _index(self, flags: Tuple[bool, ...]) -> Optional[torch.Tensor]:
+        if all(flags):
+            return None
+        if flags not in self._memo:
+            if len(self._memo) > 64:
+                self._memo.clear()
+            self._memo[flags] = torch.tensor([i for i, f in enumerate(flags) if f], dtype=torch.long,
+                                             device=self.device)
+        return self._memo[flags]
 
-    @property
-    def none_active(self) -> bool:
-        return self.n_finished == self.batch and self.vocab is not None
+    def rows_for(self, finished, wanted) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """``(live, rows)``: unfinished rows and the rows this step's call runs, as index tensors (None = all)."""
+        alive = tuple(not f for f in finished) if self.compact else (True,) * self.batch
+        self.none_active = self.vocab is not None and not any(alive)
+        if self.none_active or self.vocab is None and not any(alive):
+            self.mask = self._flags(tuple(not f for f in finished))
+            return None, None
+        run = alive if wanted is None else tuple(a and bool(w) for a, w in zip(alive, wanted))
+        self.run = run
+        live = self._index(alive)
+        if not any(run):
+            raise RuntimeError("a plan named no row that can run")
+        # rows that take part (for NFE): finished rows run in the call when not compacting, but never count
+        self.mask = self._flags(tuple(r and not f for r, f in zip(run, finished)))
+        return live, (live if run == alive else self._index(run))
+
+    def _flags(self, flags: Tuple[bool, ...]) -> torch.Tensor:
+        key = ("mask",) + flags
+        if key not in self._memo:
+            self._memo[key] = torch.tensor(flags, dtype=torch.bool, device=self.device)
+        return self._memo[key]
 
     def seen(self, logits: torch.Tensor) -> None:
         if self.vocab is None:
             self.vocab = (int(logits.shape[-1]), logits.dtype)
-
-
-def step_rows(canvas: Canvas, wanted: torch.Tensor, live: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """The rows a step's call runs when its plan names rows (``StepPlan.rows``, ``[B]`` bool): the wanted rows
-    that are not finished, ascending (None when that is every row). One host sync."""
-    rows = (wanted & ~canvas.finished).nonzero().squeeze(1)
-    n = canvas.batch_size if live is None else int(live.numel())
-    if int(rows.numel()) == n:
-        return live
-    return rows
 
 
 def call_rows(rows: torch.Tensor, batch: int, cfg: bool) -> Tuple[torch.Tensor, int]:
@@ -102,3 +115,18 @@ def idle_proposal(canvas: Canvas, window: Tuple[int, int], vocab: Tuple[int, tor
     return Proposal(start=s, x0=canvas.tokens[:, s:e].clone(),
                     confidence=torch.full((B, W), float("-inf"), device=canvas.device),
                     logits=torch.zeros((B, W, V), dtype=dtype, device=canvas.device), call_len=W, call_start=s)
+
+
+def recomputed_rows(canvas: Canvas, call: Optional[ForwardCall], rows: Optional[torch.Tensor]) -> torch.Tensor:
+    """``[B, L]`` bool: the canvas columns whose keys/values ``call`` recomputed, per row of the full batch (rows the
+    call did not run, and steps without a call: nothing; with CFG, the conditional rows)."""
+    out = torch.zeros((canvas.batch_size, canvas.length), dtype=torch.bool, device=canvas.device)
+    if call is None:
+        return out
+    rec = recomputed_columns(call)
+    n = canvas.batch_size if rows is None else int(rows.numel())
+    if rows is None:
+        out.copy_(rec[:n])
+    else:
+        out[rows] = rec[:n]
+    return out

@@ -8,7 +8,7 @@ stream matches the references even when only part of the logits is materialised.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -28,13 +28,20 @@ class Proposal:
     valid: Optional[torch.Tensor] = None   # [B, W] bool: logits the call computed (None = all); others never rank
     rows: Optional[torch.Tensor] = None    # plans that sample themselves: the canvas rows the logits belong to
     aux_logits: Optional[torch.Tensor] = None   # plans with auxiliary columns: their logits [B_call, W_aux, V]
+    active: Optional[torch.Tensor] = None       # [B] bool: the rows that took part in the call (set by the loop)
+    pads: Tuple[int, ...] = ()                  # per row: left-padding columns of the canvas (set by the loop)
 
     @property
     def row_span(self):
         """``(offset, width)`` of the window inside the model call's columns: the row the references rank
-        candidates in (``torch.topk`` breaks exact ties by the row's length), or None when unknown."""
+        candidates in (``torch.topk`` breaks exact ties by the row's length), or None when unknown. In a padded
+        batch a third element gives each row's padding columns inside that row: a row is ranked as it would
+        be in a batch of one, so exact ties do not depend on the batch."""
         if self.call_len is None or self.call_start is None:
             return None
+        lead = tuple(max(0, p - self.call_start) for p in self.pads)
+        if any(lead):
+            return self.start - self.call_start, self.call_len, lead
         return self.start - self.call_start, self.call_len
 
 
@@ -102,13 +109,17 @@ def confidence_of(logits: torch.Tensor, x0: torch.Tensor, kind: str, dtype: str 
 
 def propose(logits: torch.Tensor, start: int, *, temperature: float, confidence: str, softmax_dtype: str = "model",
             call_len: Optional[int] = None, call_start: Optional[int] = None, top_v: Optional[int] = None,
-            discard_draws: int = 0, valid: Optional[torch.Tensor] = None) -> Proposal:
+            discard_draws: int = 0, valid: Optional[torch.Tensor] = None,
+            scored: Optional[Tuple[torch.Tensor, int]] = None) -> Proposal:
     """Sample proposals for a window of logits ``[B, W, V]`` starting at canvas column ``start``.
 
     ``call_len``/``call_start`` describe the model call the logits came from (for the RNG shape);
     ``discard_draws`` extra noise draws are made first and thrown away (Fast-dLLM prefix-cache quirk).
     ``valid`` marks the columns whose logits the call computed: the others get confidence ``-inf`` and are
     never committed (their logits are zeros, not a distribution).
+    ``scored = (mask [B, W], count)``: confidences are needed at the ``count`` positions of ``mask`` only (the
+    candidates that can be committed): they are computed there, row by row exactly as over the whole window,
+    and the other positions get ``-inf``. Not for ``random`` confidences (their draw has the window's shape).
     """
     B, W, V = logits.shape
     call_len = W if call_len is None else call_len
@@ -117,11 +128,28 @@ def propose(logits: torch.Tensor, start: int, *, temperature: float, confidence:
         for _ in range(discard_draws):
             noise_draw((B, call_len, V), logits.device)
     x0 = gumbel_argmax(logits, temperature, call_len, offset)
-    conf = confidence_of(logits, x0, confidence, softmax_dtype, call_len, offset, top_v)
+    if scored is not None and confidence != "random":
+        conf = scored_confidence(logits, x0, confidence, softmax_dtype, top_v, *scored)
+    else:
+        conf = confidence_of(logits, x0, confidence, softmax_dtype, call_len, offset, top_v)
     if valid is not None:
         conf = conf.masked_fill(~valid, float("-inf"))
     return Proposal(start=start, x0=x0, confidence=conf, logits=logits, call_len=call_len, call_start=start - offset,
                     valid=valid)
+
+
+def scored_confidence(logits: torch.Tensor, x0: torch.Tensor, kind: str, dtype: str, top_v: Optional[int],
+                      mask: torch.Tensor, count: int) -> torch.Tensor:
+    """:func:`confidence_of` at the ``count`` positions of ``mask`` (``-inf`` elsewhere): a softmax is a per-row
+    computation, so those values are the ones the whole window would give."""
+    from dlm_engine.core.selection import masked_order
+
+    B, W, V = logits.shape
+    order = masked_order(mask, count)
+    sub = confidence_of(logits.reshape(B * W, V)[order][None], x0.reshape(-1)[order][None], kind, dtype,
+                        top_v=top_v)[0]
+    out = torch.full((B * W,), float("-inf"), dtype=sub.dtype, device=sub.device)
+    return out.index_copy_(0, order, sub).view(B, W)
 
 
 # -- Dream-style proposals (docs/specs/dream.md §4.1 and §8): nucleus / top-k filters, categorical draws,

@@ -4,7 +4,7 @@ All functions are batched: ``conf`` is ``[B, W]`` with ``-inf`` (or any value) o
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -20,17 +20,25 @@ def transfer_schedule(mask_count: torch.Tensor, steps: int) -> torch.Tensor:
     return base[:, None] + (idx[None, :] < rem[:, None]).to(torch.int64)
 
 
+def host_schedule(masked: Sequence[int], steps: int) -> Tuple[Tuple[int, ...], ...]:
+    """:func:`dlm_engine.core.selection.transfer_schedule` on host numbers: ``n // steps`` per step, the
+    remainder's +1s on the first steps."""
+    return tuple(tuple(n // steps + (i < n % steps) for i in range(steps)) for n in masked)
+
+
 def masked_conf(conf: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
-    return torch.where(cand, conf, torch.full_like(conf, NEG_INF))
+    return conf.masked_fill(~cand, NEG_INF)
 
 
-def widen(c: torch.Tensor, span: Optional[Tuple[int, int]]) -> Tuple[torch.Tensor, int]:
-    """``c`` (``[B, W]``) placed at ``offset`` of a ``-inf`` row of ``width`` (``span = (offset, width)``): the
-    row a reference ranks in, so that exactly tied scores break the way its ``torch.topk`` breaks them
-    (``topk`` on equal values depends on the row's length and on ``k``)."""
+def widen(c: torch.Tensor, span: Optional[Tuple]) -> Tuple[torch.Tensor, int]:
+    """``c`` (``[B, W]``) placed at ``offset`` of a ``-inf`` row of ``width`` (``span = (offset, width[, lead])``):
+    the row a reference ranks in, so that exactly tied scores break the way its ``torch.topk`` breaks them
+    (``topk`` on equal values depends on the row's length and on ``k``). ``lead`` (per row, on the host): the
+    row's first columns that are left padding of a batch; each row is ranked without them, as in a batch of
+    one (see :func:`row_lead`)."""
     if span is None:
         return c, 0
-    off, width = span
+    off, width = span[0], span[1]
     if off == 0 and width == c.shape[1]:
         return c, 0
     row = c.new_full((c.shape[0], width), NEG_INF)
@@ -38,41 +46,72 @@ def widen(c: torch.Tensor, span: Optional[Tuple[int, int]]) -> Tuple[torch.Tenso
     return row, off
 
 
-def topk_commit(conf: torch.Tensor, cand: torch.Tensor, k: torch.Tensor,
-                span: Optional[Tuple[int, int]] = None) -> torch.Tensor:
-    """Commit the ``k[b]`` most confident candidates of each row (never a non-candidate), ranked as
-    ``torch.topk(row, k[b])`` ranks them in the reference's row (``span``, see :func:`widen`)."""
+def topk_commit(conf: torch.Tensor, cand: torch.Tensor, k, span: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+    """Commit the ``k[b]`` most confident candidates of each row (never a non-candidate). With ``k`` a host
+    sequence of ints they are chosen as ``torch.topk(row, k[b])`` chooses them in the reference's row (``span``,
+    see :func:`widen`); with a device tensor (a data-dependent count) by a stable sort, without a host read
+    (exact ties then break towards the lower position)."""
     W = conf.shape[1]
     row, off = widen(masked_conf(conf, cand), span)
-    return topk_rows(row, k)[:, off:off + W] & cand
+    return topk_rows(row, k, lead=row_lead(span))[:, off:off + W] & cand
 
 
-def top1(conf: torch.Tensor, cand: torch.Tensor, span: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+def row_lead(span: Optional[Tuple]) -> Optional[Sequence[int]]:
+    """The per-row padding columns of a ranking row (``span[2]``), or None when no row has any."""
+    return span[2] if span is not None and len(span) > 2 else None
+
+
+def top1(conf: torch.Tensor, cand: torch.Tensor, span: Optional[Tuple[int, int]] = None,
+         counts: Optional[Sequence[int]] = None) -> torch.Tensor:
     """The most confident candidate of every row that has one: the first of ``torch.topk(row, |cand|)`` (the
-    Fast-dLLM reference's ``order[0]``; among exact ties that is not always the lowest index)."""
+    Fast-dLLM reference's ``order[0]``; among exact ties that is not always the lowest index). ``counts``: the
+    candidates per row, known on the host; without them the argmax (first index) is taken, with no host read."""
     W = conf.shape[1]
     row, off = widen(masked_conf(conf, cand), span)
-    M = cand.sum(-1)
+    if counts is None:
+        commit = torch.zeros_like(row, dtype=torch.bool).scatter_(1, row.argmax(-1, keepdim=True), True)
+        return commit[:, off:off + W] & cand
+    lead = row_lead(span)
+    if lead is None and all(m == counts[0] for m in counts):     # one call for every row
+        if counts[0] <= 0:
+            return torch.zeros_like(cand)
+        first = torch.topk(row, int(counts[0]), dim=-1).indices[:, :1]
+        return torch.zeros_like(row, dtype=torch.bool).scatter_(1, first, True)[:, off:off + W] & cand
     commit = torch.zeros_like(row, dtype=torch.bool)
-    for m in torch.unique(M).tolist():
+    for (m, a), rows in _groups(_keys(counts, lead), row.device):
         if m <= 0:
             continue
-        rows = (M == m).nonzero().squeeze(1)
-        first = torch.topk(row[rows], int(m), dim=-1).indices[:, :1]
+        first = torch.topk(row[rows, a:], int(m), dim=-1).indices[:, :1] + a
         commit[rows] = commit[rows].scatter(1, first, True)
     return commit[:, off:off + W] & cand
 
 
-def threshold_commit(conf: torch.Tensor, cand: torch.Tensor, tau, span: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+def _keys(values: Sequence[int], lead: Optional[Sequence[int]]) -> List[Tuple[int, int]]:
+    return [(int(v), 0 if lead is None else int(a)) for v, a in zip(values, lead or [0] * len(values))]
+
+
+def _groups(values: Sequence, device) -> List[Tuple[object, torch.Tensor]]:
+    """Rows grouped by a host value: ``[(value, row index tensor)]`` (one group when every row agrees)."""
+    out: Dict[object, List[int]] = {}
+    for r, v in enumerate(values):
+        out.setdefault(v, []).append(r)
+    if len(out) == 1:
+        v = next(iter(out))
+        return [(v, slice(None))]
+    return [(v, torch.tensor(rs, device=device)) for v, rs in out.items()]
+
+
+def threshold_commit(conf: torch.Tensor, cand: torch.Tensor, tau, span: Optional[Tuple[int, int]] = None,
+                     counts: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Fast-dLLM: the top-1 candidate always, plus every candidate with ``conf >= tau`` (ties commit).
 
-    ``tau`` is a float or a per-row tensor ``[B]``.
+    ``tau`` is a float or a per-row tensor ``[B]``; ``counts``: candidates per row on the host (see :func:`top1`).
     """
     if not torch.is_tensor(tau):
         above = conf >= tau
     else:
         above = conf >= tau.to(conf.dtype)[:, None]
-    return (above & cand) | top1(conf, cand, span)
+    return (above & cand) | top1(conf, cand, span, counts)
 
 
 def factor_commit(conf: torch.Tensor, cand: torch.Tensor, factor: float,
@@ -98,16 +137,31 @@ def factor_commit(conf: torch.Tensor, cand: torch.Tensor, factor: float,
 
 
 # -- the d2Cache framework's rules (docs/specs/d2cache.md §6): per row, at least ``min_tt`` commits -------------
-def topk_rows(scores: torch.Tensor, k: torch.Tensor, largest: bool = True) -> torch.Tensor:
-    """``[B, W]`` bool: the ``k[b]`` highest (``largest``) or lowest scores of every row, chosen as
-    ``torch.topk(scores[b], k[b])`` chooses them (rows are grouped by ``k``, so tied scores break exactly as a
-    per-row call would)."""
+def topk_rows(scores: torch.Tensor, k, largest: bool = True, lead: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """``[B, W]`` bool: the ``k[b]`` highest (``largest``) or lowest scores of every row.
+
+    ``k`` known on the host (an int or a sequence of ints): chosen as ``torch.topk(scores[b, lead[b]:], k[b])``
+    chooses them (rows grouped by ``k`` and ``lead``), so exactly tied scores break as the references' per-row
+    calls break them.
+    ``k`` a device tensor (a data-dependent count): the first ``k[b]`` of a stable sort, with no host read; exact
+    ties then break towards the lower position.
+    """
+    W = scores.shape[1]
+    if torch.is_tensor(k):
+        order = torch.sort(scores, dim=-1, descending=largest, stable=True).indices
+        take = torch.arange(W, device=scores.device)[None, :] < k[:, None]
+        return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(1, order, take)
+    ks = [int(k)] * scores.shape[0] if isinstance(k, int) else k
+    if lead is None and all(kv == ks[0] for kv in ks):       # the common case: one call for every row
+        if ks[0] <= 0:
+            return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+        idx = torch.topk(scores, min(int(ks[0]), W), dim=-1, largest=largest).indices
+        return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(1, idx, True)
     out = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
-    for kv in torch.unique(k).tolist():
+    for (kv, a), rows in _groups(_keys(ks, lead), scores.device):
         if kv <= 0:
             continue
-        rows = (k == kv).nonzero().squeeze(1)
-        idx = torch.topk(scores[rows], min(int(kv), scores.shape[1]), dim=-1, largest=largest).indices
+        idx = torch.topk(scores[rows, a:], min(kv, W - a), dim=-1, largest=largest).indices + a
         out[rows] = out[rows].scatter(1, idx, True)
     return out
 
@@ -138,35 +192,68 @@ def eb_count(scores: torch.Tensor, probs: torch.Tensor, gamma: float, over_ranks
     return ((A - Mx) <= gamma).sum(-1)
 
 
-def d2c_commit(scores: torch.Tensor, cand: torch.Tensor, min_tt, max_tt=None, *, threshold: Optional[float] = None,
+def d2c_commit(scores: torch.Tensor, cand: torch.Tensor, min_tt: int, max_tt=None, *,
+               counts: Optional[Sequence[int]] = None, threshold: Optional[float] = None,
                factor: Optional[float] = None, gamma: Optional[float] = None, probs: Optional[torch.Tensor] = None,
                eb_over_ranks: bool = False) -> torch.Tensor:
     """The d2Cache framework's ``confidence_unmasking`` for every row at once (``[B, W]`` bool commits).
 
     ``threshold``: every candidate scoring ``>= threshold`` (none at all when more than ``max_tt`` do);
-    ``factor``: the top ``n - 1`` of the factor rule; ``gamma``: the EB count (needs ``probs``). The count is clamped to
-    ``[min_tt, max_tt]`` (``max_tt`` defaults to the candidates) and, when fewer than that were picked, the
-    row commits its top-count candidates instead.
+    ``factor``: the top ``n - 1`` of the factor rule; ``gamma``: the EB count (needs ``probs``). The count is
+    clamped to ``[min_tt, max_tt]`` (``max_tt`` defaults to the candidates) and, when fewer than that were
+    picked, the row commits its top-count candidates instead.
+
+    ``counts`` (candidates per row) and ``max_tt`` known on the host make every top-count a host number, so
+    the top-k picks are the reference's ``torch.topk`` picks (ties included) and nothing is read back; the
+    factor rule's and EB's data-dependent counts use a stable sort instead.
     """
     if sum(x is not None for x in (threshold, factor, gamma)) > 1:
         raise ValueError("at most one of threshold, factor and gamma")
-    B, W = scores.shape
     c = masked_conf(scores, cand)
-    M = cand.sum(-1)
-    mx = M if max_tt is None else (max_tt if torch.is_tensor(max_tt) else torch.full_like(M, int(max_tt)))
-    mn = min_tt if torch.is_tensor(min_tt) else torch.full_like(M, int(min_tt))
-    num = torch.minimum(mn, mx)
-    picked = torch.zeros_like(cand)
+    B = c.shape[0]
+    if counts is None:                                  # the candidates are only known on the device
+        M = cand.sum(-1)
+        mx = M if max_tt is None else torch.as_tensor(max_tt, device=c.device).expand(B)
+        host = False
+    else:
+        M = list(counts)
+        mx = M if max_tt is None else ([int(max_tt)] * B if isinstance(max_tt, int) else list(max_tt))
+        host = True
+
+    def lo(a, b):
+        return torch.minimum(a, b) if not host else [min(x, y) for x, y in zip(a, b)]
+
+    base = lo(mx, [min_tt] * B) if host else torch.clamp(mx, max=min_tt)      # clamp(min(min_tt, max), min_tt, max)
+    if threshold is not None and min_tt == 0 and max_tt is None:
+        return cand & (c >= threshold)          # never too many, never a fallback (KLASS's stable set)
     if threshold is not None:
         picked = cand & (c >= threshold)
-        over = picked.sum(-1) > mx
+        n = picked.sum(-1)
+        over = n > (torch.as_tensor(mx, device=c.device) if host else mx)
+        if host:   # the count is max when too many pass, else min(min_tt, max): both known, pick per row
+            k_over, k_base = lo(M, mx), lo(M, base)
+            num = torch.where(over, torch.as_tensor(mx, device=c.device), torch.as_tensor(base, device=c.device))
+            top = torch.where(over[:, None], topk_rows(c, k_over), topk_rows(c, k_base))
+        else:
+            num = torch.where(over, mx, base)
+            top = topk_rows(c, torch.minimum(M, num))
         picked = picked & ~over[:, None]
-        num = torch.where(over, mx, num)
-    elif factor is not None:
-        picked = topk_rows(c, torch.minimum(factor_count(scores, cand, factor) - 1, mx).clamp_min(0))
-    elif gamma is not None:
+        return torch.where((picked.sum(-1) < num)[:, None], top, picked)
+    if factor is not None:
+        n1 = (factor_count(scores, cand, factor) - 1).clamp_min(0)
+        picked = topk_rows(c, torch.minimum(n1, torch.as_tensor(mx, device=c.device)))
+        num = torch.as_tensor(base, device=c.device)
+        top = topk_rows(c, lo(M, base))
+        return torch.where((picked.sum(-1) < num)[:, None], top, picked)
+    if gamma is not None:
         num = eb_count(c, probs, gamma, eb_over_ranks)
-    num = torch.minimum(torch.maximum(num, mn), mx)           # torch.clamp(num, min_tt, max): max wins
-    need = picked.sum(-1) < num
-    k = torch.where(need, torch.minimum(M, num), torch.zeros_like(num))
-    return torch.where(need[:, None], topk_rows(c, k), picked)
+        mxt = torch.as_tensor(mx, device=c.device)
+        num = torch.minimum(torch.maximum(num, torch.full_like(num, min_tt)), mxt)
+        return topk_rows(c, torch.minimum(torch.as_tensor(M, device=c.device), num))
+    return topk_rows(c, lo(M, base))                      # the fixed rate: min(min_tt, max) top candidates
+
+
+def masked_order(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """Flat indices of ``mask``'s true entries in row-major order (``mask.nonzero()`` as ``x[mask]`` visits
+    them), given their number ``count`` on the host: a stable sort instead of a host read."""
+    return torch.argsort((~mask).reshape(-1).to(torch.uint8), stable=True)[:count]

@@ -9,10 +9,11 @@ initial canvas) are a step-0 delta returned by :meth:`Strategy.prepare`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, ClassVar, Dict, List, Optional, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -48,8 +49,12 @@ class StepPlan:
     sample: bool = True                  # False: the proposal carries the call rows' logits only (the strategy
                                          # samples itself; ``Proposal.rows`` names the rows)
     aux: Optional[AuxColumns] = None     # extra query columns for this call (needs Cap.AUX_COLUMNS)
-    rows: Optional[torch.Tensor] = None  # [B] bool: rows taking part in this step (None = every unfinished row)
+    rows: Optional[Sequence[bool]] = None  # per row, on the host: takes part in this step (None = every unfinished row)
     position_ids: Optional[torch.Tensor] = None   # [B, L] position ids for this call (None = the canvas')
+    # per row, on the host: the masked positions of the window. Set it when only masked positions can be
+    # committed: confidences are then computed there only (the float64 softmax over the vocabulary is the
+    # costliest part of a step outside the model), the others are -inf
+    masked: Optional[Sequence[int]] = None
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,18 @@ class Strategy:
         """The step's delta and the new state."""
         raise NotImplementedError
 
+    def sync_request(self, canvas: Canvas, state: Any) -> Optional[torch.Tensor]:
+        """A small 1-D tensor of what the next plan must know on the host (mask counts, flags, ...). The loop
+        reads it together with the finished rows in its one host synchronisation per step (after the delta is
+        applied) and passes the values to :meth:`synced`. None = nothing."""
+        return None
+
+    def synced(self, canvas: Canvas, state: Any, values: List[float], delta: Optional[FrameDelta]) -> Any:
+        """The state once the host knows ``values`` (the request's numbers, flattened). ``delta`` is the step's
+        delta before the sinks see it (None for the read before the first step): a strategy may add block
+        events it could only decide with the host values."""
+        return state
+
     def max_steps(self, canvas: Canvas) -> int:
         """Steps after which the loop gives up (a strategy that cannot stall may lower or raise it)."""
         return 4 * canvas.gen_length + 64
@@ -152,11 +169,11 @@ class Strategy:
               tokens: Optional[torch.Tensor] = None, remask: Optional[torch.Tensor] = None,
               confidence: Optional[torch.Tensor] = None) -> FrameDelta:
         """A delta over the proposal's window committing ``commit`` (and re-masking ``remask``, applied
-        first) with the proposal's tokens and confidences. Unless given, ``finished`` marks the rows that
-        have no masked generated position left once the delta is applied."""
+        first) with the proposal's tokens and confidences. Unless given, ``active`` is the rows of the call and
+        ``finished`` marks the rows that have no masked generated position left once the delta is applied."""
         s = proposal.start
         if active is None:
-            active = ~canvas.finished
+            active = proposal.active if proposal.active is not None else ~canvas.finished
         if finished is None:
             finished = ~masked_after(canvas, s, commit, remask).any(dim=-1) & ~canvas.finished
         conf = proposal.confidence if confidence is None else confidence
@@ -200,7 +217,7 @@ def candidates(canvas: Canvas, proposal: Proposal, end: int) -> torch.Tensor:
     return cand
 
 
-def coerce_choices(config: Any) -> Any:
+def coerce_choices(config: Any, group: str = "strategy") -> Any:
     """A copy of a config dataclass whose Enum-typed fields hold Enum members (a plain string from Python
     code is looked up; an unknown one is a :class:`ConfigError` naming the key and the choices), and whose
     float fields are finite."""
@@ -216,12 +233,13 @@ def coerce_choices(config: Any) -> Any:
                 changes[f.name] = kind(value)
             except ValueError:
                 choices = ", ".join(m.value for m in kind)
-                raise ConfigError(f"strategy.{f.name}='{value}' (choose {choices})") from None
+                raise ConfigError(f"{group}.{f.name}='{value}' (choose {choices})") from None
         elif isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"strategy.{f.name}={value} must be a finite number")
+            raise ConfigError(f"{group}.{f.name}={value} must be a finite number")
     return dataclasses.replace(config, **changes) if changes else config
 
 
+@functools.lru_cache(maxsize=None)
 def _field_types(cls) -> Dict[str, Any]:
     import typing
 

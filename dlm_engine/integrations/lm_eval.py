@@ -40,13 +40,9 @@ HONOURED_GEN_KWARGS = {"until", "max_gen_toks"}
 
 
 def _override(key: str, value: Any) -> str:
-    if isinstance(value, bool):
-        text = "true" if value else "false"
-    elif value is None:
-        text = "null"
-    else:
-        text = str(value)
-    return f"{key}={text}"
+    from dlm_engine.app.compose import to_override
+
+    return to_override(key, value, quote=False)
 
 
 def _positive_int(value: Any, key: str) -> int:
@@ -73,19 +69,32 @@ def _flag(value: Any, key: str) -> bool:
 
 
 def compose_config(overrides: List[str]):
-    """The ``dlm`` run config for a list of Hydra overrides (same schemas, presets and checks)."""
-    from hydra import compose, initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
+    """The ``dlm`` run config for a list of Hydra overrides (same schemas, presets and checks); a bad override
+    raises :class:`~dlm_engine.errors.ConfigError` with the one line ``dlm`` prints."""
+    from dlm_engine.app.compose import compose
 
-    from dlm_engine.app.config import register_configs
-    from dlm_engine.core.registry import load_plugins
+    return compose(overrides)
 
-    load_plugins()
-    register_configs()
-    if GlobalHydra.instance().is_initialized():
-        GlobalHydra.instance().clear()
-    with initialize_config_module("dlm_engine.conf", version_base="1.3"):
-        return compose("config", overrides=overrides)
+
+def _in_lm_eval_command() -> bool:
+    """True when this process is lm-eval's command line (``lm_eval``, ``python -m lm_eval``, ``dlm-lm-eval``)."""
+    import sys
+    from pathlib import Path
+
+    argv0 = Path(sys.argv[0] if sys.argv else "")
+    return (argv0.name in ("lm_eval", "lm-eval", "dlm-lm-eval")
+            or argv0.as_posix().endswith(("lm_eval/__main__.py", "dlm_engine/integrations/lm_eval.py")))
+
+
+def _exit_on_user_error(exc: Exception) -> None:
+    """On lm-eval's command line a bad ``--model_args`` value is one line and exit 2, not lm-eval's traceback;
+    called as a library (``simple_evaluate``), the exception propagates."""
+    import sys
+
+    if _in_lm_eval_command():
+        print(f"dlm_engine: error: {exc}", file=sys.stderr)
+        sys.stderr.flush()
+        sys.exit(2)
 
 
 class DLMEngineLM(LM):
@@ -122,6 +131,8 @@ class DLMEngineLM(LM):
         self.lm = load_model(self.cfg.model, self.cfg.device, self.cfg.dtype)
         self._external_template = False
         self._warned_gen_kwargs = False
+        self.rows: List[Any] = []       # every generate_until row: per-sequence NFE, tokens, TPF, latency
+        self.model_calls, self.wall_time = 0, 0.0
         if self.mc_eos_pad and self.lm.eos_id is None:
             from dlm_engine.errors import ConfigError
 
@@ -131,14 +142,27 @@ class DLMEngineLM(LM):
     @classmethod
     def create_from_arg_obj(cls, arg_dict, additional_config=None):
         """``model_args`` win over lm-eval's own ``--device``/``--batch_size`` (no duplicate-argument error)."""
+        from dlm_engine.errors import UserError
+
         extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
-        return cls(**dict(arg_dict), **extra)
+        try:
+            return cls(**dict(arg_dict), **extra)
+        except UserError as exc:
+            _exit_on_user_error(exc)
+            raise
 
     @classmethod
     def create_from_arg_string(cls, arg_string, additional_config=None):
         from lm_eval.utils import simple_parse_args_string
 
         return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+    @property
+    def metrics(self):
+        """Totals over every sequence ``generate_until`` decoded so far (:mod:`dlm_engine.metrics`)."""
+        from dlm_engine.metrics import totals
+
+        return totals([r for r in self.rows], model_calls=self.model_calls, wall_time=self.wall_time)
 
     @property
     def tokenizer_name(self) -> str:
@@ -216,6 +240,15 @@ class DLMEngineLM(LM):
         torch.manual_seed(int(cfg.seed))
         stats = run_prompts(self.lm, ids, self.make_strategy, self.make_cache, int(cfg.gen_length),
                             int(cfg.batch_size), prompts=contexts, warmup=False)
+        self.rows.extend(stats.rows)
+        self.model_calls += stats.model_calls
+        self.wall_time += stats.wall_time
+        from dlm_engine.metrics import summary_line
+
+        import sys
+
+        # per-sequence figures of this request set (lm-eval's results have no slot for them); totals: .metrics
+        print(f"dlm_engine: generate_until: {summary_line(stats.totals)}", file=sys.stderr, flush=True)
         out = []
         for row, kw in zip(stats.rows, kwargs):
             text = cut(row.text, kw.get("until"), kw.get("max_gen_toks"), self.lm)
@@ -258,7 +291,13 @@ def main() -> None:
     """``python -m dlm_engine.integrations.lm_eval``: lm-eval's own command line with ``--model dlm_engine`` known."""
     from lm_eval.__main__ import cli_evaluate
 
-    cli_evaluate()
+    from dlm_engine.errors import UserError
+
+    try:
+        cli_evaluate()
+    except UserError as exc:
+        _exit_on_user_error(exc)
+        raise
 
 
 if __name__ == "__main__":

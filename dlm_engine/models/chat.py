@@ -86,8 +86,13 @@ def use_chat_template(mode: str, instruct: bool, tok, where: str = "") -> bool:
 
 def encode_chat(tok, text: str) -> List[int]:
     """One user turn with the assistant's generation prompt, as the official chat examples build it."""
-    rendered = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                       tokenize=False)
+    return encode_messages(tok, [{"role": "user", "content": text}])
+
+
+def encode_messages(tok, messages) -> List[int]:
+    """A conversation rendered with the tokenizer's template plus the generation prompt, tokenised without
+    adding special tokens again."""
+    rendered = tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
     return list(tok(rendered, add_special_tokens=False)["input_ids"])
 
 

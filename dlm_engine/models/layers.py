@@ -162,7 +162,7 @@ def attention_block(idx: int, x: torch.Tensor, norm: nn.Module, spec: AttentionS
     """``x + out_proj(attention(norm(x)))`` with the projections inside ``hooks.attention``."""
     B, T, _ = x.shape
     a = norm(x)
-    io = AttentionIO(layer=idx, x=a, call=call,
+    io = AttentionIO(layer=idx, x=a, call=call, out_proj=out_proj,
                      project_v=lambda t: _heads(spec.v_proj(t), spec.n_kv_heads, spec.head_dim))
     with hooks.attention(idx, io) as io:
         rows = io.query_rows
@@ -185,11 +185,12 @@ def attention_block(idx: int, x: torch.Tensor, norm: nn.Module, spec: AttentionS
             if call.request.aux is not None:                            # aux columns are never padding
                 km = torch.cat([km, torch.ones_like(call.request.aux.tokens, dtype=torch.bool)], dim=1)
             out = out * km.gather(1, q_cols)[:, None, :, None].to(out.dtype)
-        io.out = out.transpose(1, 2).reshape(B, q.shape[2], -1)
+        io.out = out.transpose(1, 2).reshape(B, q.shape[2], spec.n_heads * spec.head_dim)   # (also with 0 rows)
         io.key_columns = k_cols
+        call.layer_positions += B * q.shape[2]
     if io.out.shape[1] != T:
         raise RuntimeError(f"cache hook left attention output for {io.out.shape[1]} of {T} positions in layer {idx}")
-    return x + out_proj(io.out)
+    return x + (io.out if io.projected else out_proj(io.out))
 
 
 def ffn_block(idx: int, x: torch.Tensor, norm: nn.Module, mlp: Callable[[torch.Tensor], torch.Tensor],

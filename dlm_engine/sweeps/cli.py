@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 try:  # Hydra is a dependency; the fallback keeps this module importable without it
     from hydra.experimental.callback import Callback as _HydraCallback
@@ -16,6 +16,29 @@ from dlm_engine.sweeps.plots import write_plots
 from dlm_engine.sweeps.scan import scan
 from dlm_engine.sweeps.tables import markdown_table, rows_from_jobs, varying, write_csv
 
+def not_started(root: Path, jobs) -> Union[List[Dict[str, Any]], str]:
+    """Jobs of the sweep's grid (its ``multirun.yaml``) that have no directory yet: an interrupted sweep never
+    started them. A note instead when the grid cannot be read or job directories are named otherwise."""
+    from omegaconf import OmegaConf
+
+    from dlm_engine.sweeps.grid import read_grid
+    from dlm_engine.sweeps.jobs import job_dirname
+
+    path = Path(root) / "multirun.yaml"
+    if not path.is_file():
+        return []
+    try:
+        raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+        if "dlm_job_dir" not in str(((raw.get("hydra") or {}).get("sweep") or {}).get("subdir")):
+            return "jobs that never started are not listed (hydra.sweep.subdir is not the dlm default)"
+        grid = read_grid(root)
+    except Exception as exc:  # the jobs' own results are still aggregated
+        return f"jobs that never started are not listed: multirun.yaml could not be expanded ({exc})"
+    seen = {j.get("_dir") for j in jobs}
+    return [{"status": "not started", "overrides": job, "_dir": job_dirname(job)}
+            for job in grid or [] if job_dirname(job) not in seen]
+
+
 def aggregate(root: Path, plots: bool = True, out=None) -> Dict[str, Any]:
     """Scan ``root`` and write ``sweep.csv``, ``sweep.md`` and the plots there; prints a summary."""
     from dlm_engine.fsutil import atomic_write_bytes
@@ -23,11 +46,13 @@ def aggregate(root: Path, plots: bool = True, out=None) -> Dict[str, Any]:
     out = out or sys.stdout
     root = Path(root)
     jobs = [j for j in scan(root)]
+    unplanned = not_started(root, jobs)
+    jobs += unplanned if isinstance(unplanned, list) else []
     rows, settings, metric_cols, swept = rows_from_jobs(jobs)
     counts: Dict[str, int] = {}
     for r in rows:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
-    report = {"jobs": len(rows), "counts": counts, "files": [], "notes": []}
+    report = {"jobs": len(rows), "counts": counts, "files": [], "notes": [] if isinstance(unplanned, list) else [unplanned]}
     if not rows:
         print(f"dlm-sweep: no jobs under {root} (looked for {RESULT}, {ERROR} and .hydra/ directories)", file=out)
         return report
@@ -70,6 +95,22 @@ def aggregate(root: Path, plots: bool = True, out=None) -> Dict[str, Any]:
     return report
 
 
+def check_before_launch(config) -> None:
+    """Compose and validate every job of the sweep before the first one starts; on problems, list them all
+    (one line per job) and exit 2 without running any job."""
+    from dlm_engine.sweeps.grid import check_jobs, swept_part
+
+    n, problems = check_jobs(config)
+    if not problems:
+        return
+    print(f"dlm: error: {len(problems)} of {n} jobs of the sweep have invalid configs (no job was run):",
+          file=sys.stderr)
+    for job, message in problems:
+        print(f"  {swept_part(job, [j for j, _ in problems])}: {message}", file=sys.stderr)
+    sys.stderr.flush()
+    sys.exit(2)
+
+
 class AggregateCallback(_HydraCallback):
     """Hydra callback: says what a resumed sweep will skip, aggregates the sweep directory at the end.
 
@@ -81,6 +122,7 @@ class AggregateCallback(_HydraCallback):
         self.plots = plots
 
     def on_multirun_start(self, config, **kwargs) -> None:
+        check_before_launch(config)
         root = Path(str(config.hydra.sweep.dir))
         done = sum(1 for j in scan(root) if j.get("status") == "ok") if root.is_dir() else 0
         if done and not bool(config.get("resume", True)):
@@ -130,7 +172,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         print(f"dlm-sweep: error: {os_error_message(exc, root)}", file=sys.stderr)
         return 2
-    return 0 if report["jobs"] else 1
+    # 0 only for a complete sweep: failed, incomplete, never started or stale jobs make it exit 1
+    return 0 if report["jobs"] and set(report["counts"]) == {"ok"} else 1
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ ERROR = "error.json"
 VIZ_HINT = 'pip install "dlm-engine[viz]"'
 # top-level keys that change neither the decoded output nor the metrics: left out of the job's directory
 # name and of the config digest that decides whether an existing result.json still holds
-NEUTRAL_KEYS = ("resume", "progress", "print_outputs")
+NEUTRAL_KEYS = ("resume", "progress", "progress_interval", "print_outputs")
 # ... and, with the name of a sweep preset (its parameters are overrides of their own), of job directory names
 DIRNAME_EXCLUDE = NEUTRAL_KEYS + ("sweep",)
 _UNSAFE = re.compile(r"[^A-Za-z0-9._,=+\-\[\]@:%]")
@@ -94,15 +94,20 @@ def in_multirun() -> bool:
     return hc.mode == RunMode.MULTIRUN
 
 
-def in_launcher_worker() -> bool:
-    """True in a multirun job launched by a parallel or remote launcher (joblib, submitit, ...)."""
+def launcher_target() -> str:
+    """``hydra.launcher._target_`` of the running multirun job ('' outside a multirun)."""
     hc = _hydra()
     if hc is None or not in_multirun():
-        return False
+        return ""
     from omegaconf import OmegaConf
 
-    target = str(OmegaConf.select(hc, "launcher._target_", default="") or "")
-    return not target.endswith("BasicLauncher")
+    return str(OmegaConf.select(hc, "launcher._target_", default="") or "")
+
+
+def in_launcher_worker() -> bool:
+    """True in a multirun job launched by a parallel or remote launcher (joblib, submitit, ...)."""
+    target = launcher_target()
+    return bool(target) and not target.endswith("BasicLauncher")
 
 
 class JobRecord:
@@ -140,6 +145,11 @@ class JobRecord:
             old = json.loads(path.read_text())
         except (OSError, ValueError):
             old = {}
+        from dlm_engine.metrics import METRICS_VERSION
+
+        if old.get("metrics_version") != METRICS_VERSION:
+            print(f"dlm: {self.label}: {path} was written under older metric definitions, re-running", flush=True)
+            return False
         if self.digest is not None and old.get("config_digest") == self.digest:
             print(f"dlm: {self.label}: skipped, result.json exists (resume=false re-runs it)", flush=True)
             return True
@@ -186,8 +196,11 @@ class JobRecord:
         from dlm_engine.fsutil import atomic_write_json
 
         cfg = self.cfg
-        metrics = {k: summary.get(k) for k in ("accuracy", "nfe", "nfe_per_prompt", "tpf", "tps", "wall_time",
-                                               "generated_tokens", "prompts") if k in summary}
+        from dlm_engine.metrics import METRICS_VERSION
+
+        metrics = {k: summary.get(k) for k in ("accuracy", "nfe", "nfe_per_prompt", "tpf", "tps", "latency_mean",
+                                               "model_calls", "wall_time", "generated_tokens", "prompts")
+                   if k in summary}
         metrics["job_time"] = time.perf_counter() - self.t0
         if "accuracy_by_task" in summary:
             metrics["accuracy_by_task"] = summary["accuracy_by_task"]
@@ -200,6 +213,7 @@ class JobRecord:
             trace = None
         result = {
             "status": "ok",
+            "metrics_version": METRICS_VERSION,
             "job": self.job,
             "overrides": self.overrides,
             "strategy": summary.get("strategy") or OmegaConf.to_container(cfg.strategy, resolve=True),

@@ -1,4 +1,4 @@
-"""Sweep plots (matplotlib, optional): accuracy vs NFE per prompt with the Pareto front, TPS per setting."""
+"""Sweep plots (matplotlib, optional): accuracy vs NFE per sequence with the Pareto front, TPS per setting."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -35,6 +35,76 @@ def _numeric_params(rows: Sequence[Dict[str, Any]], vary: Sequence[str]) -> List
     return sorted(nums, key=rank)[:3]
 
 
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h", "p")
+
+
+def spread(display_xy, radius_px: float = 7.0, offset_pt: float = 5.0) -> List[Tuple[float, float]]:
+    """Offsets (in points) that keep markers visible where they would cover each other: points closer than
+    ``radius_px`` on screen form a cluster, and a cluster of k points is laid out on a small circle around
+    its first point, in input order. Deterministic (no jitter); a lone point stays where it is."""
+    import math
+
+    clusters: List[List[int]] = []
+    for i, (x, y) in enumerate(display_xy):
+        for c in clusters:
+            cx, cy = display_xy[c[0]]
+            if math.hypot(x - cx, y - cy) < radius_px:
+                c.append(i)
+                break
+        else:
+            clusters.append([i])
+    out = [(0.0, 0.0)] * len(display_xy)
+    for c in clusters:
+        if len(c) > 1:
+            for k, i in enumerate(c):
+                a = math.pi / 2 + 2 * math.pi * k / len(c)
+                out[i] = (offset_pt * math.cos(a), offset_pt * math.sin(a))
+    return out
+
+
+def accuracy_figure(plt, ok: Sequence[Dict[str, Any]], group: Optional[str], groups: Dict[str, List[Dict[str, Any]]],
+                    rest: Sequence[str]):
+    """Accuracy vs NFE per sequence: a marker and colour per group (strategy when several are compared),
+    every group in the legend, overlapping points moved apart (:func:`spread`), the Pareto front outlined."""
+    from matplotlib.transforms import ScaledTranslation
+
+    pts = [r for r in ok if is_number(r.get("accuracy")) and is_number(r.get("nfe_per_prompt"))]
+    if not pts:
+        return None
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig, ax = plt.subplots(figsize=(7.6, 4.4), dpi=100)
+    ordered = sorted(groups.items(), key=lambda kv: sort_key(parse_scalar(kv[0])))
+    style = {g: (colors[i % len(colors)], MARKERS[i % len(MARKERS)]) for i, (g, _) in enumerate(ordered)}
+    drawn = [(g, r) for g, rs in ordered for r in rs if r in pts]
+    ax.scatter([r["nfe_per_prompt"] for _, r in drawn], [r["accuracy"] for _, r in drawn], s=0)  # sets the limits
+    ax.margins(0.08)
+    ax.autoscale_view()
+    shifts = spread(ax.transData.transform([(r["nfe_per_prompt"], r["accuracy"]) for _, r in drawn]))
+    labelled = set()
+    for (g, r), (dx, dy) in zip(drawn, shifts):
+        color, marker = style[g]
+        where = ax.transData + ScaledTranslation(dx / 72, dy / 72, fig.dpi_scale_trans)
+        ax.scatter([r["nfe_per_prompt"]], [r["accuracy"]], s=42, marker=marker, color=color, alpha=0.85,
+                   edgecolors="white", linewidths=0.6, transform=where, zorder=2,
+                   label=(f"{group.split('.')[-1]}={g}" if group else None) if g not in labelled else None)
+        labelled.add(g)
+    front = sorted((r for r in pts if r.get("pareto")), key=lambda r: (r["nfe_per_prompt"], -r["accuracy"]))
+    if front:
+        ax.plot([r["nfe_per_prompt"] for r in front], [r["accuracy"] for r in front], drawstyle="steps-post",
+                color="black", lw=1.0, zorder=1, label="Pareto front")
+        if len(front) <= 12 and rest:
+            for r in front:
+                ax.annotate(_label(r, rest), (r["nfe_per_prompt"], r["accuracy"]), textcoords="offset points",
+                            xytext=(7, -12), fontsize=7)
+    ax.set_xlabel("NFE per sequence (mean forwards a sequence took part in)")
+    ax.set_ylabel("accuracy (exact match)")
+    ax.set_title("accuracy vs NFE")
+    ax.grid(alpha=0.3)
+    if group or front:
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    return fig
+
+
 def write_plots(rows: Sequence[Dict[str, Any]], settings: Sequence[str], out_dir: Path) -> Tuple[List[Path], List[str]]:
     """accuracy_vs_nfe.png and tps.png over the ``settings`` that vary; returns (written files, notes).
     Raises ImportError without matplotlib."""
@@ -53,31 +123,10 @@ def write_plots(rows: Sequence[Dict[str, Any]], settings: Sequence[str], out_dir
     for r in ok:
         groups.setdefault(format_value(r.get(group)) if group else "", []).append(r)
     rest = [k for k in vary if k != group]
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]  # tps.png
 
-    pts = [r for r in ok if is_number(r.get("accuracy")) and is_number(r.get("nfe_per_prompt"))]
-    if pts:
-        fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=100)
-        for i, (g, rs) in enumerate(sorted(groups.items(), key=lambda kv: sort_key(parse_scalar(kv[0])))):
-            rs = [r for r in rs if r in pts]
-            ax.scatter([r["nfe_per_prompt"] for r in rs], [r["accuracy"] for r in rs], s=36, alpha=0.8,
-                       color=colors[i % len(colors)], label=f"{group.split('.')[-1]}={g}" if group else None, zorder=2)
-        front = sorted((r for r in pts if r.get("pareto")), key=lambda r: (r["nfe_per_prompt"], -r["accuracy"]))
-        if front:
-            ax.plot([r["nfe_per_prompt"] for r in front], [r["accuracy"] for r in front], drawstyle="steps-post",
-                    color="black", lw=1.2, zorder=1, label="Pareto front")
-            ax.scatter([r["nfe_per_prompt"] for r in front], [r["accuracy"] for r in front], s=110,
-                       facecolors="none", edgecolors="black", lw=1.4, zorder=3)
-            if len(front) <= 12 and rest:
-                for r in front:
-                    ax.annotate(_label(r, rest), (r["nfe_per_prompt"], r["accuracy"]), textcoords="offset points",
-                                xytext=(5, -11), fontsize=7)
-        ax.set_xlabel("NFE per prompt (mean model forward calls)")
-        ax.set_ylabel("accuracy (exact match)")
-        ax.set_title("accuracy vs NFE")
-        ax.grid(alpha=0.3)
-        if group or front:
-            ax.legend(fontsize=8, loc="best")
+    fig = accuracy_figure(plt, ok, group, groups, rest)
+    if fig is not None:
         written.append(_save_figure(plt, fig, Path(out_dir) / "accuracy_vs_nfe.png"))
     else:
         notes.append("no accuracy in the results (the task has no checker): accuracy_vs_nfe.png not written")

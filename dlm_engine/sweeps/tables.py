@@ -8,12 +8,14 @@ import math
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from dlm_engine.metrics import METRICS_VERSION
 from dlm_engine.sweeps.jobs import NEUTRAL_KEYS, split_override
 
 # result.json metric -> sweep.csv column ("prompts" is also a config key, hence n_prompts)
+# NFE, TPF and latency are per sequence (dlm_engine.metrics); model_calls is the only batch-dependent count
 METRICS = {"accuracy": "accuracy", "nfe_per_prompt": "nfe_per_prompt", "nfe": "nfe", "tpf": "tpf", "tps": "tps",
-           "wall_time": "wall_time", "job_time": "job_time", "generated_tokens": "generated_tokens",
-           "prompts": "n_prompts"}
+           "latency_mean": "latency_mean", "model_calls": "model_calls", "wall_time": "wall_time",
+           "job_time": "job_time", "generated_tokens": "generated_tokens", "prompts": "n_prompts"}
 SKIP_OVERRIDE_KEYS = {"sweep"} | set(NEUTRAL_KEYS)
 RESERVED = {"job", "status", "pareto", "trace_path", "trace_digest", "error", *METRICS.values()}
 
@@ -64,6 +66,8 @@ def rows_from_jobs(jobs: Sequence[Dict[str, Any]]) -> Tuple[List[Dict[str, Any]]
     task_cols: List[str] = []
     for job in jobs:
         row: Dict[str, Any] = {"job": job.get("_dir"), "status": job.get("status", "ok")}
+        if row["status"] == "ok" and job.get("metrics_version") != METRICS_VERSION:
+            row["status"] = "stale"  # written under older metric definitions (batch-dependent TPF): re-run it
         settings: Dict[str, Any] = {}
         strat = job.get("strategy") if isinstance(job.get("strategy"), dict) else {}
         cache = job.get("cache") if isinstance(job.get("cache"), dict) else {}
@@ -160,7 +164,7 @@ def write_csv(path: Path, rows: Sequence[Dict[str, Any]], cols: Sequence[str]) -
     atomic_write_bytes(str(path), buf.getvalue().encode())
 
 
-_FORMATS = {"accuracy": "{:.3f}", "nfe_per_prompt": "{:.2f}", "tpf": "{:.2f}", "tps": "{:.1f}",
+_FORMATS = {"accuracy": "{:.3f}", "nfe_per_prompt": "{:.2f}", "tpf": "{:.2f}", "tps": "{:.1f}", "latency_mean": "{:.3f}",
             "wall_time": "{:.2f}", "job_time": "{:.1f}"}
 
 
@@ -175,7 +179,7 @@ def format_value(v: Any, col: Optional[str] = None) -> str:
 
 
 def markdown_table(rows: Sequence[Dict[str, Any]], cols: Sequence[str]) -> str:
-    headers = {"nfe_per_prompt": "NFE/prompt", "tpf": "TPF", "tps": "TPS", "accuracy": "accuracy",
+    headers = {"nfe_per_prompt": "NFE/seq", "tpf": "TPF", "tps": "TPS", "accuracy": "accuracy",
                "wall_time": "wall s", "pareto": "Pareto"}
     lines = ["| " + " | ".join(headers.get(c, c) for c in cols) + " |",
              "|" + "|".join("---" for _ in cols) + "|"]

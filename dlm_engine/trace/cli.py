@@ -85,18 +85,22 @@ def cmd_show(a) -> int:
     print("versions   " + "  ".join(f"{k} {v[k]}" for k in sorted(v)))
     print()
     edits = any(s.edits is not None and len(s.edits["col"]) for s in tr)
-    print(f"{'row':>4} {'L':>5} {'steps':>5} {'NFE':>5} {'gen':>5} {'conf':>6}" + (f" {'edits':>5}" if edits else "")
-          + "  text")
+    print(f"{'row':>4} {'L':>5} {'steps':>5} {'NFE':>5} {'gen':>5} {'TPF':>6} {'conf':>6}"
+          + (f" {'edits':>5}" if edits else "") + "  text")
     for s in list(tr)[:a.max]:
         c = s.confidence
         mc = f"{np.nanmean(c):.3f}" if c is not None and np.isfinite(c).any() else "-"
+        m = s.metrics
         n_ed = f" {len(s.edits['col']) if s.edits is not None else 0:>5}" if edits else ""   # re-masked / overwritten
-        print(f"{s.row:>4} {s.gen_length:>5} {s.n_steps:>5} {s.nfe:>5} {s.generated_tokens():>5} {mc:>6}{n_ed}  "
-              f"{_short(s.text)!r}")
+        print(f"{s.row:>4} {s.gen_length:>5} {m.finish_step:>5} {m.nfe:>5} {m.generated_tokens:>5} {m.tpf:>6.2f} {mc:>6}"
+              f"{n_ed}  {_short(s.text)!r}")
     if len(tr) > a.max:
         print(f"... {len(tr) - a.max} more sequences")
     if not len(tr):
         return 0
+    from dlm_engine.metrics import summary_line
+
+    print(summary_line(tr.totals()))
     s = tr[a.seq or 0]
     st = s.steps
     print()
@@ -217,7 +221,9 @@ def cmd_diff(a) -> int:
     for k, (x, y) in d["changed"].items():
         print(f"{k}: {json.dumps(x)}  ->  {json.dumps(y)}")
     print(f"rows: {d['rows_a']} vs {d['rows_b']}, compared {d['rows_compared']}, identical trajectories "
-          f"{d['rows_identical']}, equal final outputs {d['outputs_equal']}; NFE {d['nfe'][0]} vs {d['nfe'][1]}")
+          f"{d['rows_identical']}, equal final outputs {d['outputs_equal']}; NFE per sequence "
+          f"{d['nfe_per_sequence'][0]:.2f} vs {d['nfe_per_sequence'][1]:.2f}, TPF {d['tpf'][0]:.2f} vs {d['tpf'][1]:.2f} "
+          f"(model calls {d['model_calls'][0]} vs {d['model_calls'][1]})")
     if d["first"] is None:
         same = not d["rows_only_a"] and not d["rows_only_b"]
         print("no divergence" + ("" if same else " in the common rows"))

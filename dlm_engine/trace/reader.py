@@ -479,8 +479,26 @@ class Sequence:
         return cols, d.topk_ids, d.topk_logits
 
     @property
+    def metrics(self):
+        """Per-sequence NFE, generated tokens, TPF, finish step and latency (:mod:`dlm_engine.metrics`), from
+        this row's step records: forwards after its finish are not counted."""
+        from dlm_engine.metrics import sequence_metrics
+
+        tab, i = self.batch.steps, self.slot
+        return sequence_metrics(tab.step, tab.nfe, tab.active[:, i], tab.finished[:, i], tab.wall_time,
+                                self.step_of, self.tokens, self.trace.eos_id)
+
+    @property
     def nfe(self) -> int:
-        return self._data.nfe
+        """Forwards this sequence took part in, until it finished (``metrics.nfe``; the recorded count when a
+        damaged trace lost its batch's step records)."""
+        if self.batch.steps_lost:
+            return int(self._data.nfe)
+        return self.metrics.nfe
+
+    @property
+    def tpf(self) -> float:
+        return self.metrics.tpf
 
     @property
     def finish_step(self) -> int:
@@ -552,13 +570,9 @@ class Sequence:
         return c
 
     def generated_tokens(self) -> int:
-        eos = self.trace.eos_id
-        t = self.tokens
-        if eos is not None:
-            hit = np.flatnonzero(t == eos)
-            if hit.size:
-                return int(hit[0]) + 1
-        return int(t.shape[0])
+        from dlm_engine.metrics import generated_token_count
+
+        return generated_token_count(self.tokens, self.trace.eos_id)
 
     def output_ids(self) -> List[int]:
         """Generated ids as ``results.jsonl`` shows them: up to the first EOS (excluded), masks dropped."""
@@ -574,17 +588,23 @@ class Sequence:
 
     @property
     def steps(self) -> StepTable:
+        """This sequence's steps: those it took part in, ending at its finish (``metrics.finish_step``)."""
         tab = self.batch.steps
         i = self.slot
         B = len(self.batch.rows)
+        keep = tab.active[:, i].astype(bool) & (tab.step <= self.metrics.finish_step)
         sc = {}
         for k, v in tab.scalars.items():
             if isinstance(v, np.ndarray) and v.ndim >= 2 and v.shape[1] == B:
-                sc[k] = v[:, i]
+                sc[k] = v[keep, i]
+            elif isinstance(v, np.ndarray):
+                sc[k] = v[keep]
             else:
-                sc[k] = v
-        ev = [e for e in tab.events if e[5] in (-1, i)]
-        return StepTable(tab.step, tab.nfe, tab.wall_time, tab.start, tab.width, tab.active[:, i], tab.finished[:, i], sc, ev)
+                sc[k] = [x for x, m in zip(v, keep) if m]
+        kept = set(tab.step[keep].tolist())
+        ev = [e for e in tab.events if e[5] in (-1, i) and e[0] in kept]
+        return StepTable(tab.step[keep], tab.nfe[keep], tab.wall_time[keep], tab.start[keep], tab.width[keep],
+                         tab.active[keep, i], tab.finished[keep, i], sc, ev)
 
     def __repr__(self) -> str:
         return f"<Sequence row={self.row} L={self.gen_length} steps={self.n_steps} nfe={self.nfe}>"
@@ -916,8 +936,8 @@ class Trace:
                 why = f"holds step {max(s.n_steps, s.finish_step)}, after batch {b.index}'s last step {last}"
             elif s.finish_step != first:
                 why = f"finished at step {s.finish_step}, its batch's step records say {first}"
-            elif s.nfe > total:
-                why = f"claims NFE {s.nfe}, its batch ran {total} model calls"
+            elif s._data.nfe > total:                  # the stored count (``nfe`` is derived from the steps)
+                why = f"claims NFE {s._data.nfe}, its batch ran {total} model calls"
             if why:
                 self._problem(f"corrupt: row {s.row} {why} (the row is dropped)", recover)
                 del self._by_row[s.row]
@@ -1011,6 +1031,14 @@ class Trace:
         if tok is None:
             return " ".join(str(i) for i in ids)
         return tok.decode(list(ids))
+
+    def totals(self):
+        """Aggregates over the sequences read (:func:`dlm_engine.metrics.totals`); ``model_calls`` counts the
+        batched forwards of every batch."""
+        from dlm_engine.metrics import totals
+
+        calls = sum(int(b.steps.nfe.sum()) for b in self.batches.values())
+        return totals((s.metrics for s in self), model_calls=calls)
 
     def summary(self) -> Dict[str, Any]:
         return {"sequences": len(self), "batches": len(self.batches), "status": self.status,

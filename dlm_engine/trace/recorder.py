@@ -129,7 +129,8 @@ class TraceRecorder:
     """
 
     def __init__(self, path: str, header: Dict[str, Any], capture: str = "tokens", topk: int = 5,
-                 logit_error_bound: float = 1e-2, queue_size: int = 256, level: int = fmt.ZSTD_LEVEL):
+                 logit_error_bound: float = 1e-2, queue_size: int = 256, level: int = fmt.ZSTD_LEVEL,
+                 recomputed: bool = False):
         from ..errors import ConfigError
 
         if capture not in fmt.CAPTURE_LEVELS:
@@ -144,6 +145,7 @@ class TraceRecorder:
         self.partial_path = self.path + ".partial"
         self.capture, self.topk, self.bound, self.level = capture, int(topk), float(logit_error_bound), int(level)
         self.wants_logits = capture in ("topk", "logits")
+        self.recomputed = bool(recomputed)   # per-step scalar `recomputed`: [B, L] columns the cache recomputed
         self.digest: Optional[str] = None
         self.writer_cpu = 0.0
         self.status: Optional[str] = None
@@ -158,7 +160,8 @@ class TraceRecorder:
         header = dict(header)
         header.setdefault("format", "dlm_engine trace")
         header["capture"] = {"level": capture, "topk": self.topk if self.wants_logits else None,
-                             "logit_error_bound": self.bound if capture == "logits" else None}
+                             "logit_error_bound": self.bound if capture == "logits" else None,
+                             "recomputed": self.recomputed}
         self.header = header
         header_json = json.dumps(header, sort_keys=True, default=str).encode()
         from .reader import check_header
@@ -601,6 +604,7 @@ class BatchSink(Sink):
     def __init__(self, rec: TraceRecorder, batch: int, rows: List[int]):
         self.rec, self.batch, self.rows = rec, batch, rows
         self.wants_logits = rec.wants_logits
+        self.wants_recomputed = rec.recomputed
         self._cuda = False
 
     def _event(self):

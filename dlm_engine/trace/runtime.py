@@ -149,7 +149,8 @@ def open_run_recorder(cfg, out_dir, lm, prompt_ids: Sequence) -> Optional[TraceR
     header = build_header(cfg, lm, rows_expected=len(prompt_ids),
                           prompt_length=max((len(p) for p in prompt_ids), default=1))
     return TraceRecorder(str(Path(out_dir) / t.filename), header, capture=t.capture, topk=t.topk,
-                         logit_error_bound=t.logit_error_bound, queue_size=t.queue_size)
+                         logit_error_bound=t.logit_error_bound, queue_size=t.queue_size,
+                         recomputed=bool(t.recomputed))
 
 
 def config_from_header(header: Dict[str, Any]):

@@ -6,7 +6,7 @@ import html
 import json
 import os
 import tempfile
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 
@@ -115,7 +115,14 @@ def diff(a: Trace, b: Trace) -> Dict[str, Any]:
             "rows_only_b": sorted(set(rows_b) - set(rows_a)), "rows_compared": len(common),
             "rows_identical": sum(e["identical"] for e in per_row),
             "outputs_equal": sum(e["output_equal"] for e in per_row),
-            "nfe": [sum(s.nfe for s in a), sum(s.nfe for s in b)], "first": first, "rows": per_row, "changed": changed}
+            "first": first, "rows": per_row, "changed": changed, **_totals(a, b)}
+
+
+def _totals(a: Trace, b: Trace) -> Dict[str, Any]:
+    """Aggregates of both traces (:mod:`dlm_engine.metrics`): NFE = sum of per-sequence NFE."""
+    ta, tb = a.totals(), b.totals()
+    return {"nfe": [ta.nfe, tb.nfe], "nfe_per_sequence": [ta.nfe_per_sequence, tb.nfe_per_sequence],
+            "tpf": [ta.tpf, tb.tpf], "model_calls": [ta.model_calls, tb.model_calls]}
 
 
 def describe_divergence(tr: Trace, d: Dict[str, Any], other: Optional[Trace] = None) -> str:
@@ -198,7 +205,7 @@ def rerun(tr: Trace, device: Optional[str] = None, model_path: Optional[str] = N
     header["rng"] = tr.header.get("rng") or {}
     cap = tr.header.get("capture") or {}
     rec = TraceRecorder(out_path, header, capture=cap.get("level", "tokens"), topk=cap.get("topk") or 5,
-                        logit_error_bound=cap.get("logit_error_bound") or 1e-2)
+                        logit_error_bound=cap.get("logit_error_bound") or 1e-2, recomputed=bool(cap.get("recomputed")))
     error = None
     with rec:
         try:
@@ -228,6 +235,7 @@ body{font-family:system-ui,sans-serif;margin:1.2em;color:#222}
    white-space:pre;border:1px solid rgba(0,0,0,.08)}
 .m{background:#e8e8e8;color:#aaa}.p{background:#fff;color:#777;border-style:dashed}
 .r{background:repeating-linear-gradient(45deg,#f3c9b0,#f3c9b0 3px,#fff 3px,#fff 6px);color:#b0461c}
+.rc{outline:2px solid #d22;outline-offset:-2px}
 #bar{position:sticky;top:0;background:#fff;padding:6px 0;border-bottom:1px solid #ddd;z-index:1}
 #legend{display:inline-block;width:220px;height:10px;vertical-align:middle;
         background:linear-gradient(90deg,hsl(230,75%,62%),hsl(130,65%,55%),hsl(50,90%,55%),hsl(0,80%,60%))}
@@ -236,7 +244,8 @@ body{font-family:system-ui,sans-serif;margin:1.2em;color:#222}
 <div id="bar">step <input id="t" type="range" min="0" max="__TMAX__" value="__TMAX__" style="width:45%">
 <b id="tv"></b> &nbsp; <label><input id="pr" type="checkbox"> prompt</label>
 &nbsp; commit step: 1 <span id="legend"></span> __TMAX__
-&nbsp; <span class="c m">__MASK__</span> masked <span class="c r">__MASK__</span> re-masked</div>
+&nbsp; <span class="c m">__MASK__</span> masked <span class="c r">__MASK__</span> re-masked
+<span id="rl" style="display:none">&nbsp; <span class="c rc">&nbsp;</span> recomputed by the step's model call</span></div>
 <div id="seqs"></div>
 <script>
 const D = __DATA__;
@@ -248,9 +257,14 @@ function render(){
   document.getElementById('tv').textContent = t;
   let h = '';
   for (const s of D.seqs){
+    const rr = (s.rec && s.rec[t]) || [];
+    const rec = c => rr.some(r => r[0] <= c && c < r[1]);
+    const nrec = rr.reduce((n, r) => n + r[1] - r[0], 0);
     h += '<div class="seq"><div class="meta">row '+s.row+' &middot; NFE '+s.nfe+' &middot; steps '+s.steps+
+         (s.rec ? ' &middot; recomputed at this step: '+nrec+' columns' : '')+
          (s.text!==null?' &middot; '+esc(JSON.stringify(s.text)):'')+'</div><div class="cells">';
-    if (pr) for (const p of s.prompt) h += '<span class="c p">'+esc(D.vocab[p]??String(p))+'</span>';
+    if (pr) for (let j=0;j<s.prompt.length;j++) { const p = s.prompt[j];
+      h += '<span class="c p'+(rec(s.ps+j)?' rc':'')+'">'+esc(D.vocab[p]??String(p))+'</span>'; }
     for (let i=0;i<s.tok.length;i++){
       let tok=null, st=s.so[i];
       if (st>=0 && st<=t) tok=s.tok[i];
@@ -260,13 +274,15 @@ function render(){
       const title='position '+i+(s.so[i]>=0?' committed at step '+s.so[i]:' never committed')+
                   (again?' (re-masked at step '+again+')':'')+
                   (s.conf && s.conf[i]!==null?' conf '+s.conf[i].toFixed(3):'');
-      if (tok===null) h += '<span class="c '+(again?'r':'m')+'" title="'+title+'">'+esc(D.mask)+'</span>';
-      else h += '<span class="c" style="background:'+col(st)+'" title="'+title+'">'+esc(D.vocab[tok]??String(tok))+'</span>';
+      const rc = rec(s.gs+i) ? ' rc' : '';
+      if (tok===null) h += '<span class="c '+(again?'r':'m')+rc+'" title="'+title+'">'+esc(D.mask)+'</span>';
+      else h += '<span class="c'+rc+'" style="background:'+col(st)+'" title="'+title+'">'+esc(D.vocab[tok]??String(tok))+'</span>';
     }
     h += '</div></div>';
   }
   document.getElementById('seqs').innerHTML = h;
 }
+if (D.seqs.some(s => s.rec)) document.getElementById('rl').style.display = '';
 document.getElementById('t').oninput = render; document.getElementById('pr').onchange = render; render();
 </script></body></html>
 """
@@ -288,7 +304,8 @@ def to_html(tr: Trace, max_sequences: int = 50, title: Optional[str] = None) -> 
         if s.confidence is not None:
             conf = [None if not np.isfinite(x) else round(float(x), 4) for x in s.confidence]
         data.append({"row": s.row, "nfe": s.nfe, "steps": s.n_steps, "tok": s.tokens.tolist(), "so": s.step_of.tolist(),
-                     "prompt": s.prompt_ids.tolist(), "edits": ed, "conf": conf, "text": s.text})
+                     "prompt": s.prompt_ids.tolist(), "edits": ed, "conf": conf, "text": s.text,
+                     "gs": s.gen_start, "ps": s.gen_start - len(s.prompt_ids), "rec": recomputed_ranges(s)})
     mask = (tr.header.get("model") or {}).get("mask_id")
     vocab = {int(t): _display(token_str(tr, int(t), mask)) for t in used}
     tmax = max([s.n_steps for s in seqs] + [1])
@@ -297,6 +314,20 @@ def to_html(tr: Trace, max_sequences: int = 50, title: Optional[str] = None) -> 
     js = json.dumps(payload).replace("</", "<\\/")
     return (_PAGE.replace("__TITLE__", html.escape(t)).replace("__TMAX__", str(tmax)).replace("__MASK__", "\u2592")
             .replace("__DATA__", js))
+
+
+def recomputed_ranges(s: Sequence) -> Optional[Dict[int, List[List[int]]]]:
+    """``{step: [[a, b), ...]}`` canvas columns the cache recomputed at each step (trace.recomputed=true), else None."""
+    tab = s.steps
+    rec = tab.scalars.get("recomputed")
+    if not isinstance(rec, np.ndarray) or rec.ndim != 2:
+        return None
+    out = {}
+    rec = np.nan_to_num(rec.astype(np.float64), nan=0.0) > 0.5          # steps without a call (set-up): nothing
+    for t, row in zip(tab.step.tolist(), rec):
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], row.astype(np.int8), [0]])))
+        out[int(t)] = edges.reshape(-1, 2).tolist()
+    return out
 
 
 def _display(s: str) -> str:

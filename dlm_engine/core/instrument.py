@@ -1,0 +1,152 @@
+"""Measuring the step loop: host synchronisations and CPU time per section, outside the model.
+
+Nothing here is used by a normal decode; benchmarks and tests wrap a decode with these context managers.
+
+* :class:`SyncCounter` counts the tensor operations that force the host to wait for the device (``item``,
+  ``tolist``, ``bool(t)``, ``int(t)``, ``float(t)``, ``nonzero``, boolean-mask indexing, ``unique``,
+  ``.cpu()``/``.numpy()``), outside the model's forward. On a CPU they cost little, on a GPU each one stalls
+  the device.
+* :class:`Sections` accumulates CPU time (``time.thread_time``) in the model forward, ``plan``, the sampler,
+  ``select``, ``canvas.apply`` and the sinks.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Dict, Iterator, List
+
+import torch
+
+_METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy")
+_FUNCTIONS = ("nonzero", "unique", "masked_select", "argwhere")
+
+
+class ModelTimer:
+    """Wraps a model: CPU time spent in its forward; marks the forward so :class:`SyncCounter` can skip it."""
+
+    def __init__(self, model):
+        self.model, self.cpu, self.calls, self.inside = model, 0.0, 0, False
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        self.inside = True
+        t0 = time.thread_time()
+        try:
+            return self.model(*args, **kwargs)
+        finally:
+            self.cpu += time.thread_time() - t0
+            self.inside = False
+
+
+class SyncCounter:
+    """Counts host-synchronising tensor operations made outside ``timer``'s model forward (all of them when
+    ``timer`` is None), by name; with ``where`` also the calling line of each (``stacks``). Use as a context
+    manager around a decode."""
+
+    def __init__(self, timer: ModelTimer = None, where: bool = False):
+        self.timer, self.where = timer, where
+        self.counts: Dict[str, int] = {}
+        self.stacks: List[str] = []
+        self._saved = []
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def _count(self, name: str) -> None:
+        if self.timer is not None and self.timer.inside:
+            return
+        self.counts[name] = self.counts.get(name, 0) + 1
+        if self.where:
+            import traceback
+
+            frame = traceback.extract_stack(limit=4)[0]
+            self.stacks.append(f"{name} at {frame.filename}:{frame.lineno} ({frame.name})")
+
+    def __enter__(self) -> "SyncCounter":
+        T = torch.Tensor
+        for name in _METHODS:
+            orig = getattr(T, name)
+            self._saved.append((T, name, orig))
+            setattr(T, name, self._wrap(name, orig))
+        for name in _FUNCTIONS:
+            orig = getattr(torch, name)
+            self._saved.append((torch, name, orig))
+            setattr(torch, name, self._wrap(f"torch.{name}", orig))
+        orig_get = T.__getitem__
+        self._saved.append((T, "__getitem__", orig_get))
+        counter = self
+
+        def getitem(t, idx):
+            if _bool_index(idx):
+                counter._count("mask-index")
+            return orig_get(t, idx)
+
+        T.__getitem__ = getitem
+        return self
+
+    def _wrap(self, name, orig):
+        counter = self
+
+        def wrapped(*args, **kwargs):
+            counter._count(name)
+            return orig(*args, **kwargs)
+
+        return wrapped
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, orig in reversed(self._saved):
+            setattr(owner, name, orig)
+        self._saved = []
+
+
+def _bool_index(idx) -> bool:
+    items = idx if isinstance(idx, tuple) else (idx,)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
+
+
+class Sections:
+    """CPU time per section of the step loop (patched around one decode)."""
+
+    def __init__(self):
+        self.cpu: Dict[str, float] = {}
+
+    def add(self, name: str, dt: float) -> None:
+        self.cpu[name] = self.cpu.get(name, 0.0) + dt
+
+    def timed(self, name: str, fn):
+        def wrapped(*args, **kwargs):
+            t0 = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.add(name, time.thread_time() - t0)
+
+        return wrapped
+
+    @contextmanager
+    def around(self, strategy, sinks=()) -> Iterator["Sections"]:
+        """Time ``plan``/``select`` of ``strategy``, the loop's sampler, ``Canvas.apply`` and the sinks."""
+        import dlm_engine.core.loop as loop
+        from dlm_engine.core.canvas import Canvas
+
+        saved = [(strategy, "plan", strategy.plan), (strategy, "select", strategy.select),
+                 (loop, "sample", loop.sample), (Canvas, "apply", Canvas.apply)]
+        strategy.plan = self.timed("plan", strategy.plan)
+        strategy.select = self.timed("select", strategy.select)
+        loop.sample = self.timed("sample", loop.sample)
+        Canvas.apply = self.timed("apply", Canvas.apply)
+        for s in sinks:
+            saved.append((s, "on_delta", s.on_delta))
+            s.on_delta = self.timed("sinks", s.on_delta)
+        try:
+            yield self
+        finally:
+            for owner, name, orig in saved:
+                if owner is strategy or owner in sinks:
+                    delattr(owner, name) if name in vars(owner) else None
+                else:
+                    setattr(owner, name, orig)

@@ -1,0 +1,134 @@
+#!/usr/bin/env python3
+"""Framework overhead per strategy x cache x batch: CPU time outside the model forward, per-section CPU per
+step (plan / sample / select / apply / sinks) and host synchronisations per step, next to the budgets of issue
+17 (overhead <= 10% on the embedded model and <= 3% on a LLaDA-shaped d256 x 4-layer model at batch 1; at most
+one host sync per step outside the model).
+
+    python experiments/bench_overhead.py [--model tiny|d256|both] [--batches 1,8] [--prompts 8] [--repeats 3]
+
+Torch runs on one thread (``torch.set_num_threads(1)``) so that CPU time is a fair measure of work. Decode CPU
+time is the thread's CPU time over the whole decode; model CPU time is the same clock inside the model's
+forward; the overhead is their difference over the decode time (best of ``--repeats``). Syncs are counted by
+wrapping the tensor operations that force a host-device synchronisation (``dlm_engine.core.instrument``).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+from dlm_engine.core.canvas import Canvas  # noqa: E402
+from dlm_engine.core.capabilities import incompatibility  # noqa: E402
+from dlm_engine.core.instrument import ModelTimer, Sections, SyncCounter  # noqa: E402
+from dlm_engine.core.loop import decode  # noqa: E402
+from dlm_engine.core.registry import cache_class, load_plugins, strategy_class  # noqa: E402
+
+# (label, strategy, config overrides, caches to try)
+SETTINGS = [
+    ("low_conf", "low_confidence", {}, ("none", "dual")),
+    ("threshold", "threshold", {}, ("none", "dual")),
+    ("factor", "factor", {}, ("none",)),
+    ("cadllm", "cadllm", {}, ("dual",)),
+    ("early_exit", "early_exit", {"answer_start": 0}, ("none",)),
+    ("block_buffer", "block_buffer", {}, ("none",)),
+    ("d2c", "d2c", {}, ("none", "dual")),
+    ("d2c thr", "d2c", {"threshold": 0.9}, ("none",)),
+    ("pc_sampler", "d2c", {"debias": True, "freq_table": "llada"}, ("none",)),
+    ("eb_sampler", "d2c", {"gamma": 0.001}, ("none",)),
+    ("cert_prior", "d2c", {"sigma": 10.0}, ("none",)),
+    ("klass", "klass", {"threshold": 0.9}, ("none",)),
+    ("ar", "ar", {"threshold": 0.9}, ("none",)),
+    ("wino", "wino", {}, ("none",)),
+]
+
+
+def models(which):
+    from dlm_engine.checkpoints import embedded_path
+    from dlm_engine.models.loader import build_random, load_pretrained
+
+    out = []
+    if which in ("tiny", "both"):
+        m = load_pretrained(embedded_path("tiny"), device="cpu", dtype="float32")[0]
+        out.append(("tiny", m, 16, 16, [[5 + (i % 40), 6, 7, 8, 9, 10] for i in range(64)], 10.0))
+    if which in ("d256", "both"):
+        cfg = dict(d_model=256, n_heads=4, n_layers=4, mlp_hidden_size=768, vocab_size=4096, embedding_size=4096,
+                   mask_token_id=4000, eos_token_id=4001, pad_token_id=4001, max_sequence_length=512)
+        m = build_random(cfg, seed=0)[0]
+        out.append(("d256", m, 128, 32, [[5 + i] * 16 for i in range(64)], 3.0))
+    return out
+
+
+def one(model, prompts, gen, name, kw, cache, batch):
+    """Decode ``prompts`` in batches; returns (decode cpu, model cpu, steps, syncs, sections)."""
+    cls = strategy_class(name)
+    timer = ModelTimer(model)
+    cpu = 0.0
+    steps = 0
+    syncs = 0
+    sections = Sections()
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i:i + batch]
+        strategy = cls(cls.Config(**kw), gen)
+        canvas = Canvas.from_prompts(chunk, gen, int(model.config.mask_token_id), 0)
+        counter = SyncCounter(timer)
+        with torch.inference_mode(), sections.around(strategy), counter:
+            t0 = time.thread_time()
+            decode(timer, canvas, strategy, cache_class(cache)())
+            cpu += time.thread_time() - t0
+        steps += canvas.step
+        syncs += counter.total
+    return cpu, timer.cpu, steps, syncs, sections.cpu
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="both", choices=("tiny", "d256", "both"))
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--only", default=None, help="comma-separated labels")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    load_plugins()
+    only = set(args.only.split(",")) if args.only else None
+    for mname, model, gen, block, prompts, budget in models(args.model):
+        prompts = prompts[:args.prompts]
+        print(f"\nmodel {mname}: gen {gen}, {len(prompts)} prompts, budget: overhead <= {budget:.0f}% at batch 1, "
+              f"<= 1 sync/step")
+        head = (f"{'strategy':<13}{'cache':<6}{'B':>3}{'steps':>7}{'decode s':>9}{'model s':>9}{'ovh':>7}{'':>3}"
+                f"{'syncs/st':>9}{'':>3}{'plan':>8}{'sample':>8}{'select':>8}{'apply':>8}  (CPU ms/step)")
+        print(head + "\n" + "-" * len(head))
+        for label, name, kw, caches in SETTINGS:
+            if only and label not in only:
+                continue
+            kw = dict(kw)
+            cls = strategy_class(name)
+            if "block_length" in cls.Config.__dataclass_fields__ and name not in ("block_buffer",):
+                kw.setdefault("block_length", block)
+            if name == "cadllm":
+                kw.update(initial_block_length=block, min_block=min(8, block), max_block=block)
+            for cache in caches:
+                if incompatibility(cls(cls.Config(**kw), gen), cache_class(cache)()) is not None:
+                    continue
+                for batch in [int(b) for b in args.batches.split(",")]:
+                    if cls.max_batch == 1 and batch > 1:
+                        continue
+                    runs = [one(model, prompts, gen, name, kw, cache, batch) for _ in range(args.repeats)]
+                    cpu, mcpu, steps, syncs, sec = min(runs, key=lambda r: r[0])
+                    ovh = max(0.0, cpu - mcpu) / cpu
+                    ok = "ok" if (batch > 1 or ovh * 100 <= budget) else "!!"
+                    sok = "ok" if syncs / steps <= 1.0 else "!!"
+                    per = {k: 1000 * v / steps for k, v in sec.items()}
+                    print(f"{label:<13}{cache:<6}{batch:>3}{steps:>7}{cpu:>9.3f}{mcpu:>9.3f}{ovh:>7.1%} {ok}"
+                          f"{syncs / steps:>9.2f} {sok}{per.get('plan', 0):>8.3f}{per.get('sample', 0):>8.3f}"
+                          f"{per.get('select', 0):>8.3f}{per.get('apply', 0):>8.3f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""Host synchronisations per step (issue 17): at most one per step outside the model forward, for every strategy
+and cache (the adaptive ones too), at batch 1 and on a padded batch: the loop's single read of the finished rows
+and the strategy's request (:meth:`Strategy.sync_request`). A decode may add at most two before its first step (the initial read,
+and a strategy's set-up such as Dream's infilling check). Counted by wrapping the tensor methods that force a
+sync (``dlm_engine.core.instrument.SyncCounter``); runs on the CPU, where the same calls would stall a GPU."""
+import pytest
+import torch
+
+from dlm_engine.core.canvas import Canvas
+from dlm_engine.core.capabilities import incompatibility
+from dlm_engine.core.instrument import ModelTimer, SyncCounter
+from dlm_engine.core.loop import decode
+from dlm_engine.core.registry import strategy_class
+
+from conftest import batch_cache
+
+GEN = 16
+SETUP = 2                # reads a decode may make before its first step
+LLADA = [
+    ("low_confidence", dict(steps=16, block_length=8)),
+    ("low_confidence", dict(steps=8, remasking="random", temperature=0.5)),
+    ("threshold", dict(block_length=8)),
+    ("factor", dict(block_length=8)),
+    ("threshold", dict(block_length=8, stop_at_eos=True, logits_eos_inf=True, confidence_eos_eot_inf=True)),
+    ("early_exit", dict(answer_start=0, steps=16)),
+    ("cadllm", dict(initial_block_length=8, min_block=4, max_block=8)),
+    ("cadllm", dict(initial_block_length=8, min_block=4, max_block=8, prophet_enabled=True, min_confidence_gap=0.01,
+                    min_confidence_commit=0.01, prophet_patience=1)),
+    ("block_buffer", dict(block_length=4, buffer_size=2)),
+    ("d2c", dict(block_length=8)),
+    ("d2c", dict(threshold=0.9)),
+    ("d2c", dict(factor=1.0)),
+    ("d2c", dict(gamma=0.01)),
+    ("d2c", dict(debias=True, freq_table="llada")),
+    ("d2c", dict(sigma=10.0)),
+    ("klass", dict(threshold=0.9)),
+    ("ar", dict(threshold=0.9)),
+    ("wino", dict()),
+    ("wino", dict(shrinking_window=True, block_length=16)),
+]
+DREAM = [
+    ("dream", dict(steps=8)),
+    ("dream", dict(steps=8, alg="maskgit_plus")),
+    ("dream", dict(steps=8, alg="origin")),
+    ("dream", dict(steps=8, alg="confidence_threshold")),
+    ("dream", dict(steps=8, block_length=8)),
+    ("dream", dict(steps=8, block_length=8, alg="confidence_threshold", window="rest")),
+]
+CACHES = ("none", "prefix", "dual", "block_store", "dllm", "d2cache")
+PROMPTS = {1: [[5, 6, 7, 8]], 3: [[5, 6, 7, 8], [9, 10], [11, 12, 13]]}
+
+
+def counted(model, name, kw, cache, batch):
+    cls = strategy_class(name)
+    strategy = cls(cls.Config(**kw), GEN)
+    c = batch_cache(cache)                     # (dllm: per-row schedules, which a padded batch needs)
+    if incompatibility(strategy, c) is not None:
+        return None
+    canvas = Canvas.from_prompts(PROMPTS[batch], GEN, int(model.config.mask_token_id), 0,
+                                 eos_id=getattr(model.config, "eos_token_id", None))
+    timer = ModelTimer(model)
+    torch.manual_seed(0)
+    with SyncCounter(timer) as counter:
+        decode(timer, canvas, strategy, c)
+    return counter, canvas.step
+
+
+def check(model, name, kw, batch):
+    ran = 0
+    for cache in CACHES:
+        res = counted(model, name, kw, cache, batch)
+        if res is None:
+            continue
+        counter, steps = res
+        ran += 1
+        assert counter.total <= steps + SETUP, (f"{name} {kw} cache={cache} batch={batch}: {counter.total} host "
+                                                f"syncs for {steps} steps: {counter.counts}")
+    assert ran, f"{name}: no cache ran"
+
+
+def cases(settings):
+    """(name, kw, batch) for batch 1 and a padded batch of 3, where the strategy takes batches."""
+    out = []
+    for i, (name, kw) in enumerate(settings):
+        batches = [1] if strategy_class(name).max_batch == 1 or kw.get("shrinking_window") else [1, 3]
+        out += [pytest.param(name, kw, b, id=f"{name}-{i}-b{b}") for b in batches]
+    return out
+
+
+@pytest.mark.parametrize("name, kw, batch", cases(LLADA))
+def test_llada_strategies_read_the_host_once_per_step(tiny_llada, name, kw, batch):
+    check(tiny_llada, name, kw, batch)
+
+
+@pytest.mark.parametrize("name, kw, batch", cases(DREAM))
+def test_dream_reads_the_host_once_per_step(tiny_dream_model, name, kw, batch):
+    check(tiny_dream_model, name, kw, batch)
+
+
+def test_the_counter_sees_a_sync(tiny_llada):
+    """The check itself: a strategy that reads one more host value per step fails it."""
+    from dlm_engine.strategies.threshold import Threshold
+
+    class Chatty(Threshold):
+        def select(self, canvas, plan, proposal, st):
+            int(proposal.confidence.argmax())
+            return super().select(canvas, plan, proposal, st)
+
+    canvas = Canvas.from_prompts([[5, 6, 7]], GEN, int(tiny_llada.config.mask_token_id), 0)
+    timer = ModelTimer(tiny_llada)
+    with SyncCounter(timer) as counter:
+        decode(timer, canvas, Chatty(Chatty.Config(block_length=8), GEN))
+    assert counter.total > canvas.step + SETUP and counter.counts.get("__int__", 0) == canvas.step
