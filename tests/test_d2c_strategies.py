@@ -58,6 +58,19 @@ def test_corrected_behaviour_changes_the_output(parity, case_id, option):
     assert (fixed["output"], fixed["nfe"]) != (case["output"], case["nfe"]), option
 
 
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_restrict_to_computed_logits_keeps_uncomputed_positions_out(parity, family):
+    """Quirk 1: with d2Cache computing 8 masked positions a step and 12 to commit, the reference ranks the
+    uncomputed ones too (confidence 1/V from all-zero logits, token 0); the option commits only computed ones."""
+    cid = f"d2c_d2cache/{family}/vanilla/d2cache/p0/k8/gl32_bl32"
+    case, default = run(parity, cid)
+    assert default["output"] == case["output"] and default["nfe"] == case["nfe"]
+    _, ref = run(parity, cid, num_transfer_tokens=12)
+    _, fixed = run(parity, cid, num_transfer_tokens=12, restrict_to_computed_logits=True)
+    assert 0 in ref["output"][-32:] and 0 not in fixed["output"][-32:]
+    assert fixed["nfe"] > ref["nfe"]                   # fewer than 12 valid candidates on some steps
+
+
 def test_wino_default_leaves_no_mask_and_the_reference_mode_does(parity):
     cid = "d2c_wino/llada/wino/nocache/p0/wide0.4_narrow0.95_single_block/gl32_bl32"
     case, ref = run(parity, cid)
