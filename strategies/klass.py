@@ -36,7 +36,8 @@ class KlassConfig(D2CConfig):
 @dataclass(frozen=True)
 class KlassState(BlockState):
     history: Optional[torch.Tensor] = None    # [B, G, H] float64: the last H divergences per position
-    previous: Optional[torch.Tensor] = None   # [B, G, V] float64: last step's distributions
+    previous_log: Optional[torch.Tensor] = None   # [B, G - from, V] float64: log(last step's distributions + 1e-12)
+    previous_from: int = 0                        # the first generated column ``previous_log`` covers
 
 
 @register_strategy("klass", KlassConfig)
@@ -58,17 +59,27 @@ class Klass(D2C):
         return KlassState(history=hist)
 
     def pick(self, scores, cand, block_cand, sampled, st: KlassState, rows, counts):
+        """Divergences only from the block's first column on: columns of earlier blocks are decoded (or past
+        the row's EOS) and never candidates again, so their history is never read."""
         c = self.cfg
-        p = sampled.probs                                              # [B_a, G, V], model dtype
+        a = st.block * self.block_len
+        p = sampled.probs[:, a:]                                       # [B_a, G - a, V], model dtype
         V = p.shape[-1]
-        hist, prev = st.history, st.previous
-        if prev is None:
-            prev = torch.zeros(hist.shape[:2] + (V,), dtype=torch.float64, device=p.device)
+        hist, prev_log = st.history, st.previous_log
+        every = rows.shape[0] == hist.shape[0]                         # the call ran every row (rows = 0..B-1)
         p64 = p.to(torch.float64)
-        kl = (p64 * (torch.log(p64 + 1e-12) - torch.log(prev[rows] + 1e-12))).sum(-1)   # [B_a, G]
-        h = torch.roll(hist[rows], -1, dims=-1)
+        log_p = torch.log(p64 + 1e-12)       # kept for the next step: the same values as its log(prev + 1e-12)
+        if prev_log is None:                 # the reference's zeros before the first step
+            prev_log = torch.full((), 1e-12, dtype=torch.float64, device=p.device).log()
+        else:
+            prev_log = prev_log[:, a - st.previous_from:]
+            if not every:
+                prev_log = prev_log[rows]
+        kl = (p64 * (log_p - prev_log)).sum(-1)                        # [B_a, G - a]
+        h = torch.roll((hist if every else hist[rows])[:, a:], -1, dims=-1)
         h[:, :, -1] = kl
-        stable = (h < c.kl_threshold).all(-1)
+        stable = torch.zeros_like(block_cand)
+        stable[:, a:] = (h < c.kl_threshold).all(-1)
         pool = block_cand & stable
         if c.threshold is None and c.factor is None and c.klass_commit_stable:
             chosen = pool
@@ -76,5 +87,18 @@ class Klass(D2C):
             chosen = d2c_commit(scores, pool, 0, threshold=c.threshold, factor=c.factor)
         fallback = d2c_commit(scores, block_cand, c.num_transfer_tokens, counts=counts)
         commit = torch.where(chosen.any(-1, keepdim=True), chosen, fallback)
-        st = dataclasses.replace(st, history=hist.index_copy(0, rows, h), previous=prev.index_copy(0, rows, p64))
+        if every:
+            new_hist = hist.clone()
+            new_hist[:, a:] = h
+            st = dataclasses.replace(st, history=new_hist, previous_log=log_p, previous_from=a)
+        else:
+            rows_hist = hist[rows]
+            rows_hist[:, a:] = h
+            if st.previous_log is None:
+                base = torch.full((hist.shape[0], hist.shape[1] - a, V), 1e-12, dtype=torch.float64,
+                                  device=p.device).log()
+            else:
+                base = st.previous_log[:, a - st.previous_from:]
+            st = dataclasses.replace(st, history=hist.index_copy(0, rows, rows_hist),
+                                     previous_log=base.index_copy(0, rows, log_p), previous_from=a)
         return commit, st
