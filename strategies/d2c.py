@@ -197,7 +197,8 @@ class D2C(Strategy):
         return Sampled(conf, x0, probs)
 
     def pick(self, scores, cand, block_cand, sampled: Sampled, st: BlockState, rows, counts):
-        """``[B_a, G]`` commits of the call's rows and the new state (subclasses: KLASS, AR); ``counts``: the
+        """``[B_a, G]`` commits of the call's rows (``rows``; None: every row) and the new state (subclasses: KLASS,
+        AR); ``counts``: the
         block's candidates per call row when known on the host (None when a cache may have left some out)."""
         c = self.cfg
         commit = d2c_commit(scores, block_cand, c.num_transfer_tokens, counts=counts, threshold=c.threshold,
@@ -206,8 +207,8 @@ class D2C(Strategy):
 
     def select(self, canvas, plan, proposal, st: BlockState):
         c, g, B = self.cfg, canvas.gen_start, canvas.batch_size
-        every = proposal.rows is None                    # the call ran every row: no gathers and scatters
-        rows = torch.arange(B, device=canvas.device) if every else proposal.rows
+        rows = proposal.rows                             # None: the call ran every row (no gathers and scatters)
+        every = rows is None
         masked_all = canvas.masked()[:, g:]
         masked = masked_all if every else masked_all[rows]
         cand = masked if (proposal.valid is None or not c.restrict_to_computed_logits) else masked & proposal.valid
@@ -224,7 +225,7 @@ class D2C(Strategy):
             block_cand &= elig if every else elig[rows]
         counts = plan.info["counts"] if cand is masked else None
         commit_a, st = self.pick(scores, cand, block_cand, sampled, st, rows, counts)
-        delta = self.frame(canvas, None if every else rows, commit_a, sampled.x0, conf)
+        delta = self.frame(canvas, rows, commit_a, sampled.x0, conf)
         delta.scalars.update(block=st.block, committed=delta.commit.sum(-1))
         return delta, dataclasses.replace(st, step=st.step + 1)   # the block ends in synced, on the host read
 

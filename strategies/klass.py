@@ -65,40 +65,29 @@ class Klass(D2C):
         a = st.block * self.block_len
         p = sampled.probs[:, a:]                                       # [B_a, G - a, V], model dtype
         V = p.shape[-1]
-        hist, prev_log = st.history, st.previous_log
-        every = rows.shape[0] == hist.shape[0]                         # the call ran every row (rows = 0..B-1)
+        hist = st.history
+        every = rows is None                                           # the call ran every row
+        mine = slice(None) if every else rows
         p64 = p.to(torch.float64)
         log_p = torch.log(p64 + 1e-12)       # kept for the next step: the same values as its log(prev + 1e-12)
-        if prev_log is None:                 # the reference's zeros before the first step
-            prev_log = torch.full((), 1e-12, dtype=torch.float64, device=p.device).log()
+        if st.previous_log is None:          # the reference's zeros before the first step
+            prev_all = torch.full((), 1e-12, dtype=torch.float64, device=p.device).log().expand(
+                hist.shape[0], p.shape[1], V)
         else:
-            prev_log = prev_log[:, a - st.previous_from:]
-            if not every:
-                prev_log = prev_log[rows]
-        kl = (p64 * (log_p - prev_log)).sum(-1)                        # [B_a, G - a]
-        h = torch.roll((hist if every else hist[rows])[:, a:], -1, dims=-1)
+            prev_all = st.previous_log[:, a - st.previous_from:]
+        kl = (p64 * (log_p - prev_all[mine])).sum(-1)                 # [B_a, G - a]
+        h = torch.roll(hist[mine, a:], -1, dims=-1)
         h[:, :, -1] = kl
-        stable = torch.zeros_like(block_cand)
-        stable[:, a:] = (h < c.kl_threshold).all(-1)
-        pool = block_cand & stable
+        pool = block_cand.clone()                    # (columns before ``a`` are outside the block: never in it)
+        pool[:, a:] &= (h < c.kl_threshold).all(-1)
         if c.threshold is None and c.factor is None and c.klass_commit_stable:
             chosen = pool
         else:
             chosen = d2c_commit(scores, pool, 0, threshold=c.threshold, factor=c.factor)
         fallback = d2c_commit(scores, block_cand, c.num_transfer_tokens, counts=counts)
         commit = torch.where(chosen.any(-1, keepdim=True), chosen, fallback)
-        if every:
-            new_hist = hist.clone()
-            new_hist[:, a:] = h
-            st = dataclasses.replace(st, history=new_hist, previous_log=log_p, previous_from=a)
-        else:
-            rows_hist = hist[rows]
-            rows_hist[:, a:] = h
-            if st.previous_log is None:
-                base = torch.full((hist.shape[0], hist.shape[1] - a, V), 1e-12, dtype=torch.float64,
-                                  device=p.device).log()
-            else:
-                base = st.previous_log[:, a - st.previous_from:]
-            st = dataclasses.replace(st, history=hist.index_copy(0, rows, rows_hist),
-                                     previous_log=base.index_copy(0, rows, log_p), previous_from=a)
+        new_hist = hist.clone()
+        new_hist[mine, a:] = h
+        prev_log = log_p if every else prev_all.index_copy(0, rows, log_p)
+        st = dataclasses.replace(st, history=new_hist, previous_log=prev_log, previous_from=a)
         return commit, st
