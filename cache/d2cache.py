@@ -42,14 +42,14 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List
 
 import torch
 
 from dlm_engine.core.capabilities import caps
 from dlm_engine.core.kvcache import Cache, RowStore
 from dlm_engine.core.priors import certainty_density
-from dlm_engine.core.protocol import Columns
+from dlm_engine.core.protocol import Columns, recomputed_columns
 from dlm_engine.core.registry import register_cache
 from dlm_engine.core.strategy import masked_after
 from dlm_engine.errors import ConfigError
@@ -231,8 +231,7 @@ class D2Cache(Cache):
         conf, has = rows_of(st, self.conf), rows_of(st, self.has_conf)
         conf = torch.where(has[:, None], conf, conf_step)
         if c.update_conf:
-            cols = call.columns.canvas_ids(len(crow), dev)
-            computed = torch.zeros((len(crow), L), dtype=torch.bool, device=dev).scatter_(1, cols, True)
+            computed = recomputed_columns(call)
             valid = computed[:, g - shift:L - shift] if g - shift >= 0 else torch.ones_like(masked_pre)
             conf = torch.where(has[:, None] & valid & masked_pre, conf_step, conf)
         put_rows(st, self.conf, conf)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -200,7 +199,7 @@ class DLLMCache(Cache):
         if layer == 0 and self.cfg.layer0_full:
             io.out, io.projected = out, True          # never read back: layer 0 is always recomputed
             return
-        b, T, dm = io.x.shape[0], io.x.shape[1], out.shape[-1]
+        T, dm = io.x.shape[1], out.shape[-1]
         att = tensor_for(self.att, layer, self.store, (T, dm), out)
         io.out, io.projected = scatter_columns(self.store, att, 1, index, out, keep), True
 

@@ -206,7 +206,7 @@ class D2C(Strategy):
         return commit, st
 
     def select(self, canvas, plan, proposal, st: BlockState):
-        c, g, B = self.cfg, canvas.gen_start, canvas.batch_size
+        c, g = self.cfg, canvas.gen_start
         rows = proposal.rows                             # None: the call ran every row (no gathers and scatters)
         every = rows is None
         masked_all = canvas.masked()[:, g:]

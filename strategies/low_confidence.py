@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Optional, Tuple
 
-import torch
 
 from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.eos import EosOptions, check_eos_options, eos_confidence, eos_stop, eos_suppress

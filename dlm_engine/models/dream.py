@@ -181,7 +181,7 @@ class DreamModel(DiffusionLMMixin, PreTrainedModel):
         distribution of token ``j``. ``shift_logits=False`` returns the raw head output per hidden state
         instead (what the reference model itself returns)."""
         hooks = NULL_HOOKS if hooks is None else hooks
-        call = new_call(self, input_ids, attention_mask, position_ids, logits_range, request, _positions)
+        call = new_call(input_ids, attention_mask, position_ids, logits_range, request, _positions)
         call.logits_shift = 1 if shift_logits else 0
         m, c = self.model, self.config
         return run_layers(call, hooks, m.embed_tokens, m.layers, c.head_dim, c.rope_theta, self._head, c.vocab_size,

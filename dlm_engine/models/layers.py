@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dlm_engine.core.protocol import AttentionIO, Columns, FFNIO, ForwardCall
+from dlm_engine.core.protocol import AttentionIO, CallRequest, Columns, FFNIO, ForwardCall, key_padding_mask
 
 
 class RMSNorm(nn.Module):
@@ -288,10 +288,8 @@ def run_layers(call: ForwardCall, hooks, embed: nn.Module, layers, head_dim: int
     return call
 
 
-def new_call(model, input_ids, attention_mask, position_ids, logits_range, request, default_positions) -> ForwardCall:
+def new_call(input_ids, attention_mask, position_ids, logits_range, request, default_positions) -> ForwardCall:
     """The :class:`ForwardCall` a family's ``forward`` runs (positions from the mask when not given)."""
-    from dlm_engine.core.protocol import CallRequest, key_padding_mask
-
     B, L = input_ids.shape
     key_mask = key_padding_mask(attention_mask)
     if position_ids is None:

@@ -165,7 +165,7 @@ class LLaDAModelLM(DiffusionLMMixin, PreTrainedModel):
         """Logits for the columns ``logits_range`` (default: all). ``request`` carries the step's cache
         directive, active rows and auxiliary columns (see :mod:`dlm_engine.core.protocol`)."""
         hooks = NULL_HOOKS if hooks is None else hooks
-        call = new_call(self, input_ids, attention_mask, position_ids, logits_range, request, _positions)
+        call = new_call(input_ids, attention_mask, position_ids, logits_range, request, _positions)
         call.attention_mode = self.config.attention_mode
         call.block_size = self.config.block_causal_size
         t, c = self.model.transformer, self.config

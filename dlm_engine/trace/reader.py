@@ -440,6 +440,7 @@ class Sequence:
         self._data = data
         self._payload = payload
         self._key: Optional[np.ndarray] = None   # step_of with "never" as +inf: state_at is one comparison
+        self._metrics = None                     # (the step table it came from, metrics): nfe/tpf/steps share it
 
     def _d(self) -> SeqData:
         return self._data
@@ -485,8 +486,10 @@ class Sequence:
         from dlm_engine.metrics import sequence_metrics
 
         tab, i = self.batch.steps, self.slot
-        return sequence_metrics(tab.step, tab.nfe, tab.active[:, i], tab.finished[:, i], tab.wall_time,
-                                self.step_of, self.tokens, self.trace.eos_id)
+        if self._metrics is None or self._metrics[0] is not tab:
+            self._metrics = (tab, sequence_metrics(tab.step, tab.nfe, tab.active[:, i], tab.finished[:, i],
+                                                   tab.wall_time, self.step_of, self.tokens, self.trace.eos_id))
+        return self._metrics[1]
 
     @property
     def nfe(self) -> int:

@@ -167,8 +167,9 @@ class TraceRecorder:
         from .reader import check_header
 
         # the limits a reader will apply to this file: batches that exceed them are refused while writing
-        self.limits = check_header(json.loads(header_json))
-        self._batch_defaults = records.batch_defaults(json.loads(header_json))
+        written = json.loads(header_json)        # the header as a reader will see it
+        self.limits = check_header(written)
+        self._batch_defaults = records.batch_defaults(written)
         self._f = _open_exclusive(self.partial_path)
         self._ino = os.fstat(self._f.fileno()).st_ino
         try:

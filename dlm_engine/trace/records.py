@@ -63,11 +63,11 @@ class Cursor:
         return fmt.check_int(v, what, 0, hi)
 
     def zz(self, what: str, lo: int = -(1 << 61), hi: int = 1 << 61) -> int:
-        v, pos = get_varint(self.buf, self.pos)
+        v, pos = fmt.get_zz(self.buf, self.pos)
         if pos > self.end:
             raise TraceError(f"record ends inside its {what}")
         self.pos = pos
-        return fmt.check_int((v >> 1) ^ -(v & 1), what, lo, hi)
+        return fmt.check_int(v, what, lo, hi)
 
     def raw(self, n: int, what: str) -> bytes:
         if n > self.left():
@@ -169,11 +169,6 @@ def wall_code(d: int, mb: int) -> int:
         if m == 2 * M:
             m, e = M, e + 1
     return min((e + 1) * M + m - M, (WALL_MAX_EXP + 2) * M - 1)
-
-
-def wall_value(c: int, mb: int) -> int:
-    M = 1 << mb
-    return c if c < 2 * M else (M + c % M) << (c // M - 1)
 
 
 def wall_values(codes: np.ndarray, mb: int) -> np.ndarray:
