@@ -111,3 +111,24 @@ def test_the_counter_sees_a_sync(tiny_llada):
     with SyncCounter(timer) as counter:
         decode(timer, canvas, Chatty(Chatty.Config(block_length=8), GEN))
     assert counter.total > canvas.step + SETUP and counter.counts.get("__int__", 0) == canvas.step
+
+
+def test_the_counter_sees_mask_indexing_and_counts_ops_outside_the_model(tiny_llada):
+    """Boolean-mask indexing counts as a sync (seen where it reaches ATen); ``ops`` counts the tensor operations
+    outside the model only; leaving the counter restores torch (a 0-d tensor inside a list still converts)."""
+    x = torch.arange(6)
+    with torch.inference_mode(), SyncCounter() as c:
+        x[x > 2]
+        x[1:3]
+        x[torch.tensor([0, 1])]
+    assert c.counts == {"mask-index": 1} and c.ops >= 3
+    assert torch.tensor([[torch.tensor(0.5), 0.0]]).tolist() == [[0.5, 0.0]]
+
+    ops = {}
+    for timed in (True, False):
+        canvas = Canvas.from_prompts([[5, 6, 7]], GEN, int(tiny_llada.config.mask_token_id), 0)
+        timer = ModelTimer(tiny_llada) if timed else None
+        with SyncCounter(timer) as counter:
+            decode(timer or tiny_llada, canvas, strategy_class("threshold")(strategy_class("threshold").Config(block_length=8), GEN))
+        ops[timed] = counter.ops / canvas.step
+    assert 0 < ops[True] < 100 and ops[False] > 2 * ops[True]     # the model's ops are not counted

@@ -5,7 +5,7 @@ Nothing here is used by a normal decode; benchmarks and tests wrap a decode with
 * :class:`SyncCounter` counts the tensor operations that force the host to wait for the device (``item``,
   ``tolist``, ``bool(t)``, ``int(t)``, ``float(t)``, ``nonzero``, boolean-mask indexing, ``unique``,
   ``.cpu()``/``.numpy()``), outside the model's forward. On a CPU they cost little, on a GPU each one stalls
-  the device.
+  the device. It also counts every tensor operation outside the model (``ops``: a kernel launch each on a GPU).
 * :class:`Sections` accumulates CPU time (``time.thread_time``) in the model forward, ``plan``, the sampler,
   ``select``, ``canvas.apply`` and the sinks.
 """
@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from typing import Dict, Iterator, List
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 _METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy")
 _FUNCTIONS = ("nonzero", "unique", "masked_select", "argwhere")
@@ -49,6 +50,7 @@ class SyncCounter:
     def __init__(self, timer: ModelTimer = None, where: bool = False):
         self.timer, self.where = timer, where
         self.counts: Dict[str, int] = {}
+        self.ops = 0         # tensor operations outside the model (kernel launches on a GPU)
         self.stacks: List[str] = []
         self._saved = []
 
@@ -68,6 +70,7 @@ class SyncCounter:
 
     def __enter__(self) -> "SyncCounter":
         T = torch.Tensor
+        self._own = {n for n in _METHODS if n in vars(T)}
         for name in _METHODS:
             orig = getattr(T, name)
             self._saved.append((T, name, orig))
@@ -76,16 +79,10 @@ class SyncCounter:
             orig = getattr(torch, name)
             self._saved.append((torch, name, orig))
             setattr(torch, name, self._wrap(f"torch.{name}", orig))
-        orig_get = T.__getitem__
-        self._saved.append((T, "__getitem__", orig_get))
-        counter = self
-
-        def getitem(t, idx):
-            if _bool_index(idx):
-                counter._count("mask-index")
-            return orig_get(t, idx)
-
-        T.__getitem__ = getitem
+        # boolean-mask indexing is seen where it reaches ATen (patching Tensor.__getitem__ would make CPython
+        # treat every tensor as a sequence for good: torch.tensor([t0d, 0.0]) then fails, even once restored)
+        self._mode = _MaskIndex(self)
+        self._mode.__enter__()
         return self
 
     def _wrap(self, name, orig):
@@ -98,14 +95,34 @@ class SyncCounter:
         return wrapped
 
     def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
         for owner, name, orig in reversed(self._saved):
-            setattr(owner, name, orig)
+            if owner is torch.Tensor and name not in self._own:
+                delattr(owner, name)      # it was inherited (from TensorBase): leave no copy on Tensor
+            else:
+                setattr(owner, name, orig)
         self._saved = []
 
 
 def _bool_index(idx) -> bool:
-    items = idx if isinstance(idx, tuple) else (idx,)
-    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
+    items = idx if isinstance(idx, (tuple, list)) else (idx,)
+    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in items)
+
+
+class _MaskIndex(TorchDispatchMode):
+    """Counts ``aten.index`` calls with a boolean index (``x[mask]``: a nonzero, i.e. a host read, inside)."""
+
+    def __init__(self, counter: "SyncCounter"):
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        c = self.counter
+        if c.timer is None or not c.timer.inside:
+            c.ops += 1
+            if func is torch.ops.aten.index.Tensor and _bool_index(args[1]):
+                c._count("mask-index")
+        return func(*args, **(kwargs or {}))
 
 
 class Sections:
