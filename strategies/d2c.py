@@ -34,7 +34,7 @@ from dlm_engine.core.eos import stop_at_eos
 from dlm_engine.core.priors import FrequencyTable, certainty_density
 from dlm_engine.core.registry import register_strategy
 from dlm_engine.core.sampler import Sampled, sample_tokens
-from dlm_engine.core.selection import d2c_commit
+from dlm_engine.core.selection import d2c_commit, masked_order, position_entropy
 from dlm_engine.core.strategy import CacheDirective, StepPlan, Strategy, masked_after
 from dlm_engine.errors import ConfigError
 
@@ -196,13 +196,48 @@ class D2C(Strategy):
         conf[cand], x0[cand], probs[cand] = part.confidence, part.x0, part.probs
         return Sampled(conf, x0, probs)
 
+    # ``pick`` reads the scores of the block's candidates only, and no distribution (KLASS: False)
+    picks_from_block_scores = True
+
+    def block_scores_suffice(self, proposal) -> bool:
+        """Whether the step needs proposals at the block's candidates only: the same tokens and scores there as
+        sampling every generated position (quirk 15), because at ``T = 0`` nothing is drawn (the row-major
+        draw order does not matter), a position's proposal depends on its own logits alone and nothing
+        downstream reads the other positions' confidences (``Proposal.all_confidences``). EB's entropy budget
+        reads the entropies of the ranked positions: when its running maximum runs over one row (a call of one
+        row, or ``eb_cummax_over_ranks``) its count is a prefix of the ranking, capped at the candidates, so the
+        positions ranked after them (every non-candidate) cannot change it; over a batch they can."""
+        c = self.cfg
+        eb_ok = c.gamma is None or c.eb_cummax_over_ranks or proposal.logits.shape[0] == 1
+        return (self.picks_from_block_scores and c.temperature == 0 and eb_ok
+                and c.alg != Alg.random and not proposal.all_confidences)
+
+    def sample_at(self, logits: torch.Tensor, where: torch.Tensor, count: int, st: BlockState) -> Sampled:
+        """:meth:`sample` at the ``count`` positions of ``where`` (known on the host: no read); elsewhere the
+        confidence is ``-inf`` and the token 0. No distribution is kept (EB gets the entropies instead)."""
+        c = self.cfg
+        B, G, V = logits.shape
+        order = masked_order(where, count)
+        part = sample_tokens(logits.reshape(B * G, V)[order], temperature=c.temperature, top_p=c.top_p,
+                             top_k=c.top_k, alg=c.alg.value, freq=st.freq, clip_alpha=c.clip_alpha,
+                             debias_after_alg=c.debias_after_alg, filters_at_zero=c.filters_at_zero_temperature)
+        conf = torch.full((B * G,), float("-inf"), dtype=part.confidence.dtype, device=logits.device)
+        x0 = torch.zeros(B * G, dtype=torch.long, device=logits.device)
+        ent = None
+        if c.gamma is not None:     # EB: the candidates' entropies (0 elsewhere: ranked after them, never read)
+            ent = torch.zeros(B * G, dtype=torch.float32, device=logits.device)
+            ent = ent.index_copy_(0, order, position_entropy(part.probs)).view(B, G)
+        return Sampled(conf.index_copy_(0, order, part.confidence).view(B, G),
+                       x0.index_copy_(0, order, part.x0).view(B, G), None, ent)
+
     def pick(self, scores, cand, block_cand, sampled: Sampled, st: BlockState, rows, counts):
         """``[B_a, G]`` commits of the call's rows (``rows``; None: every row) and the new state (subclasses: KLASS,
         AR); ``counts``: the
         block's candidates per call row when known on the host (None when a cache may have left some out)."""
         c = self.cfg
         commit = d2c_commit(scores, block_cand, c.num_transfer_tokens, counts=counts, threshold=c.threshold,
-                            factor=c.factor, gamma=c.gamma, probs=sampled.probs, eb_over_ranks=c.eb_cummax_over_ranks)
+                            factor=c.factor, gamma=c.gamma, probs=sampled.probs, eb_over_ranks=c.eb_cummax_over_ranks,
+                            entropy=sampled.entropy)
         return commit, st
 
     def select(self, canvas, plan, proposal, st: BlockState):
@@ -213,9 +248,6 @@ class D2C(Strategy):
         masked = masked_all if every else masked_all[rows]
         cand = masked if (proposal.valid is None or not c.restrict_to_computed_logits) else masked & proposal.valid
         st = self.frequencies(canvas, st, proposal.logits.shape[-1])
-        sampled = self.sample(proposal.logits, cand, st)
-        conf = torch.where(cand, sampled.confidence, torch.full_like(sampled.confidence, float("-inf")))
-        scores = conf * certainty_density(~masked, c.sigma) if c.sigma else conf
         a, b = self.block_cols(st.block)
         in_block = torch.zeros_like(cand)
         in_block[:, a:b] = True
@@ -224,6 +256,12 @@ class D2C(Strategy):
             elig = self.eligible(canvas, masked_all)
             block_cand &= elig if every else elig[rows]
         counts = plan.info["counts"] if cand is masked else None
+        if counts is not None and self.block_scores_suffice(proposal):
+            sampled = self.sample_at(proposal.logits, block_cand, sum(counts), st)
+        else:
+            sampled = self.sample(proposal.logits, cand, st)
+        conf = torch.where(cand, sampled.confidence, torch.full_like(sampled.confidence, float("-inf")))
+        scores = conf * certainty_density(~masked, c.sigma) if c.sigma else conf
         commit_a, st = self.pick(scores, cand, block_cand, sampled, st, rows, counts)
         delta = self.frame(canvas, rows, commit_a, sampled.x0, conf)
         delta.scalars.update(block=st.block, committed=delta.commit.sum(-1))

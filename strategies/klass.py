@@ -58,6 +58,8 @@ class Klass(D2C):
                            device=canvas.device)
         return KlassState(history=hist)
 
+    picks_from_block_scores = False     # the divergences read every position's distribution from the block on
+
     def pick(self, scores, cand, block_cand, sampled, st: KlassState, rows, counts):
         """Divergences only from the block's first column on: columns of earlier blocks are decoded (or past
         the row's EOS) and never candidates again, so their history is never read."""

@@ -152,7 +152,7 @@ class Canvas:
         if delta.remask is not None:
             tok.masked_fill_(delta.remask, self.mask_id)
             so.masked_fill_(delta.remask, -1)
-        tok.copy_(torch.where(delta.commit, delta.tokens, tok))
+        torch.where(delta.commit, delta.tokens.to(tok.dtype), tok, out=tok)     # in place, one kernel
         so.masked_fill_(delta.commit, delta.step)
         self.finished |= delta.finished
         self.step = delta.step

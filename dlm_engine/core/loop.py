@@ -128,6 +128,7 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
     sinks = list(sinks)
     want_logits = any(getattr(s, "wants_logits", False) for s in sinks)  # e.g. trace capture=topk|logits
     want_recomputed = any(getattr(s, "wants_recomputed", False) for s in sinks)   # e.g. trace.recomputed=true
+    all_conf = bool(getattr(cache, "reads_confidence", False))
     cache.begin(canvas)
     for s in sinks:
         s.on_start(canvas, {"strategy": strategy.name})
@@ -165,7 +166,7 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
                 proposal = sample(logits, plan, call, rows, canvas, active.run)
                 if rows is not None and plan.sample:
                     proposal = expand_proposal(proposal, rows, canvas)
-            proposal.active, proposal.pads = active.mask, canvas.pads
+            proposal.active, proposal.pads, proposal.all_confidences = active.mask, canvas.pads, all_conf
             delta, state = strategy.select(canvas, plan, proposal, state)
             delta.wall_time = time.perf_counter() - t0
             if want_logits:
@@ -215,4 +216,4 @@ def sync_round(canvas: Canvas, strategy: Strategy, state, delta: Optional[FrameD
 def non_finite(logits: torch.Tensor) -> torch.Tensor:
     """A device flag: NaN, +inf or a position whose logits are all -inf (read in the step's one sync). A
     position's maximum is finite exactly when none of these holds (``amax`` propagates NaN)."""
-    return ~logits.amax(dim=-1).isfinite().all()
+    return logits.amax(dim=-1).mul_(0).ne_(0).any()      # 0 * max is NaN exactly when max is NaN or +-inf

@@ -30,6 +30,10 @@ class Proposal:
     aux_logits: Optional[torch.Tensor] = None   # plans with auxiliary columns: their logits [B_call, W_aux, V]
     active: Optional[torch.Tensor] = None       # [B] bool: the rows that took part in the call (set by the loop)
     pads: Tuple[int, ...] = ()                  # per row: left-padding columns of the canvas (set by the loop)
+    # set by the loop: something downstream (a cache's ``after_step``, ``Cache.reads_confidence``) reads the
+    # step's confidence at every masked window position, so a strategy must not leave out masked positions it
+    # cannot commit this step (``StepPlan.masked`` keeps every masked position: it stays allowed)
+    all_confidences: bool = False
 
     @property
     def row_span(self):
@@ -220,7 +224,8 @@ class Sampled:
 
     confidence: torch.Tensor   # [..., ] in the logits' dtype
     x0: torch.Tensor           # [..., ] long
-    probs: torch.Tensor        # [..., V] softmax after temperature and filters
+    probs: Optional[torch.Tensor]   # [..., V] softmax after temperature and filters (None: not kept)
+    entropy: Optional[torch.Tensor] = None   # [..., ] EB's per-position entropy, where computed with the proposal
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float = 0.0, top_p: Optional[float] = None,

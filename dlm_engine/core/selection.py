@@ -27,7 +27,18 @@ def host_schedule(masked: Sequence[int], steps: int) -> Tuple[Tuple[int, ...], .
 
 
 def masked_conf(conf: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
-    return conf.masked_fill(~cand, NEG_INF)
+    return torch.where(cand, conf, NEG_INF)        # one kernel (masked_fill(~cand) is two)
+
+
+def ranked_row(conf: torch.Tensor, cand: torch.Tensor, span: Optional[Tuple]) -> Tuple[torch.Tensor, int]:
+    """:func:`widen` of ``masked_conf(conf, cand)``, writing the masked scores straight into the wide row."""
+    if span is None or (span[0] == 0 and span[1] == conf.shape[1]):
+        return masked_conf(conf, cand), 0
+    off, width = span[0], span[1]
+    row = conf.new_full((conf.shape[0], width), NEG_INF)
+    part = row[:, off:off + conf.shape[1]]
+    torch.where(cand, conf, part, out=part)       # part is -inf: the candidates' scores go in, in place
+    return row, off
 
 
 def widen(c: torch.Tensor, span: Optional[Tuple]) -> Tuple[torch.Tensor, int]:
@@ -52,7 +63,7 @@ def topk_commit(conf: torch.Tensor, cand: torch.Tensor, k, span: Optional[Tuple[
     see :func:`widen`); with a device tensor (a data-dependent count) by a stable sort, without a host read
     (exact ties then break towards the lower position)."""
     W = conf.shape[1]
-    row, off = widen(masked_conf(conf, cand), span)
+    row, off = ranked_row(conf, cand, span)
     return topk_rows(row, k, lead=row_lead(span))[:, off:off + W] & cand
 
 
@@ -67,7 +78,7 @@ def top1(conf: torch.Tensor, cand: torch.Tensor, span: Optional[Tuple[int, int]]
     Fast-dLLM reference's ``order[0]``; among exact ties that is not always the lowest index). ``counts``: the
     candidates per row, known on the host; without them the argmax (first index) is taken, with no host read."""
     W = conf.shape[1]
-    row, off = widen(masked_conf(conf, cand), span)
+    row, off = ranked_row(conf, cand, span)
     if counts is None:
         commit = torch.zeros_like(row, dtype=torch.bool).scatter_(1, row.argmax(-1, keepdim=True), True)
         return commit[:, off:off + W] & cand
@@ -179,13 +190,20 @@ def factor_count(scores: torch.Tensor, cand: torch.Tensor, factor: float) -> tor
     return torch.where(M > 0, first, torch.zeros_like(first))
 
 
-def eb_count(scores: torch.Tensor, probs: torch.Tensor, gamma: float, over_ranks: bool = False) -> torch.Tensor:
+def position_entropy(probs: torch.Tensor) -> torch.Tensor:
+    """Per position entropy of ``probs [..., V]`` as the EB reference computes it (``Categorical(probs=...)``:
+    renormalised, float32)."""
+    return torch.distributions.Categorical(probs=probs.float(), validate_args=False).entropy()
+
+
+def eb_count(scores: torch.Tensor, probs: Optional[torch.Tensor], gamma: float, over_ranks: bool = False,
+             entropy: Optional[torch.Tensor] = None) -> torch.Tensor:
     """EB-Sampler: how many of the ranked positions fit an entropy budget ``gamma``. Positions are ranked by
     score; ``A_k`` is the cumulative entropy of ranks ``<= k`` and ``M_k`` a running maximum; the row takes
     ``#{k : A_k - M_k <= gamma}``. The reference's running maximum runs over the *batch* at each rank
     (``over_ranks=False``, the default); ``over_ranks=True`` takes it over the ranks of the row."""
     order = torch.sort(scores, dim=-1, descending=True).indices
-    H = torch.distributions.Categorical(probs=probs.float(), validate_args=False).entropy()
+    H = position_entropy(probs) if entropy is None else entropy        # ``entropy``: computed already ([B, W])
     H = torch.gather(H, 1, order)
     A = torch.cumsum(H, dim=1)
     Mx = torch.cummax(H, dim=1 if over_ranks else 0).values
@@ -195,7 +213,7 @@ def eb_count(scores: torch.Tensor, probs: torch.Tensor, gamma: float, over_ranks
 def d2c_commit(scores: torch.Tensor, cand: torch.Tensor, min_tt: int, max_tt=None, *,
                counts: Optional[Sequence[int]] = None, threshold: Optional[float] = None,
                factor: Optional[float] = None, gamma: Optional[float] = None, probs: Optional[torch.Tensor] = None,
-               eb_over_ranks: bool = False) -> torch.Tensor:
+               eb_over_ranks: bool = False, entropy: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The d2Cache framework's ``confidence_unmasking`` for every row at once (``[B, W]`` bool commits).
 
     ``threshold``: every candidate scoring ``>= threshold`` (none at all when more than ``max_tt`` do);
@@ -246,7 +264,7 @@ def d2c_commit(scores: torch.Tensor, cand: torch.Tensor, min_tt: int, max_tt=Non
         top = topk_rows(c, lo(M, base))
         return torch.where((picked.sum(-1) < num)[:, None], top, picked)
     if gamma is not None:
-        num = eb_count(c, probs, gamma, eb_over_ranks)
+        num = eb_count(c, probs, gamma, eb_over_ranks, entropy)
         mxt = torch.as_tensor(mx, device=c.device)
         num = torch.minimum(torch.maximum(num, torch.full_like(num, min_tt)), mxt)
         return topk_rows(c, torch.minimum(torch.as_tensor(M, device=c.device), num))

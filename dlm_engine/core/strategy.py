@@ -174,8 +174,8 @@ class Strategy:
         s = proposal.start
         if active is None:
             active = proposal.active if proposal.active is not None else ~canvas.finished
-        if finished is None:
-            finished = ~masked_after(canvas, s, commit, remask).any(dim=-1) & ~canvas.finished
+        if finished is None:     # ~left & ~finished, as one reduction and two in-place ops
+            finished = masked_after(canvas, s, commit, remask).any(dim=-1).logical_or_(canvas.finished).logical_not_()
         conf = proposal.confidence if confidence is None else confidence
         return FrameDelta(
             step=canvas.step + 1, nfe=nfe, start=s, commit=commit,
@@ -188,14 +188,16 @@ class Strategy:
 def masked_after(canvas: Canvas, start: int, commit: torch.Tensor, remask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``[B, G]`` masked generated positions once a delta over ``[start, start + W)`` is applied."""
     g = canvas.gen_start
-    still = canvas.masked()[:, g:].clone()
+    still = canvas.step_of[:, g:] < 0               # canvas.masked() of the generation, a fresh tensor
     a = start - g
     W = commit.shape[1]
     lo, hi = max(a, 0), min(a + W, still.shape[1])
     if hi > lo:
+        part = still[:, lo:hi]                      # a view: the in-place ops below write into ``still``
+        whole = lo == a and hi - lo == W
         if remask is not None:
-            still[:, lo:hi] |= remask[:, lo - a:hi - a]
-        still[:, lo:hi] &= ~commit[:, lo - a:hi - a]
+            part |= remask if whole else remask[:, lo - a:hi - a]
+        part &= ~(commit if whole else commit[:, lo - a:hi - a])
     return still
 
 
@@ -209,7 +211,7 @@ def candidates(canvas: Canvas, proposal: Proposal, end: int) -> torch.Tensor:
     logits the call computed (a cache may leave some columns out: ``Proposal.valid``)."""
     s = proposal.start
     W = proposal.x0.shape[1]
-    cand = canvas.masked()[:, s:s + W].clone()
+    cand = canvas.step_of[:, s:s + W] < 0            # canvas.masked() of the window, a fresh tensor
     if end < s + W:
         cand[:, max(0, end - s):] = False
     if proposal.valid is not None:
