@@ -20,6 +20,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from dlm_engine.core.blockwise import block_counts, host_rows
 from dlm_engine.core.canvas import BlockEvent
 from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.eos import EosOptions, check_eos_options, eos_confidence, eos_stop, eos_suppress
@@ -48,6 +49,7 @@ class BufferState:
     sizes: torch.Tensor                    # [num_blocks] positions per block (on the canvas device)
     host_first: Tuple[int, ...] = ()       # ``first`` and ``count`` as of the last host read
     host_count: Tuple[int, ...] = ()
+    host_masked: Tuple[Tuple[int, ...], ...] = ()   # masked positions per row and block, as of the last host read
     events: Tuple[BlockEvent, ...] = ()    # waiting for the next delta
     window: Optional[Tuple[int, int]] = None
     step_in_window: int = 0
@@ -120,8 +122,9 @@ class BlockBuffer(Strategy):
         store = [self.span(b, g) for b in range(st.stored, done_all)]
         st = dataclasses.replace(st, window=window, step_in_window=step_in_window, stored=max(st.stored, done_all))
         c = self.cfg
+        b0, b1 = lo // self.block_len, -(-hi // self.block_len)
         return StepPlan(
-            window=window, temperature=c.temperature,
+            window=window, temperature=c.temperature, masked=[sum(row[b0:b1]) for row in st.host_masked],
             confidence="random" if c.remasking == Remasking.random else "prob", softmax_dtype="float64",
             cache=CacheDirective(block=window, block_start=step_in_window == 0, step_in_block=step_in_window,
                                  store=store),
@@ -175,20 +178,23 @@ class BlockBuffer(Strategy):
 
     # -- the step's host read: the buffer of every row ----------------------------------------------------
     def sync_request(self, canvas, st: BufferState):
-        return torch.cat([st.first, st.count])
+        # + masked positions per block: only those can be committed, so the float64 softmax runs there only
+        return torch.cat([st.first, st.count, block_counts(canvas, self.block_len).reshape(-1)])
 
     def synced(self, canvas, st: BufferState, values, delta):
         """Host copies of the buffer; the blocks that completed or were admitted become block events."""
         B, g = canvas.batch_size, canvas.gen_start
         first = tuple(int(v) for v in values[:B])
         count = tuple(int(v) for v in values[B:2 * B])
+        masked = host_rows(values[2 * B:], B)
         if delta is None:                                  # before the first step: the initial buffers
             rows = [r for r in range(B) if count[r] > 0]
             events = self.event_list("admitted", rows, [first[r] for r in rows], B, g)
-            return dataclasses.replace(st, host_first=first, host_count=count, events=tuple(events))
+            return dataclasses.replace(st, host_first=first, host_count=count, host_masked=masked,
+                                       events=tuple(events))
         old_first, old_end = st.host_first, [f + n for f, n in zip(st.host_first, st.host_count)]
         done = [(r, b) for r in range(B) for b in range(old_first[r], min(first[r], self.num_blocks))]
         delta.block_events += self.event_list("completed", [r for r, _ in done], [b for _, b in done], B, g)
         new = [(r, first[r] + count[r] - 1) for r in range(B) if first[r] + count[r] > max(old_end[r], first[r])]
         delta.block_events += self.event_list("admitted", [r for r, _ in new], [b for _, b in new], B, g)
-        return dataclasses.replace(st, host_first=first, host_count=count)
+        return dataclasses.replace(st, host_first=first, host_count=count, host_masked=masked)

@@ -1,0 +1,73 @@
+"""``StepPlan.masked``: strategies that can only commit masked positions say how many the window holds per row
+(host numbers), and the sampler computes confidences there only (the float64 softmax over the vocabulary is the
+costliest part of a step outside the model). The outputs must be exactly those of scoring every position."""
+import pytest
+import torch
+
+import dlm_engine.core.loop as loop
+import dlm_engine.core.sampler as sampler
+from dlm_engine.core.canvas import Canvas
+from dlm_engine.core.capabilities import incompatibility
+from dlm_engine.core.loop import decode
+from dlm_engine.core.registry import cache_class, strategy_class
+
+CASES = [
+    ("low_confidence", {"block_length": 8, "steps": 16}),
+    ("low_confidence", {"block_length": 8, "steps": 16, "loop": "fastdllm"}),
+    ("threshold", {"block_length": 8, "threshold": 0.7}),
+    ("factor", {"block_length": 8}),
+    ("early_exit", {"block_length": 8, "steps": 16, "answer_start": 0}),
+    ("cadllm", {"initial_block_length": 8, "min_block": 4, "max_block": 8}),
+    ("block_buffer", {"block_length": 4, "buffer_size": 3, "add_block_threshold": 0.3}),
+]
+
+
+class Confidences:
+    def __init__(self):
+        self.seen = []
+
+    def on_start(self, canvas, info):
+        pass
+
+    def on_delta(self, delta, canvas):
+        c = delta.confidence
+        self.seen.append(None if c is None else torch.where(delta.commit, c, torch.zeros_like(c)).tolist())
+
+    def on_end(self, canvas):
+        pass
+
+
+def run(model, name, kw, cache, min_saving, monkeypatch):
+    monkeypatch.setattr(loop, "SCORED_MIN_SAVING", min_saving)
+    calls = []
+    orig = sampler.scored_confidence
+    monkeypatch.setattr(sampler, "scored_confidence", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    cls = strategy_class(name)
+    strategy = cls(cls.Config(**kw), 16)
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16]][:cls.max_batch or 3]
+    canvas = Canvas.from_prompts(prompts, 16, int(model.config.mask_token_id), 0,
+                                 eos_id=int(model.config.eos_token_id))
+    sink = Confidences()
+    decode(model, canvas, strategy, cache_class(cache)(), sinks=[sink])
+    return (canvas.tokens.tolist(), canvas.step_of.tolist(), canvas.nfe, sink.seen), len(calls)
+
+
+def _pairs():
+    from dlm_engine.core.registry import load_plugins
+
+    load_plugins()
+    out = []
+    for name, kw in CASES:
+        cls = strategy_class(name)
+        for cache in ("none", "dual"):
+            if incompatibility(cls(cls.Config(**kw), 16), cache_class(cache)()) is None:
+                out.append((name, kw, cache))
+    return out
+
+
+@pytest.mark.parametrize("name, kw, cache", _pairs())
+def test_scoring_masked_positions_only_changes_nothing(tiny_llada, monkeypatch, name, kw, cache):
+    scored, n_scored = run(tiny_llada, name, kw, cache, 0, monkeypatch)              # always the masked path
+    full, n_full = run(tiny_llada, name, kw, cache, 1 << 62, monkeypatch)            # never
+    assert n_scored > 0 and n_full == 0
+    assert scored == full
