@@ -33,6 +33,7 @@ from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.eos import stop_at_eos
 from dlm_engine.core.priors import FrequencyTable, certainty_density
 from dlm_engine.core.registry import register_strategy
+from dlm_engine.core import sampler
 from dlm_engine.core.sampler import Sampled, sample_tokens
 from dlm_engine.core.selection import d2c_commit, masked_order, position_entropy
 from dlm_engine.core.strategy import CacheDirective, StepPlan, Strategy, masked_after
@@ -256,7 +257,9 @@ class D2C(Strategy):
             elig = self.eligible(canvas, masked_all)
             block_cand &= elig if every else elig[rows]
         counts = plan.info["counts"] if cand is masked else None
-        if counts is not None and self.block_scores_suffice(proposal):
+        B_a, G, V = proposal.logits.shape
+        if (counts is not None and (B_a * G - sum(counts)) * V >= sampler.SCORED_MIN_SAVING
+                and self.block_scores_suffice(proposal)):
             sampled = self.sample_at(proposal.logits, block_cand, sum(counts), st)
         else:
             sampled = self.sample(proposal.logits, cand, st)

@@ -249,6 +249,9 @@ def test_block_candidates_only_sampling_is_exact(tiny_llada, monkeypatch, name, 
     from dlm_engine.core.loop import decode
     from dlm_engine.core.registry import cache_class, strategy_class
 
+    import dlm_engine.core.sampler as sampler
+
+    monkeypatch.setattr(sampler, "SCORED_MIN_SAVING", 0)     # the tiny vocabulary never pays for the gathering
     cls = strategy_class(name)
     kw = dict(kw)
     prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16]][:kw.pop("batch", 3)]
@@ -279,7 +282,7 @@ def test_block_candidates_only_sampling_is_exact(tiny_llada, monkeypatch, name, 
         assert (f1 is None) == (f2 is None) and (f1 is None or torch.equal(f1, f2))
 
 
-def test_a_cache_that_reads_confidences_gets_every_position(tiny_llada):
+def test_a_cache_that_reads_confidences_gets_every_position(tiny_llada, monkeypatch):
     """d2Cache's confidence cache reads every position's step confidence (Cache.reads_confidence): with it
     the strategy keeps sampling every generated position."""
     from dlm_engine.core.canvas import Canvas
@@ -294,6 +297,9 @@ def test_a_cache_that_reads_confidences_gets_every_position(tiny_llada):
             seen.append(True)
             return super().sample_at(*a, **k)
 
+    import dlm_engine.core.sampler as sampler
+
+    monkeypatch.setattr(sampler, "SCORED_MIN_SAVING", 0)
     assert cache_class("d2cache").reads_confidence and not cache_class("none").reads_confidence
     for cache, expect in (("d2cache", False), ("none", True)):
         seen.clear()

@@ -4,7 +4,6 @@ costliest part of a step outside the model). The outputs must be exactly those o
 import pytest
 import torch
 
-import dlm_engine.core.loop as loop
 import dlm_engine.core.sampler as sampler
 from dlm_engine.core.canvas import Canvas
 from dlm_engine.core.capabilities import incompatibility
@@ -38,7 +37,7 @@ class Confidences:
 
 
 def run(model, name, kw, cache, min_saving, monkeypatch):
-    monkeypatch.setattr(loop, "SCORED_MIN_SAVING", min_saving)
+    monkeypatch.setattr(sampler, "SCORED_MIN_SAVING", min_saving)
     calls = []
     orig = sampler.scored_confidence
     monkeypatch.setattr(sampler, "scored_confidence", lambda *a, **k: calls.append(1) or orig(*a, **k))

@@ -9,13 +9,11 @@ import torch
 from dlm_engine.core.canvas import Canvas, FrameDelta, ModelInfo
 from dlm_engine.core.protocol import CallRequest, ForwardCall
 from dlm_engine.core.rows import ActiveRows, call_rows, expand_proposal, idle_proposal, recomputed_rows
+from dlm_engine.core import sampler
 from dlm_engine.core.sampler import Proposal, propose
 from dlm_engine.core.strategy import StepPlan, Strategy
 from dlm_engine.errors import check_finite_logits
 
-
-# logits left out of the confidence pass for StepPlan.masked to pay off (about 20 us of gathering on a CPU)
-SCORED_MIN_SAVING = 1 << 16
 
 
 class Sink:
@@ -98,7 +96,7 @@ def sample(logits: torch.Tensor, plan: StepPlan, call: ForwardCall, rows: Option
     if plan.masked is not None and canvas is not None:     # confidences at the window's masked positions only
         B, W, V = logits.shape
         count = sum(plan.masked) if rows is None else sum(n for n, f in zip(plan.masked, run) if f)
-        if (B * W - count) * V >= SCORED_MIN_SAVING:       # else gathering them costs more than it saves
+        if (B * W - count) * V >= sampler.SCORED_MIN_SAVING:   # else gathering them costs more than it saves
             mask = canvas.masked()[:, start:start + W]
             scored = (mask if rows is None else mask[rows], count)
     return propose(logits, start, temperature=plan.temperature, confidence=plan.confidence,
@@ -216,4 +214,4 @@ def sync_round(canvas: Canvas, strategy: Strategy, state, delta: Optional[FrameD
 def non_finite(logits: torch.Tensor) -> torch.Tensor:
     """A device flag: NaN, +inf or a position whose logits are all -inf (read in the step's one sync). A
     position's maximum is finite exactly when none of these holds (``amax`` propagates NaN)."""
-    return logits.amax(dim=-1).mul_(0).ne_(0).any()      # 0 * max is NaN exactly when max is NaN or +-inf
+    return ~logits.amax(dim=-1).isfinite().all()
