@@ -73,7 +73,7 @@ class D2CacheConfig:
 class D2Cache(Cache):
     offers = caps()                 # logits only for the query set: strategies must cope with missing ones
     needs = caps()                  # a block structure is used when the strategy gives one
-    reads_confidence = True         # the confidence cache takes every position's step confidence
+    reads_confidence = True         # the confidence cache takes every window position's step confidence
 
     def __init__(self, config: D2CacheConfig = None):
         super().__init__(config)

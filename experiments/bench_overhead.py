@@ -68,7 +68,7 @@ def models(which):
 
 
 def one(model, prompts, gen, name, kw, cache, batch, instrument=("sections", "syncs")):
-    """Decode ``prompts`` in batches; returns (decode cpu, model cpu, steps, syncs, sections, decodes).
+    """Decode ``prompts`` in batches; returns (decode cpu, model cpu, steps, syncs, sections, decodes, ops).
 
     ``instrument``: which of the section timers and the sync counter to run (both cost CPU of their own -- the
     counter sees every tensor op -- so the overhead figure comes from plain runs, and sections and syncs

@@ -32,6 +32,8 @@ class AR(D2C):
             if getattr(c, key) is not None:
                 raise ConfigError(f"strategy.{key}: ar takes a threshold (and debias), not {key}")
 
+    picks_from_block_scores = True      # the run and its scores are the block's candidates
+
     def pick(self, scores, cand, block_cand, sampled, st, rows, counts):
         c = self.cfg
         G = block_cand.shape[1]

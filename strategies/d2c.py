@@ -3,7 +3,8 @@
 Blocks of ``block_length`` are decoded in order. Every step runs the rows that still have a masked position in
 the current block (a row whose block is done sits the step out; a block with no such row ends without a
 forward), samples *every* generated position of those rows with the shared :func:`sample_tokens` (temperature,
-top-p/top-k, PC-Sampler ``debias``, confidence kind ``alg``), optionally multiplies the confidences by the
+top-p/top-k, PC-Sampler ``debias``, confidence kind ``alg``; where that gives the same bits, only the block's
+candidates: :meth:`D2C.block_scores_suffice`), optionally multiplies the confidences by the
 certainty prior (``sigma``) and commits, per row, at least ``num_transfer_tokens`` of the block's masked positions:
 
 * no rule: exactly ``min(num_transfer_tokens, masked left)`` top-scored positions (a fixed rate, no ``steps``);
@@ -35,7 +36,7 @@ from dlm_engine.core.priors import FrequencyTable, certainty_density
 from dlm_engine.core.registry import register_strategy
 from dlm_engine.core import sampler
 from dlm_engine.core.sampler import Sampled, sample_tokens
-from dlm_engine.core.selection import d2c_commit, masked_order, position_entropy
+from dlm_engine.core.selection import d2c_commit, masked_order
 from dlm_engine.core.strategy import CacheDirective, StepPlan, Strategy, masked_after
 from dlm_engine.errors import ConfigError
 
@@ -197,25 +198,27 @@ class D2C(Strategy):
         conf[cand], x0[cand], probs[cand] = part.confidence, part.x0, part.probs
         return Sampled(conf, x0, probs)
 
-    # ``pick`` reads the scores of the block's candidates only, and no distribution (KLASS: False)
+    # ``pick`` reads the scores of the block's candidates only, and no distribution. Declared by the class that
+    # defines ``pick`` (a subclass overriding ``pick`` without saying so samples every position)
     picks_from_block_scores = True
 
     def block_scores_suffice(self, proposal) -> bool:
-        """Whether the step needs proposals at the block's candidates only: the same tokens and scores there as
-        sampling every generated position (quirk 15), because at ``T = 0`` nothing is drawn (the row-major
-        draw order does not matter), a position's proposal depends on its own logits alone and nothing
-        downstream reads the other positions' confidences (``Proposal.all_confidences``). EB's entropy budget
-        reads the entropies of the ranked positions: when its running maximum runs over one row (a call of one
-        row, or ``eb_cummax_over_ranks``) its count is a prefix of the ranking, capped at the candidates, so the
-        positions ranked after them (every non-candidate) cannot change it; over a batch they can."""
+        """Whether the step may sample the block's candidates only and get the very bits that sampling every
+        generated position (quirk 15) gives there: at ``T = 0`` nothing is drawn (the row-major draw order does
+        not matter); ``maskgit_plus`` and ``topk_margin`` are a softmax, a maximum, a top-k and a gather per
+        position, which no kernel computes differently for fewer positions (a sum over the vocabulary may: its
+        CPU and GPU reductions split differently for few rows, so ``entropy``, EB's entropy budget and top-p's
+        cumulative sum keep every position); nothing downstream reads the other positions' confidences
+        (``Proposal.all_confidences``); and ``pick`` reads the block's scores only."""
         c = self.cfg
-        eb_ok = c.gamma is None or c.eb_cummax_over_ranks or proposal.logits.shape[0] == 1
-        return (self.picks_from_block_scores and c.temperature == 0 and eb_ok
-                and c.alg != Alg.random and not proposal.all_confidences)
+        owner = next(k for k in type(self).__mro__ if "pick" in vars(k))
+        return (vars(owner).get("picks_from_block_scores", False) and c.temperature == 0 and c.gamma is None
+                and c.alg in (Alg.maskgit_plus, Alg.topk_margin) and (c.top_p is None or c.top_p >= 1)
+                and not proposal.all_confidences)
 
     def sample_at(self, logits: torch.Tensor, where: torch.Tensor, count: int, st: BlockState) -> Sampled:
         """:meth:`sample` at the ``count`` positions of ``where`` (known on the host: no read); elsewhere the
-        confidence is ``-inf`` and the token 0. No distribution is kept (EB gets the entropies instead)."""
+        confidence is ``-inf`` and the token 0. No distribution is kept."""
         c = self.cfg
         B, G, V = logits.shape
         order = masked_order(where, count)
@@ -224,12 +227,8 @@ class D2C(Strategy):
                              debias_after_alg=c.debias_after_alg, filters_at_zero=c.filters_at_zero_temperature)
         conf = torch.full((B * G,), float("-inf"), dtype=part.confidence.dtype, device=logits.device)
         x0 = torch.zeros(B * G, dtype=torch.long, device=logits.device)
-        ent = None
-        if c.gamma is not None:     # EB: the candidates' entropies (0 elsewhere: ranked after them, never read)
-            ent = torch.zeros(B * G, dtype=torch.float32, device=logits.device)
-            ent = ent.index_copy_(0, order, position_entropy(part.probs)).view(B, G)
         return Sampled(conf.index_copy_(0, order, part.confidence).view(B, G),
-                       x0.index_copy_(0, order, part.x0).view(B, G), None, ent)
+                       x0.index_copy_(0, order, part.x0).view(B, G), None)
 
     def pick(self, scores, cand, block_cand, sampled: Sampled, st: BlockState, rows, counts):
         """``[B_a, G]`` commits of the call's rows (``rows``; None: every row) and the new state (subclasses: KLASS,
@@ -237,8 +236,7 @@ class D2C(Strategy):
         block's candidates per call row when known on the host (None when a cache may have left some out)."""
         c = self.cfg
         commit = d2c_commit(scores, block_cand, c.num_transfer_tokens, counts=counts, threshold=c.threshold,
-                            factor=c.factor, gamma=c.gamma, probs=sampled.probs, eb_over_ranks=c.eb_cummax_over_ranks,
-                            entropy=sampled.entropy)
+                            factor=c.factor, gamma=c.gamma, probs=sampled.probs, eb_over_ranks=c.eb_cummax_over_ranks)
         return commit, st
 
     def select(self, canvas, plan, proposal, st: BlockState):

@@ -43,11 +43,12 @@ def run(model, name, kw, cache, min_saving, monkeypatch):
     monkeypatch.setattr(sampler, "scored_confidence", lambda *a, **k: calls.append(1) or orig(*a, **k))
     cls = strategy_class(name)
     strategy = cls(cls.Config(**kw), 16)
+    cache_cls = cache if isinstance(cache, type) else cache_class(cache)
     prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16]][:cls.max_batch or 3]
     canvas = Canvas.from_prompts(prompts, 16, int(model.config.mask_token_id), 0,
                                  eos_id=int(model.config.eos_token_id))
     sink = Confidences()
-    decode(model, canvas, strategy, cache_class(cache)(), sinks=[sink])
+    decode(model, canvas, strategy, cache_cls(), sinks=[sink])
     return (canvas.tokens.tolist(), canvas.step_of.tolist(), canvas.nfe, sink.seen), len(calls)
 
 
@@ -70,3 +71,18 @@ def test_scoring_masked_positions_only_changes_nothing(tiny_llada, monkeypatch, 
     full, n_full = run(tiny_llada, name, kw, cache, 1 << 62, monkeypatch)            # never
     assert n_scored > 0 and n_full == 0
     assert scored == full
+
+
+def test_sums_and_confidence_readers_keep_every_position(tiny_llada, monkeypatch):
+    """An entropy confidence (a sum over the vocabulary: it may reduce differently for fewer positions) and a
+    cache that reads every position's confidence (``Cache.reads_confidence``) get the whole window scored."""
+    class Reading(cache_class("none")):
+        reads_confidence = True
+
+    _, n = run(tiny_llada, "low_confidence", {"block_length": 8, "steps": 16, "confidence": "entropy"}, "none", 0,
+               monkeypatch)
+    assert n == 0
+    _, n = run(tiny_llada, "low_confidence", {"block_length": 8, "steps": 16}, Reading, 0, monkeypatch)
+    assert n == 0
+    _, n = run(tiny_llada, "low_confidence", {"block_length": 8, "steps": 16}, "none", 0, monkeypatch)
+    assert n > 0

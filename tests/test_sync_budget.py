@@ -114,14 +114,17 @@ def test_the_counter_sees_a_sync(tiny_llada):
 
 
 def test_the_counter_sees_mask_indexing_and_counts_ops_outside_the_model(tiny_llada):
-    """Boolean-mask indexing counts as a sync (seen where it reaches ATen); ``ops`` counts the tensor operations
+    """Boolean-mask indexing and assignment count as syncs (seen where they reach ATen); ``ops`` counts the tensor operations
     outside the model only; leaving the counter restores torch (a 0-d tensor inside a list still converts)."""
     x = torch.arange(6)
     with torch.inference_mode(), SyncCounter() as c:
         x[x > 2]
         x[1:3]
         x[torch.tensor([0, 1])]
-    assert c.counts == {"mask-index": 1} and c.ops >= 3
+        y = x.clone()
+        y[y > 2] = 0
+        y[torch.tensor([0])] = 1
+    assert c.counts == {"mask-index": 2} and c.ops >= 3
     assert torch.tensor([[torch.tensor(0.5), 0.0]]).tolist() == [[0.5, 0.0]]
 
     ops = {}

@@ -109,8 +109,12 @@ def _bool_index(idx) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in items)
 
 
+_INDEXING = (torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default)
+
+
 class _MaskIndex(TorchDispatchMode):
-    """Counts ``aten.index`` calls with a boolean index (``x[mask]``: a nonzero, i.e. a host read, inside)."""
+    """Counts indexing with a boolean index (``x[mask]``, ``x[mask] = v``: a nonzero, i.e. a host read, inside)
+    and every op outside the model."""
 
     def __init__(self, counter: "SyncCounter"):
         super().__init__()
@@ -120,7 +124,7 @@ class _MaskIndex(TorchDispatchMode):
         c = self.counter
         if c.timer is None or not c.timer.inside:
             c.ops += 1
-            if func is torch.ops.aten.index.Tensor and _bool_index(args[1]):
+            if func in _INDEXING and _bool_index(args[1]):      # x[mask], x[mask] = v
                 c._count("mask-index")
         return func(*args, **(kwargs or {}))
 

@@ -21,8 +21,8 @@ class Cache(NullHooks):
     Config: ClassVar[type] = object
     needs: Caps = caps()                                   # what the strategy must offer
     offers: Caps = caps(Cap.BLOCK_LOGITS, Cap.SUFFIX_LOGITS, Cap.WINDOW_LOGITS)   # what the strategy may need
-    # ``after_step`` reads FrameDelta.confidence at every masked window position, not only the committed ones
-    # (strategies then compute all of those: Proposal.all_confidences)
+    # ``after_step`` reads FrameDelta.confidence at every window position, not only the committed ones (the loop
+    # then ignores StepPlan.masked and tells strategies so: Proposal.all_confidences)
     reads_confidence: ClassVar[bool] = False
 
     def __init__(self, config: Any = None):

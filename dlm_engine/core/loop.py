@@ -80,9 +80,12 @@ def forward(model, canvas: Canvas, plan: StepPlan, cache, rows: Optional[torch.T
 
 
 def sample(logits: torch.Tensor, plan: StepPlan, call: ForwardCall, rows: Optional[torch.Tensor] = None,
-           canvas: Optional[Canvas] = None, run: Optional[Tuple[bool, ...]] = None) -> Proposal:
+           canvas: Optional[Canvas] = None, run: Optional[Tuple[bool, ...]] = None,
+           all_confidences: bool = False) -> Proposal:
     """The shared sampler on a call's window (or the bare logits of the call's canvas ``rows`` when the plan
-    samples itself). ``canvas`` and ``run`` (the host flags of the call's rows) serve ``StepPlan.masked``."""
+    samples itself). ``canvas`` and ``run`` (the host flags of the call's rows) serve ``StepPlan.masked``, which
+    is ignored with ``all_confidences`` (a cache reads every position's confidence) and for confidence kinds
+    outside ``sampler.ROW_EXACT_KINDS``."""
     start = plan.window[0]
     if not plan.sample:
         return Proposal(start=start, x0=None, confidence=None, logits=logits, valid=call.valid, rows=rows,
@@ -93,7 +96,8 @@ def sample(logits: torch.Tensor, plan: StepPlan, call: ForwardCall, rows: Option
     else:   # per-row column sets: random draws have the window's shape
         call_len, call_start = logits.shape[1], start
     scored = None
-    if plan.masked is not None and canvas is not None:     # confidences at the window's masked positions only
+    if (plan.masked is not None and canvas is not None and not all_confidences
+            and plan.confidence in sampler.ROW_EXACT_KINDS):   # confidences at the window's masked positions only
         B, W, V = logits.shape
         count = sum(plan.masked) if rows is None else sum(n for n, f in zip(plan.masked, run) if f)
         if (B * W - count) * V >= sampler.SCORED_MIN_SAVING:   # else gathering them costs more than it saves
@@ -161,7 +165,7 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
                 if active.vocab is None:    # the first forward: NaN weights or fp16 overflow end the decode
                     bad = non_finite(logits)
                     active.seen(logits)
-                proposal = sample(logits, plan, call, rows, canvas, active.run)
+                proposal = sample(logits, plan, call, rows, canvas, active.run, all_conf)
                 if rows is not None and plan.sample:
                     proposal = expand_proposal(proposal, rows, canvas)
             proposal.active, proposal.pads, proposal.all_confidences = active.mask, canvas.pads, all_conf

@@ -17,6 +17,10 @@ CONFIDENCE_KINDS = ("prob", "margin", "entropy", "inv_entropy", "random")
 # logits a confidence pass must leave out for computing it at chosen positions only (StepPlan.masked, the d2c
 # family's block candidates) to pay off: below this the gathering costs more than it saves (~20 us on a CPU)
 SCORED_MIN_SAVING = 1 << 16
+# confidence kinds computed per position without a sum over the vocabulary (softmax, top-k, gather): the same
+# bits for any number of positions. A sum (entropy) may split differently for few rows (CPU two-pass reduction
+# over one row with several threads, GPU reduction shapes), so those are always computed over the whole window
+ROW_EXACT_KINDS = ("prob", "margin")
 
 
 @dataclass
@@ -35,8 +39,7 @@ class Proposal:
     active: Optional[torch.Tensor] = None       # [B] bool: the rows that took part in the call (set by the loop)
     pads: Tuple[int, ...] = ()                  # per row: left-padding columns of the canvas (set by the loop)
     # set by the loop: something downstream (a cache's ``after_step``, ``Cache.reads_confidence``) reads the
-    # step's confidence at every masked window position, so a strategy must not leave out masked positions it
-    # cannot commit this step (``StepPlan.masked`` keeps every masked position: it stays allowed)
+    # step's confidence at every window position, so none may be left out (StepPlan.masked is then ignored)
     all_confidences: bool = False
 
     @property
@@ -229,7 +232,6 @@ class Sampled:
     confidence: torch.Tensor   # [..., ] in the logits' dtype
     x0: torch.Tensor           # [..., ] long
     probs: Optional[torch.Tensor]   # [..., V] softmax after temperature and filters (None: not kept)
-    entropy: Optional[torch.Tensor] = None   # [..., ] EB's per-position entropy, where computed with the proposal
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float = 0.0, top_p: Optional[float] = None,

@@ -31,7 +31,11 @@ def masked_conf(conf: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
 
 
 def ranked_row(conf: torch.Tensor, cand: torch.Tensor, span: Optional[Tuple]) -> Tuple[torch.Tensor, int]:
-    """:func:`widen` of ``masked_conf(conf, cand)``, writing the masked scores straight into the wide row."""
+    """``(row, offset)``: the candidates' scores (``-inf`` elsewhere) placed at ``offset`` of a ``-inf`` row of
+    ``width`` (``span = (offset, width[, lead])``): the row a reference ranks in, so that exactly tied scores
+    break the way its ``torch.topk`` breaks them (``topk`` on equal values depends on the row's length and on
+    ``k``). ``lead`` (per row, on the host): the row's first columns that are left padding of a batch; each row
+    is ranked without them, as in a batch of one (see :func:`row_lead`)."""
     if span is None or (span[0] == 0 and span[1] == conf.shape[1]):
         return masked_conf(conf, cand), 0
     off, width = span[0], span[1]
@@ -41,26 +45,10 @@ def ranked_row(conf: torch.Tensor, cand: torch.Tensor, span: Optional[Tuple]) ->
     return row, off
 
 
-def widen(c: torch.Tensor, span: Optional[Tuple]) -> Tuple[torch.Tensor, int]:
-    """``c`` (``[B, W]``) placed at ``offset`` of a ``-inf`` row of ``width`` (``span = (offset, width[, lead])``):
-    the row a reference ranks in, so that exactly tied scores break the way its ``torch.topk`` breaks them
-    (``topk`` on equal values depends on the row's length and on ``k``). ``lead`` (per row, on the host): the
-    row's first columns that are left padding of a batch; each row is ranked without them, as in a batch of
-    one (see :func:`row_lead`)."""
-    if span is None:
-        return c, 0
-    off, width = span[0], span[1]
-    if off == 0 and width == c.shape[1]:
-        return c, 0
-    row = c.new_full((c.shape[0], width), NEG_INF)
-    row[:, off:off + c.shape[1]] = c
-    return row, off
-
-
 def topk_commit(conf: torch.Tensor, cand: torch.Tensor, k, span: Optional[Tuple[int, int]] = None) -> torch.Tensor:
     """Commit the ``k[b]`` most confident candidates of each row (never a non-candidate). With ``k`` a host
     sequence of ints they are chosen as ``torch.topk(row, k[b])`` chooses them in the reference's row (``span``,
-    see :func:`widen`); with a device tensor (a data-dependent count) by a stable sort, without a host read
+    see :func:`ranked_row`); with a device tensor (a data-dependent count) by a stable sort, without a host read
     (exact ties then break towards the lower position)."""
     W = conf.shape[1]
     row, off = ranked_row(conf, cand, span)
@@ -190,20 +178,13 @@ def factor_count(scores: torch.Tensor, cand: torch.Tensor, factor: float) -> tor
     return torch.where(M > 0, first, torch.zeros_like(first))
 
 
-def position_entropy(probs: torch.Tensor) -> torch.Tensor:
-    """Per position entropy of ``probs [..., V]`` as the EB reference computes it (``Categorical(probs=...)``:
-    renormalised, float32)."""
-    return torch.distributions.Categorical(probs=probs.float(), validate_args=False).entropy()
-
-
-def eb_count(scores: torch.Tensor, probs: Optional[torch.Tensor], gamma: float, over_ranks: bool = False,
-             entropy: Optional[torch.Tensor] = None) -> torch.Tensor:
+def eb_count(scores: torch.Tensor, probs: torch.Tensor, gamma: float, over_ranks: bool = False) -> torch.Tensor:
     """EB-Sampler: how many of the ranked positions fit an entropy budget ``gamma``. Positions are ranked by
     score; ``A_k`` is the cumulative entropy of ranks ``<= k`` and ``M_k`` a running maximum; the row takes
     ``#{k : A_k - M_k <= gamma}``. The reference's running maximum runs over the *batch* at each rank
     (``over_ranks=False``, the default); ``over_ranks=True`` takes it over the ranks of the row."""
     order = torch.sort(scores, dim=-1, descending=True).indices
-    H = position_entropy(probs) if entropy is None else entropy        # ``entropy``: computed already ([B, W])
+    H = torch.distributions.Categorical(probs=probs.float(), validate_args=False).entropy()
     H = torch.gather(H, 1, order)
     A = torch.cumsum(H, dim=1)
     Mx = torch.cummax(H, dim=1 if over_ranks else 0).values
@@ -213,7 +194,7 @@ def eb_count(scores: torch.Tensor, probs: Optional[torch.Tensor], gamma: float, 
 def d2c_commit(scores: torch.Tensor, cand: torch.Tensor, min_tt: int, max_tt=None, *,
                counts: Optional[Sequence[int]] = None, threshold: Optional[float] = None,
                factor: Optional[float] = None, gamma: Optional[float] = None, probs: Optional[torch.Tensor] = None,
-               eb_over_ranks: bool = False, entropy: Optional[torch.Tensor] = None) -> torch.Tensor:
+               eb_over_ranks: bool = False) -> torch.Tensor:
     """The d2Cache framework's ``confidence_unmasking`` for every row at once (``[B, W]`` bool commits).
 
     ``threshold``: every candidate scoring ``>= threshold`` (none at all when more than ``max_tt`` do);
@@ -264,7 +245,7 @@ def d2c_commit(scores: torch.Tensor, cand: torch.Tensor, min_tt: int, max_tt=Non
         top = topk_rows(c, lo(M, base))
         return torch.where((picked.sum(-1) < num)[:, None], top, picked)
     if gamma is not None:
-        num = eb_count(c, probs, gamma, eb_over_ranks, entropy)
+        num = eb_count(c, probs, gamma, eb_over_ranks)
         mxt = torch.as_tensor(mx, device=c.device)
         num = torch.minimum(torch.maximum(num, torch.full_like(num, min_tt)), mxt)
         return topk_rows(c, torch.minimum(torch.as_tensor(M, device=c.device), num))
