@@ -38,3 +38,24 @@ class Scripted:
                     logits[b, j - lo, second[j - P]] = math.log((1 - conf[j - P]) * 0.9)
         return ForwardCall(input_ids=ids, position_ids=position_ids, key_mask=None, columns=Columns.span(0, L),
                            logits_range=(lo, hi), request=request or CallRequest(), logits=logits)
+
+
+class CommittedDeltas:
+    """A sink keeping what every delta committed: ``(commit, tokens there, confidences there)`` (the rest of a
+    delta's tokens and confidences is nobody's business: sinks record the committed positions only)."""
+
+    wants_logits = wants_recomputed = False
+
+    def __init__(self):
+        self.seen = []
+
+    def on_start(self, canvas, info):
+        pass
+
+    def on_delta(self, delta, canvas):
+        c = delta.confidence
+        self.seen.append((delta.commit.tolist(), torch.where(delta.commit, delta.tokens, 0).tolist(),
+                          None if c is None else torch.where(delta.commit, c, torch.zeros_like(c)).tolist()))
+
+    def on_end(self, canvas):
+        pass

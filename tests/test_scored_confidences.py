@@ -2,13 +2,13 @@
 (host numbers), and the sampler computes confidences there only (the float64 softmax over the vocabulary is the
 costliest part of a step outside the model). The outputs must be exactly those of scoring every position."""
 import pytest
-import torch
 
 import dlm_engine.core.sampler as sampler
 from dlm_engine.core.canvas import Canvas
 from dlm_engine.core.capabilities import incompatibility
 from dlm_engine.core.loop import decode
 from dlm_engine.core.registry import cache_class, strategy_class
+from fakes import CommittedDeltas
 
 CASES = [
     ("low_confidence", {"block_length": 8, "steps": 16}),
@@ -19,21 +19,6 @@ CASES = [
     ("cadllm", {"initial_block_length": 8, "min_block": 4, "max_block": 8}),
     ("block_buffer", {"block_length": 4, "buffer_size": 3, "add_block_threshold": 0.3}),
 ]
-
-
-class Confidences:
-    def __init__(self):
-        self.seen = []
-
-    def on_start(self, canvas, info):
-        pass
-
-    def on_delta(self, delta, canvas):
-        c = delta.confidence
-        self.seen.append(None if c is None else torch.where(delta.commit, c, torch.zeros_like(c)).tolist())
-
-    def on_end(self, canvas):
-        pass
 
 
 def run(model, name, kw, cache, min_saving, monkeypatch):
@@ -47,7 +32,7 @@ def run(model, name, kw, cache, min_saving, monkeypatch):
     prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16]][:cls.max_batch or 3]
     canvas = Canvas.from_prompts(prompts, 16, int(model.config.mask_token_id), 0,
                                  eos_id=int(model.config.eos_token_id))
-    sink = Confidences()
+    sink = CommittedDeltas()
     decode(model, canvas, strategy, cache_cls(), sinks=[sink])
     return (canvas.tokens.tolist(), canvas.step_of.tolist(), canvas.nfe, sink.seen), len(calls)
 
