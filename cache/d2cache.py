@@ -164,6 +164,14 @@ class D2Cache(Cache):
         yield io
         self._call["weights"].append(io.weights.float())
 
+    def _key_columns(self, T: int, device) -> torch.Tensor:
+        """The key columns ``arange(T)``, one tensor per call: the attention mask is built once per call for
+        layers that share their key columns (``layers._memo_mask`` keys on the tensor's identity)."""
+        cols = self._call.get("key_columns")
+        if cols is None:
+            cols = self._call["key_columns"] = torch.arange(T, device=device)
+        return cols
+
     def keys_values(self, layer: int, io, k: torch.Tensor, v: torch.Tensor):
         if self._call is None:
             return k, v, None
@@ -179,7 +187,7 @@ class D2Cache(Cache):
         index = io.call.columns.index
         kk = scatter_columns(st, ks, 2, index, k)
         vv = scatter_columns(st, vs, 2, index, v)
-        return kk, vv, torch.arange(T, device=k.device)
+        return kk, vv, self._key_columns(T, k.device)
 
     def _rollout(self, call, weights: List[torch.Tensor]) -> torch.Tensor:
         """Column sums of the attention rollout ``M_L ... M_1`` of this call (``[b, L]``), accumulated from the last

@@ -203,6 +203,14 @@ class DLLMCache(Cache):
         att = tensor_for(self.att, layer, self.store, (T, dm), out)
         io.out, io.projected = scatter_columns(self.store, att, 1, index, out, keep), True
 
+    def _key_columns(self, T: int, device) -> torch.Tensor:
+        """The key columns ``arange(T)``, one tensor per call: the attention mask is built once per call for
+        layers that share their key columns (``layers._memo_mask`` keys on the tensor's identity)."""
+        cols = self._call.get("key_columns")
+        if cols is None:
+            cols = self._call["key_columns"] = torch.arange(T, device=device)
+        return cols
+
     def keys_values(self, layer: int, io, k: torch.Tensor, v: torch.Tensor):
         if self._call is None or (layer == 0 and self.cfg.layer0_full):
             return k, v, None
@@ -224,7 +232,7 @@ class DLLMCache(Cache):
         self._last = (index, keep)
         if index is None:
             return k, v, None
-        return kk, vv, torch.arange(T, device=k.device)
+        return kk, vv, self._key_columns(T, k.device)
 
     @contextmanager
     def ffn(self, layer: int, io):

@@ -272,3 +272,17 @@ def test_every_strategy_decodes_a_llada_batch_with_the_adaptive_caches(models):
         decode(model, canvas, lc(lc.Config(steps=16, block_length=8, cfg_scale=1.0, loop="fastdllm"), 16),
                cache_class(cname)())
         assert not canvas.masked()[:, canvas.gen_start:].any(), cname
+
+
+def test_d2cache_builds_one_attention_mask_per_forward(tiny_llada, monkeypatch):
+    """Layers with the same query rows share the key columns tensor, so a padded batch's attention mask is built
+    once per model call (``layers._memo_mask`` keys on tensor identity), not once per layer."""
+    import dlm_engine.models.layers as layers
+
+    built = []
+    orig = layers.attention_mask
+    monkeypatch.setattr(layers, "attention_mask", lambda *a, **k: built.append(1) or orig(*a, **k))
+    cls = strategy_class("d2c")
+    canvas = Canvas.from_prompts([[5, 6, 7, 8], [9, 10]], 16, int(tiny_llada.config.mask_token_id), 0)
+    decode(tiny_llada, canvas, cls(cls.Config(block_length=4), 16), cache_class("d2cache")())
+    assert tiny_llada.config.n_layers > 1 and len(built) == canvas.nfe
