@@ -14,6 +14,16 @@ import torch
 from dlm_engine.core.kvcache import RowStore
 
 
+def key_columns(call_state: Dict, T: int, device) -> torch.Tensor:
+    """The key columns ``arange(T)`` of a call, one tensor for every layer (kept in the cache's per-call
+    ``call_state``): layers with the same query rows then share one attention mask (``layers._memo_mask`` keys
+    on tensor identity)."""
+    cols = call_state.get("key_columns")
+    if cols is None:
+        cols = call_state["key_columns"] = torch.arange(T, device=device)
+    return cols
+
+
 def rows_of(store: RowStore, t: torch.Tensor) -> torch.Tensor:
     """The call's rows of a store tensor (the tensor itself when the call runs every held row)."""
     return t if store.index is None else t[store.index]

@@ -54,7 +54,7 @@ from dlm_engine.core.registry import register_cache
 from dlm_engine.core.strategy import masked_after
 from dlm_engine.errors import ConfigError
 
-from ._store import put_rows, rows_of, scatter_columns, tensor_for
+from ._store import key_columns, put_rows, rows_of, scatter_columns, tensor_for
 
 
 @dataclass
@@ -164,14 +164,6 @@ class D2Cache(Cache):
         yield io
         self._call["weights"].append(io.weights.float())
 
-    def _key_columns(self, T: int, device) -> torch.Tensor:
-        """The key columns ``arange(T)``, one tensor per call: the attention mask is built once per call for
-        layers that share their key columns (``layers._memo_mask`` keys on the tensor's identity)."""
-        cols = self._call.get("key_columns")
-        if cols is None:
-            cols = self._call["key_columns"] = torch.arange(T, device=device)
-        return cols
-
     def keys_values(self, layer: int, io, k: torch.Tensor, v: torch.Tensor):
         if self._call is None:
             return k, v, None
@@ -187,7 +179,7 @@ class D2Cache(Cache):
         index = io.call.columns.index
         kk = scatter_columns(st, ks, 2, index, k)
         vv = scatter_columns(st, vs, 2, index, v)
-        return kk, vv, self._key_columns(T, k.device)
+        return kk, vv, key_columns(self._call, T, k.device)
 
     def _rollout(self, call, weights: List[torch.Tensor]) -> torch.Tensor:
         """Column sums of the attention rollout ``M_L ... M_1`` of this call (``[b, L]``), accumulated from the last

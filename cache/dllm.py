@@ -38,7 +38,7 @@ from dlm_engine.core.kvcache import Cache, RowStore
 from dlm_engine.core.registry import register_cache
 from dlm_engine.errors import ConfigError, UserError
 
-from ._store import padded_index, rows_of, scatter_columns, tensor_for
+from ._store import key_columns, padded_index, rows_of, scatter_columns, tensor_for
 
 
 class ScheduleDiverged(UserError):
@@ -203,14 +203,6 @@ class DLLMCache(Cache):
         att = tensor_for(self.att, layer, self.store, (T, dm), out)
         io.out, io.projected = scatter_columns(self.store, att, 1, index, out, keep), True
 
-    def _key_columns(self, T: int, device) -> torch.Tensor:
-        """The key columns ``arange(T)``, one tensor per call: the attention mask is built once per call for
-        layers that share their key columns (``layers._memo_mask`` keys on the tensor's identity)."""
-        cols = self._call.get("key_columns")
-        if cols is None:
-            cols = self._call["key_columns"] = torch.arange(T, device=device)
-        return cols
-
     def keys_values(self, layer: int, io, k: torch.Tensor, v: torch.Tensor):
         if self._call is None or (layer == 0 and self.cfg.layer0_full):
             return k, v, None
@@ -232,7 +224,7 @@ class DLLMCache(Cache):
         self._last = (index, keep)
         if index is None:
             return k, v, None
-        return kk, vv, self._key_columns(T, k.device)
+        return kk, vv, key_columns(self._call, T, k.device)
 
     @contextmanager
     def ffn(self, layer: int, io):
