@@ -47,7 +47,7 @@ from typing import List
 import torch
 
 from dlm_engine.core.capabilities import caps
-from dlm_engine.core.kvcache import Cache, RowStore
+from dlm_engine.core.kvcache import Cache, RowStore, keep_layer_rows
 from dlm_engine.core.priors import certainty_density
 from dlm_engine.core.protocol import Columns, recomputed_columns
 from dlm_engine.core.registry import register_cache
@@ -98,9 +98,7 @@ class D2Cache(Cache):
         self.begin(None)
 
     def keep_rows(self, index: torch.Tensor) -> None:
-        for t in (self.k, self.v):
-            for layer in list(t):
-                t[layer] = t[layer].index_select(0, index)
+        keep_layer_rows(index, self.k, self.v)
         for name in ("q", "imp", "sc", "conf", "has_conf"):
             t = getattr(self, name)
             if t is not None:

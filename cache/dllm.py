@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from dlm_engine.core.capabilities import Cap, caps
-from dlm_engine.core.kvcache import Cache, RowStore
+from dlm_engine.core.kvcache import Cache, RowStore, keep_layer_rows
 from dlm_engine.core.registry import register_cache
 from dlm_engine.errors import ConfigError, UserError
 
@@ -83,9 +83,7 @@ class DLLMCache(Cache):
         self.begin(None)
 
     def keep_rows(self, index: torch.Tensor) -> None:
-        for t in (self.k, self.v, self.att, self.mlp):
-            for layer in list(t):
-                t[layer] = t[layer].index_select(0, index)
+        keep_layer_rows(index, self.k, self.v, self.att, self.mlp)
         host = index.cpu()
         self.steps, self.prev = self.steps[host], self.prev[host]
 

@@ -6,7 +6,7 @@ from a strategy and offer to it is stated in ``needs`` / ``offers`` (:mod:`dlm_e
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, ClassVar, Optional, Tuple
+from typing import Any, ClassVar, Dict, Optional, Tuple
 
 import torch
 
@@ -37,6 +37,13 @@ class Cache(NullHooks):
     def after_step(self, canvas, delta, call: Optional[ForwardCall]) -> None:
         """Called after every step with the pre-step canvas, the step's delta and its model call (None when
         no call ran); caches that choose what to recompute from the step's result override it."""
+
+
+def keep_layer_rows(index: torch.Tensor, *stores: Dict[int, torch.Tensor]) -> None:
+    """Keep the rows ``index`` of every tensor of per-layer stores (``{layer: [rows, ...]}``), in place."""
+    for store in stores:
+        for layer in list(store):
+            store[layer] = store[layer].index_select(0, index)
 
 
 class RowStore:
@@ -147,9 +154,7 @@ class StoredKVCache(Cache):
     def keep_rows(self, index: torch.Tensor) -> None:
         """Keep only the stored rows at positions ``index`` (rows finished since the last call are dropped).
         Subclasses that keep per-row state of their own extend this."""
-        for store in (self.k, self.v):
-            for layer, t in store.items():
-                store[layer] = t.index_select(0, index)
+        keep_layer_rows(index, self.k, self.v)
 
     # -- hooks ----------------------------------------------------------------------------------------
     @contextmanager
