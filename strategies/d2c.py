@@ -35,7 +35,7 @@ from dlm_engine.core.eos import stop_at_eos
 from dlm_engine.core.priors import FrequencyTable, certainty_density
 from dlm_engine.core.registry import register_strategy
 from dlm_engine.core import sampler
-from dlm_engine.core.sampler import Sampled, sample_tokens
+from dlm_engine.core.sampler import Sampled, placed, sample_tokens
 from dlm_engine.core.selection import d2c_commit, masked_order
 from dlm_engine.core.strategy import CacheDirective, StepPlan, Strategy, masked_after
 from dlm_engine.errors import ConfigError
@@ -182,12 +182,17 @@ class D2C(Strategy):
             st = dataclasses.replace(st, block=st.block + 1, step=0)        # the step finished the block
         return dataclasses.replace(st, counts=counts)
 
+    def sampler_options(self, st: BlockState) -> dict:
+        """The keyword arguments of :func:`sample_tokens` for this config (and the loaded PC-Sampler table)."""
+        c = self.cfg
+        return dict(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, alg=c.alg.value, freq=st.freq,
+                    clip_alpha=c.clip_alpha, debias_after_alg=c.debias_after_alg,
+                    filters_at_zero=c.filters_at_zero_temperature)
+
     def sample(self, logits: torch.Tensor, cand: torch.Tensor, st: BlockState) -> Sampled:
         """The step's proposals for every generated position of the call's rows (or only the candidates)."""
         c = self.cfg
-        kw = dict(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, alg=c.alg.value, freq=st.freq,
-                  clip_alpha=c.clip_alpha, debias_after_alg=c.debias_after_alg,
-                  filters_at_zero=c.filters_at_zero_temperature)
+        kw = self.sampler_options(st)
         if not c.sample_candidates_only:
             return sample_tokens(logits, **kw)
         part = sample_tokens(logits[cand], **kw)
@@ -219,16 +224,11 @@ class D2C(Strategy):
     def sample_at(self, logits: torch.Tensor, where: torch.Tensor, count: int, st: BlockState) -> Sampled:
         """:meth:`sample` at the ``count`` positions of ``where`` (known on the host: no read); elsewhere the
         confidence is ``-inf`` and the token 0. No distribution is kept."""
-        c = self.cfg
         B, G, V = logits.shape
         order = masked_order(where, count)
-        part = sample_tokens(logits.reshape(B * G, V)[order], temperature=c.temperature, top_p=c.top_p,
-                             top_k=c.top_k, alg=c.alg.value, freq=st.freq, clip_alpha=c.clip_alpha,
-                             debias_after_alg=c.debias_after_alg, filters_at_zero=c.filters_at_zero_temperature)
-        conf = torch.full((B * G,), float("-inf"), dtype=part.confidence.dtype, device=logits.device)
-        x0 = torch.zeros(B * G, dtype=torch.long, device=logits.device)
-        return Sampled(conf.index_copy_(0, order, part.confidence).view(B, G),
-                       x0.index_copy_(0, order, part.x0).view(B, G), None)
+        part = sample_tokens(logits.reshape(B * G, V)[order], **self.sampler_options(st))
+        return Sampled(placed(part.confidence, order, (B, G), float("-inf")), placed(part.x0, order, (B, G), 0),
+                       None)
 
     def pick(self, scores, cand, block_cand, sampled: Sampled, st: BlockState, rows, counts):
         """``[B_a, G]`` commits of the call's rows (``rows``; None: every row) and the new state (subclasses: KLASS,
@@ -256,9 +256,9 @@ class D2C(Strategy):
             block_cand &= elig if every else elig[rows]
         counts = plan.info["counts"] if cand is masked else None
         B_a, G, V = proposal.logits.shape
-        if (counts is not None and (B_a * G - sum(counts)) * V >= sampler.SCORED_MIN_SAVING
-                and self.block_scores_suffice(proposal)):
-            sampled = self.sample_at(proposal.logits, block_cand, sum(counts), st)
+        n = None if counts is None else sum(counts)
+        if n is not None and (B_a * G - n) * V >= sampler.SCORED_MIN_SAVING and self.block_scores_suffice(proposal):
+            sampled = self.sample_at(proposal.logits, block_cand, n, st)
         else:
             sampled = self.sample(proposal.logits, cand, st)
         conf = torch.where(cand, sampled.confidence, torch.full_like(sampled.confidence, float("-inf")))

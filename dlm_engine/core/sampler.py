@@ -159,8 +159,14 @@ def scored_confidence(logits: torch.Tensor, x0: torch.Tensor, kind: str, dtype: 
     order = masked_order(mask, count)
     sub = confidence_of(logits.reshape(B * W, V)[order][None], x0.reshape(-1)[order][None], kind, dtype,
                         top_v=top_v)[0]
-    out = torch.full((B * W,), float("-inf"), dtype=sub.dtype, device=sub.device)
-    return out.index_copy_(0, order, sub).view(B, W)
+    return placed(sub, order, (B, W), float("-inf"))
+
+
+def placed(values: torch.Tensor, order: torch.Tensor, shape: Tuple[int, int], fill) -> torch.Tensor:
+    """A ``shape`` tensor holding ``values`` at the flat positions ``order`` and ``fill`` elsewhere: results
+    computed at chosen positions only, put back in place."""
+    out = torch.full((shape[0] * shape[1],), fill, dtype=values.dtype, device=values.device)
+    return out.index_copy_(0, order, values).view(shape)
 
 
 # -- Dream-style proposals (docs/specs/dream.md §4.1 and §8): nucleus / top-k filters, categorical draws,
