@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from dlm_engine.core.blockwise import block_counts, host_rows
 from dlm_engine.core.canvas import BlockEvent
+from dlm_engine.core.devices import host_tensor
 from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.eos import EosOptions, check_eos_options, eos_confidence, eos_stop, eos_suppress
 from dlm_engine.core.registry import register_strategy
@@ -104,8 +105,8 @@ class BlockBuffer(Strategy):
     # -- policy ------------------------------------------------------------------------------------
     def init_state(self, canvas):
         check_eos_options(self.cfg, canvas)
-        sizes = torch.tensor([min(self.block_len, self.gen_length - b * self.block_len)
-                              for b in range(self.num_blocks)], device=canvas.device)
+        sizes = host_tensor([min(self.block_len, self.gen_length - b * self.block_len)
+                             for b in range(self.num_blocks)], torch.long, canvas.device)
         first = self.first_incomplete(self.blocks(canvas.masked()[:, canvas.gen_start:]))
         return BufferState(first, (first < self.num_blocks).long(), sizes)
 

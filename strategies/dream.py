@@ -40,6 +40,7 @@ import torch
 
 from dlm_engine.core.blockwise import block_counts, host_rows
 from dlm_engine.core.canvas import BlockEvent, FrameDelta
+from dlm_engine.core.devices import host_tensor
 from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.registry import register_strategy
 from dlm_engine.core.sampler import sample_positions, sample_tokens
@@ -160,7 +161,7 @@ class Dream(DreamBlockLoop, Strategy):
                               m[:, bs + 1:end].sum(-1), m[:, bs + 1:be].sum(-1)])
         if st.lo is None:                       # before the first step: the window start, masks per row
             cols = m.any(0)
-            first = torch.where(cols.any(), cols.int().argmax(), torch.tensor(canvas.gen_start, device=m.device))
+            first = torch.where(cols.any(), cols.int().argmax(), canvas.gen_start)
             return torch.cat([first.reshape(1), m.sum(-1)])
         parts = [m[:, st.lo:].sum(-1)]
         if st.steps_row is not None:
@@ -192,7 +193,7 @@ class Dream(DreamBlockLoop, Strategy):
                 raise ConfigError(f"strategy.alg=confidence_threshold: the number of masks per row "
                                   f"({list(masks)}) must be divisible by strategy.steps={self.steps}")
             dev = canvas.device
-            quota = torch.tensor([n // self.steps for n in masks], dtype=torch.long, device=dev)
+            quota = host_tensor([n // self.steps for n in masks], torch.long, dev)
             return dataclasses.replace(st, steps_row=torch.full((B,), self.steps, dtype=torch.long, device=dev),
                                        quota=quota, carry=torch.zeros_like(quota),
                                        kmax=max(n // self.steps for n in masks), steps_max=self.steps)

@@ -17,6 +17,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from dlm_engine.core.canvas import FrameDelta
+from dlm_engine.core.devices import host_tensor
 from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.registry import register_strategy
 from dlm_engine.core.blockwise import block_counts, host_rows
@@ -90,9 +91,9 @@ class EarlyExit(Strategy):
         B, G, g = canvas.batch_size, canvas.gen_length, canvas.gen_start
         commit = torch.zeros((B, G), dtype=torch.bool, device=canvas.device)
         tokens = canvas.tokens[:, g:].clone()
-        cols = torch.tensor(list(self.constraints), device=canvas.device)
+        cols = host_tensor(list(self.constraints), torch.long, canvas.device)
         commit[:, cols] = True
-        tokens[:, cols] = torch.tensor(list(self.constraints.values()), device=canvas.device)
+        tokens[:, cols] = host_tensor(list(self.constraints.values()), tokens.dtype, canvas.device)
         none = torch.zeros(B, dtype=torch.bool, device=canvas.device)
         return FrameDelta(step=0, nfe=0, start=g, commit=commit, tokens=tokens, active=~none, finished=none,
                           scalars={"constraints": len(self.constraints)})

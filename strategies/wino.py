@@ -153,8 +153,8 @@ class Wino(Strategy):
             G = bm.shape[1]
             col = torch.arange(G, device=bm.device)
             any0 = bm[0].any()
-            first = torch.where(any0, bm[0].int().argmax(), torch.tensor(-1, device=bm.device))
-            last = torch.where(any0, G - 1 - bm[0].flip(0).int().argmax(), torch.tensor(-1, device=bm.device))
+            first = torch.where(any0, bm[0].int().argmax(), -1)
+            last = torch.where(any0, G - 1 - bm[0].flip(0).int().argmax(), -1)
             inside = (col >= first) & (col <= last)
             parts += [(bm & masked).any(-1), first.reshape(1), last.reshape(1),
                       (canvas.masked()[:, g:] & inside[None, :]).sum(-1)]

@@ -114,8 +114,8 @@ def test_the_counter_sees_a_sync(tiny_llada):
 
 
 def test_the_counter_sees_mask_indexing_and_counts_ops_outside_the_model(tiny_llada):
-    """Boolean-mask indexing and assignment count as syncs (seen where they reach ATen); ``ops`` counts the tensor operations
-    outside the model only; leaving the counter restores torch (a 0-d tensor inside a list still converts)."""
+    """Boolean-mask indexing and assignment count as syncs (seen where they reach ATen), and so do tensors made from host
+    lists (a copy the host waits for on a GPU); ``ops`` counts the tensor operations outside the model only; leaving the counter restores torch (a 0-d tensor inside a list still converts)."""
     x = torch.arange(6)
     with torch.inference_mode(), SyncCounter() as c:
         x[x > 2]
@@ -124,7 +124,8 @@ def test_the_counter_sees_mask_indexing_and_counts_ops_outside_the_model(tiny_ll
         y = x.clone()
         y[y > 2] = 0
         y[torch.tensor([0])] = 1
-    assert c.counts == {"mask-index": 2} and c.ops >= 3
+        y[0] = 2                                   # a Python scalar: a kernel argument, no copy
+    assert c.counts == {"mask-index": 2, "host-tensor": 2} and c.ops >= 3
     assert torch.tensor([[torch.tensor(0.5), 0.0]]).tolist() == [[0.5, 0.0]]
 
     ops = {}
@@ -135,3 +136,18 @@ def test_the_counter_sees_mask_indexing_and_counts_ops_outside_the_model(tiny_ll
             decode(timer or tiny_llada, canvas, strategy_class("threshold")(strategy_class("threshold").Config(block_length=8), GEN))
         ops[timed] = counter.ops / canvas.step
     assert 0 < ops[True] < 100 and ops[False] > 2 * ops[True]     # the model's ops are not counted
+
+
+def test_host_numbers_reach_the_device_without_a_counted_sync():
+    """``host_tensor`` (pinned, non-blocking on CUDA) is the one way per-step host numbers become tensors: same
+    values as ``torch.tensor``, not counted; the plain call is."""
+    from dlm_engine.core.devices import host_tensor
+
+    with torch.inference_mode(), SyncCounter() as c:
+        t = host_tensor([[1, 2], [3, 4]], torch.long, "cpu")
+        f = host_tensor([True, False], torch.bool, torch.device("cpu"))
+    assert c.total == 0
+    assert t.dtype == torch.long and t.tolist() == [[1, 2], [3, 4]] and f.tolist() == [True, False]
+    with torch.inference_mode(), SyncCounter() as c:
+        torch.tensor([1, 2])
+    assert c.counts == {"host-tensor": 1}

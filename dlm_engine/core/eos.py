@@ -77,7 +77,8 @@ def eos_eot_confidence(logits: torch.Tensor, x0: torch.Tensor, kind: str, softma
     if not cols:
         return confidence_of(logits, x0, kind, softmax_dtype)
     edited = logits.clone()
-    edited[..., cols] = float("-inf")
+    for c in cols:
+        edited[..., c] = float("-inf")
     return confidence_of(edited, x0, kind, softmax_dtype)
 
 

@@ -4,7 +4,8 @@ Nothing here is used by a normal decode; benchmarks and tests wrap a decode with
 
 * :class:`SyncCounter` counts the tensor operations that force the host to wait for the device (``item``,
   ``tolist``, ``bool(t)``, ``int(t)``, ``float(t)``, ``nonzero``, boolean-mask indexing, ``unique``,
-  ``.cpu()``/``.numpy()``), outside the model's forward. On a CPU they cost little, on a GPU each one stalls
+  ``.cpu()``/``.numpy()``) and the tensors made from host lists outside :func:`dlm_engine.core.devices.host_tensor`
+  (a copy the host waits for on a GPU), outside the model's forward. On a CPU they cost little, on a GPU each one stalls
   the device. It also counts every tensor operation outside the model (``ops``: a kernel launch each on a GPU).
 * :class:`Sections` accumulates CPU time (``time.thread_time``) in the model forward, ``plan``, the sampler,
   ``select``, ``canvas.apply`` and the sinks.
@@ -17,6 +18,8 @@ from typing import Dict, Iterator, List
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from dlm_engine.core.devices import staging
 
 _METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy")
 _FUNCTIONS = ("nonzero", "unique", "masked_select", "argwhere")
@@ -109,6 +112,9 @@ def _bool_index(idx) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in items)
 
 
+# a tensor made from host data (``torch.tensor``/``as_tensor``). 0-dim ones are left out: ``x[i] = 1.0`` makes one
+# too, and a Python scalar reaches a GPU as a kernel argument, without a copy
+_LIFT = torch.ops.aten.lift_fresh.default
 _INDEXING = (torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default)
 
 
@@ -126,6 +132,8 @@ class _MaskIndex(TorchDispatchMode):
             c.ops += 1
             if func in _INDEXING and _bool_index(args[1]):      # x[mask], x[mask] = v
                 c._count("mask-index")
+            elif func is _LIFT and args[0].dim() > 0 and not staging():
+                c._count("host-tensor")        # torch.tensor(host list, device=...): a waited-for copy on a GPU
         return func(*args, **(kwargs or {}))
 
 

@@ -75,7 +75,8 @@ def forward(model, canvas: Canvas, plan: StepPlan, cache, rows: Optional[torch.T
         if call.valid is not None:
             call.valid = call.valid.chunk(2, dim=0)[0]
     if plan.suppress:  # in place, after CFG and before any noise (LLaDA's logits_eos_inf)
-        logits[..., list(plan.suppress)] = float("-inf")
+        for t in plan.suppress:     # one column at a time: an index list would be a host-to-device copy
+            logits[..., t] = float("-inf")
     return logits, call
 
 

@@ -30,6 +30,7 @@ from typing import Optional, Tuple
 import torch
 
 from dlm_engine.core.canvas import Canvas
+from dlm_engine.core.devices import host_tensor
 from dlm_engine.core.protocol import ForwardCall, recomputed_columns
 from dlm_engine.core.sampler import Proposal
 
@@ -53,8 +54,7 @@ class ActiveRows:
         if flags not in self._memo:
             if len(self._memo) > 64:
                 self._memo.clear()
-            self._memo[flags] = torch.tensor([i for i, f in enumerate(flags) if f], dtype=torch.long,
-                                             device=self.device)
+            self._memo[flags] = host_tensor([i for i, f in enumerate(flags) if f], torch.long, self.device)
         return self._memo[flags]
 
     def rows_for(self, finished, wanted) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -76,7 +76,7 @@ class ActiveRows:
     def _flags(self, flags: Tuple[bool, ...]) -> torch.Tensor:
         key = ("mask",) + flags
         if key not in self._memo:
-            self._memo[key] = torch.tensor(flags, dtype=torch.bool, device=self.device)
+            self._memo[key] = host_tensor(flags, torch.bool, self.device)
         return self._memo[key]
 
     def seen(self, logits: torch.Tensor) -> None:

@@ -8,6 +8,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from dlm_engine.core.devices import host_tensor
+
 NEG_INF = float("-inf")
 
 
@@ -97,7 +99,7 @@ def _groups(values: Sequence, device) -> List[Tuple[object, torch.Tensor]]:
     if len(out) == 1:
         v = next(iter(out))
         return [(v, slice(None))]
-    return [(v, torch.tensor(rs, device=device)) for v, rs in out.items()]
+    return [(v, host_tensor(rs, torch.long, device)) for v, rs in out.items()]
 
 
 def threshold_commit(conf: torch.Tensor, cand: torch.Tensor, tau, span: Optional[Tuple[int, int]] = None,
@@ -212,7 +214,7 @@ def d2c_commit(scores: torch.Tensor, cand: torch.Tensor, min_tt: int, max_tt=Non
     B = c.shape[0]
     if counts is None:                                  # the candidates are only known on the device
         M = cand.sum(-1)
-        mx = M if max_tt is None else torch.as_tensor(max_tt, device=c.device).expand(B)
+        mx = M if max_tt is None else _ints(max_tt, c.device).expand(B)
         host = False
     else:
         M = list(counts)
@@ -228,10 +230,10 @@ def d2c_commit(scores: torch.Tensor, cand: torch.Tensor, min_tt: int, max_tt=Non
     if threshold is not None:
         picked = cand & (c >= threshold)
         n = picked.sum(-1)
-        over = n > (torch.as_tensor(mx, device=c.device) if host else mx)
+        over = n > (_ints(mx, c.device) if host else mx)
         if host:   # the count is max when too many pass, else min(min_tt, max): both known, pick per row
             k_over, k_base = lo(M, mx), lo(M, base)
-            num = torch.where(over, torch.as_tensor(mx, device=c.device), torch.as_tensor(base, device=c.device))
+            num = torch.where(over, _ints(mx, c.device), _ints(base, c.device))
             top = torch.where(over[:, None], topk_rows(c, k_over), topk_rows(c, k_base))
         else:
             num = torch.where(over, mx, base)
@@ -240,16 +242,21 @@ def d2c_commit(scores: torch.Tensor, cand: torch.Tensor, min_tt: int, max_tt=Non
         return torch.where((picked.sum(-1) < num)[:, None], top, picked)
     if factor is not None:
         n1 = (factor_count(scores, cand, factor) - 1).clamp_min(0)
-        picked = topk_rows(c, torch.minimum(n1, torch.as_tensor(mx, device=c.device)))
-        num = torch.as_tensor(base, device=c.device)
+        picked = topk_rows(c, torch.minimum(n1, _ints(mx, c.device)))
+        num = _ints(base, c.device)
         top = topk_rows(c, lo(M, base))
         return torch.where((picked.sum(-1) < num)[:, None], top, picked)
     if gamma is not None:
         num = eb_count(c, probs, gamma, eb_over_ranks)
-        mxt = torch.as_tensor(mx, device=c.device)
+        mxt = _ints(mx, c.device)
         num = torch.minimum(torch.maximum(num, torch.full_like(num, min_tt)), mxt)
-        return topk_rows(c, torch.minimum(torch.as_tensor(M, device=c.device), num))
+        return topk_rows(c, torch.minimum(_ints(M, c.device), num))
     return topk_rows(c, lo(M, base))                      # the fixed rate: min(min_tt, max) top candidates
+
+
+def _ints(values, device) -> torch.Tensor:
+    """Per-row counts as a device tensor: host numbers are copied without a wait, tensors pass through."""
+    return values if torch.is_tensor(values) else host_tensor(values, torch.long, device)
 
 
 def masked_order(mask: torch.Tensor, count: int) -> torch.Tensor:
