@@ -115,8 +115,9 @@ class LowConfidence(Strategy):
         # LLaDA runs every scheduled step; Fast-dLLM's loop ends the block when it is full (decided on the host)
         done = c.loop == Loop.llada and cur.step + 1 >= self.steps_per_block
         nxt, events = cur.advance((s, e), done)
-        delta = self.delta(canvas, proposal, commit, events=events, confidence=conf,
-                           scalars={"block": cur.block, "committed": commit.sum(-1)})
+        n = commit.sum(-1)
+        delta = self.delta(canvas, proposal, commit, events=events, confidence=conf, committed=n,
+                           masked_left=[sum(row) for row in st.counts], scalars={"block": cur.block, "committed": n})
         return eos_stop(c, canvas, delta), dataclasses.replace(st, cursor=nxt)
 
     def sync_request(self, canvas, st: Schedule):

@@ -112,9 +112,11 @@ class FillBlocks(Strategy):
         cand = candidates(canvas, proposal, e)
         conf = eos_confidence(self.cfg, canvas, plan, proposal)
         commit = self.rule(conf, cand, cur, proposal.row_span, plan.info["counts"]) & cand
-        delta = eos_stop(self.cfg, canvas, self.delta(canvas, proposal, commit, confidence=conf))
+        n = commit.sum(-1)
+        delta = eos_stop(self.cfg, canvas, self.delta(canvas, proposal, commit, confidence=conf, committed=n,
+                                                      masked_left=[sum(row) for row in st.counts]))
         delta.block_events = [BlockEvent("opened", cur.block, s, e)] if cur.step == 0 else []
-        delta.scalars.update({"block": cur.block, "committed": commit.sum(-1)})
+        delta.scalars.update({"block": cur.block, "committed": n})
         delta.scalars.update(self.step_scalars(proposal, cand, commit))
         return delta, BlockState(BlockCursor(cur.block, cur.step + 1), st.counts)
 

@@ -152,7 +152,8 @@ class Canvas:
         if delta.remask is not None:
             tok.masked_fill_(delta.remask, self.mask_id)
             so.masked_fill_(delta.remask, -1)
-        torch.where(delta.commit, delta.tokens.to(tok.dtype), tok, out=tok)     # in place, one kernel
+        new = delta.tokens if delta.tokens.dtype == tok.dtype else delta.tokens.to(tok.dtype)
+        torch.where(delta.commit, new, tok, out=tok)     # in place, one kernel
         so.masked_fill_(delta.commit, delta.step)
         self.finished |= delta.finished
         self.step = delta.step
