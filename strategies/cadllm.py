@@ -140,7 +140,7 @@ class CadLLM(Strategy):
         bounds = (st.start, st.end)
         if plan.info.get("allin"):               # Prophet-style commit: plain argmax everywhere
             nxt, events = st.cursor.advance(bounds, done=True)
-            return (self.delta(canvas, proposal, cand, events=events, scalars=scalars),
+            return (self.delta(canvas, proposal, cand, events=events, scalars=scalars, masked_left=[sum(st.masked)]),
                     dataclasses.replace(st, cursor=nxt, all_in=False, open=False, next_start=st.end, pending=None))
         i = st.cursor.step
         tau, v_t = plan.info["threshold"], plan.info["vocab_size"]
@@ -175,7 +175,7 @@ class CadLLM(Strategy):
                 stable = self._stable_now(st, gap, mean, n if n is not None else int(cand.sum()))
                 commit = commit & ~stable
                 scalars["prophet_commit"] = stable
-        delta = self.delta(canvas, proposal, commit, scalars=scalars)
+        delta = self.delta(canvas, proposal, commit, scalars=scalars, masked_left=[sum(st.masked)])  # commit <= cand
         tokens = torch.where(commit, proposal.x0, torch.full_like(proposal.x0, -1))
         flags = torch.stack([(cand & ~commit).any(), stable if stable is not None else cand.new_zeros(())])
         return delta, dataclasses.replace(st, pending=(tokens, flags, mean, gap))

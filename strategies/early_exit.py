@@ -160,5 +160,6 @@ class EarlyExit(Strategy):
             scalars.update(gap=gap, exit_threshold=thr, exit=fire, committed=commit.sum(-1))
         done = cur.step + 1 >= self.steps_per_block
         nxt, events = cur.advance((s, e), done)
-        delta = self.delta(canvas, proposal, commit, events=events, scalars=scalars)
+        delta = self.delta(canvas, proposal, commit, events=events, scalars=scalars, committed=scalars["committed"],
+                           masked_left=[sum(row) for row in st.counts])      # commits are masked positions only
         return delta, dataclasses.replace(st, cursor=nxt, exited=exited)
