@@ -31,6 +31,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np  # noqa: E402
 
+from dlm_engine.core.instrument import SyncCounter  # noqa: E402
 from dlm_engine.trace import format as fmt  # noqa: E402
 
 V = 126_464
@@ -358,40 +359,6 @@ def handover_cost(n: int = 2000):
     return {"start": out["start"] / (n // 100), "delta": out["delta"] / n, "end": out["end"] / (n // 100)}
 
 
-class SyncCounter:
-    """Counts, on the calling thread, the tensor methods that force a host-device synchronisation on an
-    accelerator (whatever the device: on CPU they count what would stall a GPU)."""
-
-    METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy")
-
-    def __init__(self):
-        import threading
-
-        self.count, self._thread, self._saved = 0, threading.get_ident(), {}
-
-    def __enter__(self):
-        import threading
-
-        import torch
-
-        for name in self.METHODS:
-            orig = getattr(torch.Tensor, name)
-            self._saved[name] = orig
-
-            def wrapped(t, *a, _orig=orig, **k):
-                if threading.get_ident() == self._thread:
-                    self.count += 1
-                return _orig(t, *a, **k)
-            setattr(torch.Tensor, name, wrapped)
-        return self
-
-    def __exit__(self, *exc):
-        import torch
-
-        for name, orig in self._saved.items():
-            setattr(torch.Tensor, name, orig)
-
-
 def bench_overhead(pairs, gen_length, configs=((1, 2), (8, 8))):
     """Recording on vs off, interleaved pairs (on first in even pairs), each run a full decode of ``prompts``
     prompts; the on-run includes opening the recorder (header, provenance), the writer's encoding, the end
@@ -435,9 +402,9 @@ def bench_overhead(pairs, gen_length, configs=((1, 2), (8, 8))):
         one(True), one(False)                      # warm-up (imports, provenance, allocator)
         syncs = {}
         for record in (True, False):
-            sc = SyncCounter()
+            sc = SyncCounter()                    # the step loop's thread only (not the writer's)
             steps_run = one(record, sc)[3]
-            syncs[record] = sc.count / steps_run
+            syncs[record] = sc.total / steps_run
         stat.update(writer=0.0, open_close=0.0)
         on_w, off_w, ratios, cpu_ratios, loop_ratios, steps = [], [], [], [], [], 0
         for i in range(pairs):

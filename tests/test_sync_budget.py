@@ -151,3 +151,27 @@ def test_host_numbers_reach_the_device_without_a_counted_sync():
     with torch.inference_mode(), SyncCounter() as c:
         torch.tensor([1, 2])
     assert c.counts == {"host-tensor": 1}
+
+
+@pytest.mark.parametrize("capture", ["default", "confidence"])
+def test_recording_adds_no_host_sync_on_the_step_loop(tiny_llada, tmp_path, capture):
+    """Issue 17, item 4: the recorder's sink only hands references to its writer thread; the writer's own host
+    copies happen on its thread, which the counter leaves out (it counts the thread that entered it)."""
+    from dlm_engine.trace import TraceRecorder, open_trace
+
+    header = {"model": {"eos_id": 2, "mask_id": int(tiny_llada.config.mask_token_id)}, "tokenizer": {"kind": "char"}}
+    counts = {}
+    for record in (False, True):
+        cls = strategy_class("threshold")
+        canvas = Canvas.from_prompts(PROMPTS[3], GEN, int(tiny_llada.config.mask_token_id), 0)
+        timer = ModelTimer(tiny_llada)
+        path = tmp_path / f"r{capture}.dlmt"
+        rec = TraceRecorder(str(path), header, **({} if capture == "default" else {"capture": capture})) if record else None
+        with SyncCounter(timer) as counter:
+            decode(timer, canvas, cls(cls.Config(block_length=8), GEN), sinks=[rec.sink(0, [0, 1, 2])] if rec else ())
+        if rec is not None:
+            rec.close()
+            tr = open_trace(str(path), recover=False)                 # the writer did its work
+            assert tr.ok and len(tr) == 3
+        counts[record] = (dict(counter.counts), canvas.step)
+    assert counts[True] == counts[False]

@@ -12,6 +12,7 @@ Nothing here is used by a normal decode; benchmarks and tests wrap a decode with
 """
 from __future__ import annotations
 
+import threading
 import time
 from contextlib import contextmanager
 from typing import Dict, Iterator, List
@@ -47,8 +48,8 @@ class ModelTimer:
 
 class SyncCounter:
     """Counts host-synchronising tensor operations made outside ``timer``'s model forward (all of them when
-    ``timer`` is None), by name; with ``where`` also the calling line of each (``stacks``). Use as a context
-    manager around a decode."""
+    ``timer`` is None), by name, on the thread that entered it (a trace writer's thread reads its own copies);
+    with ``where`` also the calling line of each (``stacks``). Use as a context manager around a decode."""
 
     def __init__(self, timer: ModelTimer = None, where: bool = False):
         self.timer, self.where = timer, where
@@ -62,7 +63,7 @@ class SyncCounter:
         return sum(self.counts.values())
 
     def _count(self, name: str) -> None:
-        if self.timer is not None and self.timer.inside:
+        if self.timer is not None and self.timer.inside or threading.get_ident() != self._thread:
             return
         self.counts[name] = self.counts.get(name, 0) + 1
         if self.where:
@@ -72,6 +73,7 @@ class SyncCounter:
             self.stacks.append(f"{name} at {frame.filename}:{frame.lineno} ({frame.name})")
 
     def __enter__(self) -> "SyncCounter":
+        self._thread = threading.get_ident()
         T = torch.Tensor
         self._own = {n for n in _METHODS if n in vars(T)}
         for name in _METHODS:
