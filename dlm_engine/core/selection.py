@@ -4,6 +4,7 @@ All functions are batched: ``conf`` is ``[B, W]`` with ``-inf`` (or any value) o
 """
 from __future__ import annotations
 
+import functools
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -125,16 +126,24 @@ def factor_commit(conf: torch.Tensor, cand: torch.Tensor, factor: float,
     B, W = conf.shape
     M = cand.sum(dim=-1)                                             # [B]
     sorted_conf = torch.sort(masked_conf(conf, cand), dim=-1, descending=True).values
-    ranks = torch.arange(1, W + 1, device=conf.device, dtype=torch.float64)
+    ranks, thresh = _factor_thresholds(W, float(factor), conf.dtype, conf.device)
+    fails = (sorted_conf < thresh) & (ranks <= M[:, None])
+    has_fail = fails.any(dim=-1)
+    first = torch.where(has_fail, fails.float().argmax(dim=-1) + 1, 0)  # 1-based rank
+    k = torch.where(has_fail & (first <= M - 1), first - 1, M)
+    k = torch.where(M == 1, 1, k)
+    return topk_commit(conf, cand, k, span)
+
+
+@functools.lru_cache(maxsize=64)
+def _factor_thresholds(W: int, factor: float, dtype: torch.dtype, device: torch.device):
+    """``(ranks [1, W] float64, thresholds [1, W] in dtype)`` of the factor rule: ``1 - f / (n + 1)`` for rank
+    ``n``, ``-1`` for the first (it always passes). Compared in the confidences' dtype, as torch compares them
+    with the reference's Python-float thresholds. The same for every step of a decode, so made once (read only)."""
+    ranks = torch.arange(1, W + 1, device=device, dtype=torch.float64)
     thresh = 1.0 - (factor / (ranks + 1.0))
     thresh[0] = -1.0
-    # compare in the confidences' dtype, as torch does with the reference's Python-float thresholds
-    fails = (sorted_conf < thresh.to(conf.dtype)[None, :]) & (ranks[None, :] <= M[:, None])
-    has_fail = fails.any(dim=-1)
-    first = torch.where(has_fail, fails.float().argmax(dim=-1) + 1, torch.zeros_like(M))  # 1-based rank
-    k = torch.where(has_fail & (first <= M - 1), first - 1, M)
-    k = torch.where(M == 1, torch.ones_like(k), k)
-    return topk_commit(conf, cand, k, span)
+    return ranks[None, :], thresh.to(dtype)[None, :]
 
 
 # -- the d2Cache framework's rules (docs/specs/d2cache.md §6): per row, at least ``min_tt`` commits -------------
