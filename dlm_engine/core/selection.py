@@ -136,6 +136,12 @@ def factor_commit(conf: torch.Tensor, cand: torch.Tensor, factor: float,
 
 
 @functools.lru_cache(maxsize=64)
+def _columns(W: int, device: torch.device) -> torch.Tensor:
+    """``[1, W]`` column indices ``0..W-1`` (made once per width and device; read only)."""
+    return torch.arange(W, device=device)[None, :]
+
+
+@functools.lru_cache(maxsize=64)
 def _factor_thresholds(W: int, factor: float, dtype: torch.dtype, device: torch.device):
     """``(ranks [1, W] float64, thresholds [1, W] in dtype)`` of the factor rule: ``1 - f / (n + 1)`` for rank
     ``n``, ``-1`` for the first (it always passes). Compared in the confidences' dtype, as torch compares them
@@ -159,7 +165,7 @@ def topk_rows(scores: torch.Tensor, k, largest: bool = True, lead: Optional[Sequ
     W = scores.shape[1]
     if torch.is_tensor(k):
         order = torch.sort(scores, dim=-1, descending=largest, stable=True).indices
-        take = torch.arange(W, device=scores.device)[None, :] < k[:, None]
+        take = _columns(W, scores.device) < k[:, None]
         return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(1, order, take)
     ks = [int(k)] * scores.shape[0] if isinstance(k, int) else k
     if lead is None and all(kv == ks[0] for kv in ks):       # the common case: one call for every row
