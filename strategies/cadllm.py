@@ -20,7 +20,7 @@ import torch
 from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.registry import register_strategy
 from dlm_engine.core.sampler import confidence_of, gumbel_argmax
-from dlm_engine.core.selection import factor_commit, host_schedule, threshold_commit, topk_commit
+from dlm_engine.core.selection import factor_commit, host_schedule, masked_order, threshold_commit, topk_commit
 from dlm_engine.core.strategy import BlockCursor, CacheDirective, Remasking, StepPlan, Strategy, candidates
 from dlm_engine.errors import ConfigError
 from dlm_engine.strategies import _cadllm_rules as rules
@@ -176,7 +176,7 @@ class CadLLM(Strategy):
                 commit = commit & ~stable
                 scalars["prophet_commit"] = stable
         delta = self.delta(canvas, proposal, commit, scalars=scalars, masked_left=[sum(st.masked)])  # commit <= cand
-        tokens = torch.where(commit, proposal.x0, torch.full_like(proposal.x0, -1))
+        tokens = torch.where(commit, proposal.x0, -1)
         flags = torch.stack([(cand & ~commit).any(), stable if stable is not None else cand.new_zeros(())])
         return delta, dataclasses.replace(st, pending=(tokens, flags, mean, gap))
 
@@ -202,8 +202,9 @@ class CadLLM(Strategy):
         if st.pending is not None:
             tokens, flags, mean, gap = st.pending
             parts += [tokens.reshape(-1), flags]
-            parts += [x.reshape(1) for x in (mean, gap) if x is not None]
-        return torch.cat([p.to(torch.float64) for p in parts])
+            parts += [x.reshape(1).to(torch.float64) for x in (mean, gap) if x is not None]
+        # cat promotes every part to the widest dtype at once: float64 (exact for the ints) or int64
+        return torch.cat(parts).to(torch.float64)
 
     def synced(self, canvas, st: CadState, values, delta):
         G = self.gen_length
@@ -249,5 +250,4 @@ def candidate_mean(values: torch.Tensor, cand: torch.Tensor, n: Optional[int]) -
         return values[cand].mean() if bool(cand.any()) else values.new_full((), float("nan"))
     if n == 0:
         return values.new_full((), float("nan"))
-    order = torch.argsort((~cand).reshape(-1).to(torch.uint8), stable=True)[:n]
-    return values.reshape(-1)[order].mean()
+    return values.reshape(-1)[masked_order(cand, n)].mean()

@@ -100,7 +100,7 @@ def confidence_of(logits: torch.Tensor, x0: torch.Tensor, kind: str, dtype: str 
             vals, idx = torch.topk(logits, top_v, dim=-1)
             p = torch.softmax(vals.to(torch.float64), dim=-1)
             hit = idx == x0[..., None]
-            return torch.where(hit, p, torch.zeros_like(p)).sum(-1)
+            return torch.where(hit, p, 0.0).sum(-1)
         return torch.gather(softmax_in(logits, dtype), -1, x0[..., None]).squeeze(-1)
     if kind == "inv_entropy":
         vals = logits if top_v is None else torch.topk(logits, top_v, dim=-1).values
