@@ -7,20 +7,22 @@ forward per step. In every buffered block each masked position with confidence >
 first of the buffer or its predecessor is semi-complete (committed fraction >=
 ``semi_complete_threshold``). After a step, complete blocks leave the buffer in order and, if there is
 room and the newest buffered block's progress is >= ``add_block_threshold``, the next block is
-admitted (one per step). State is per row and vectorised; ``buffer_size=1`` is exactly ``threshold``.
+admitted (one per step). ``buffer_size=1`` is exactly ``threshold``. Each row's buffer is decided on the host from
+the masked positions per block that the step's one host read brings back (``synced``); ``select`` works on the
+window with no per-row loop, gated by one small host-made tensor of which blocks each row may commit in.
 EOS options as ``threshold`` (:class:`dlm_engine.core.eos.EosOptions`); a row ended by ``stop_at_eos`` has every
 block complete (its remaining blocks get ``completed`` events) and leaves the buffer.
 """
 from __future__ import annotations
 
-import dataclasses
+import struct
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from dlm_engine.core.blockwise import block_counts, host_rows
+from dlm_engine.core.blockwise import block_counts
 from dlm_engine.core.canvas import BlockEvent
 from dlm_engine.core.devices import host_tensor
 from dlm_engine.core.capabilities import Cap, caps
@@ -45,16 +47,37 @@ class BlockBufferConfig(EosOptions):
 
 @dataclass(frozen=True)
 class BufferState:
-    first: torch.Tensor                    # [B] first block of the buffer (= first incomplete block), on device
-    count: torch.Tensor                    # [B] blocks in the buffer, on device
     sizes: torch.Tensor                    # [num_blocks] positions per block (on the canvas device)
-    host_first: Tuple[int, ...] = ()       # ``first`` and ``count`` as of the last host read
-    host_count: Tuple[int, ...] = ()
+    counts: torch.Tensor                   # [B, num_blocks] masked positions per block after the last select (device)
+    host_first: Tuple[int, ...] = ()       # per row: the buffer's first block (= first incomplete block), as of
+    host_count: Tuple[int, ...] = ()       # the last host read, and its number of blocks
     host_masked: Tuple[Tuple[int, ...], ...] = ()   # masked positions per row and block, as of the last host read
+    in_buf: Optional[torch.Tensor] = None  # [B, n_win] bool for the next window: the block is in the row's buffer
+    may_force: Optional[torch.Tensor] = None   # ... the block may force its top-1 (None: True everywhere)
     events: Tuple[BlockEvent, ...] = ()    # waiting for the next delta
     window: Optional[Tuple[int, int]] = None
     step_in_window: int = 0
     stored: int = 0                        # blocks [0, stored) were handed to the cache as complete
+    cols: Optional[torch.Tensor] = None    # arange(block_length) on the canvas device
+
+
+def f32(x: float) -> float:
+    """``x`` rounded to float32 (round to nearest even), as torch rounds a Python scalar it compares a float32
+    tensor with."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def host_progress(masked: int, size: int) -> float:
+    """``1.0 - masked / size`` as float32 tensors compute it (integer true division in float32, then ``rsub``):
+    exact, since float32 results of ``/`` and ``-`` rounded from double are the correctly rounded ones."""
+    return f32(1.0 - f32(masked / size))
+
+
+def progress_max(size: int, threshold: float) -> int:
+    """The largest ``m`` in ``[0, size]`` with ``host_progress(m, size) >= threshold`` (as a float32 tensor compares
+    with a Python scalar: rounded to float32), or -1: ``m <= progress_max(size, t)`` is the device's test."""
+    t = f32(float(threshold))
+    return max([m for m in range(size + 1) if host_progress(m, size) >= t], default=-1)
 
 
 @register_strategy("block_buffer", BlockBufferConfig)
@@ -73,55 +96,58 @@ class BlockBuffer(Strategy):
         self.check_non_negative("temperature", c.temperature)
         self.block_len = int(c.block_length)
         self.num_blocks = -(-self.gen_length // self.block_len)
+        self.sizes = tuple(min(self.block_len, self.gen_length - b * self.block_len) for b in range(self.num_blocks))
+        # per block: the most masked positions with which its float32 progress still reaches the threshold (-1:
+        # none), as the device compared them (progress falls as the masked positions grow)
+        self.semi_max = tuple(progress_max(n, c.semi_complete_threshold) for n in self.sizes)
+        self.add_max = tuple(progress_max(n, c.add_block_threshold) for n in self.sizes)
 
-    # -- block views -------------------------------------------------------------------------------
-    def blocks(self, masked_gen: torch.Tensor) -> torch.Tensor:
-        """``[B, G]`` masked flags of the generation -> ``[B, num_blocks, block_len]`` (padding counts as committed)."""
-        pad = self.num_blocks * self.block_len - self.gen_length
-        return F.pad(masked_gen, (0, pad)).view(-1, self.num_blocks, self.block_len)
-
-    @staticmethod
-    def progress(blocks: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
-        return 1.0 - blocks.sum(-1) / sizes
-
-    def first_incomplete(self, blocks: torch.Tensor) -> torch.Tensor:
-        inc = blocks.any(-1)
-        none_left = torch.full_like(inc[:, 0], self.num_blocks, dtype=torch.long)
-        return torch.where(inc.any(-1), inc.float().argmax(-1), none_left)
-
+    # -- block views -------------------------------------------------------------------------------------------
     def span(self, b: int, g: int) -> Tuple[int, int]:
         """Canvas columns of block ``b`` (the last block may be shorter)."""
         return g + b * self.block_len, g + min((b + 1) * self.block_len, self.gen_length)
 
-    def event_list(self, kind: str, rows: List[int], blocks: List[int], batch: int, g: int) -> List[BlockEvent]:
+    def host_window(self, first: Sequence[int], count: Sequence[int]) -> Optional[Tuple[int, int]]:
+        """Generated positions ``[lo, hi)`` of the blocks buffered by any row (None = no row has a buffer)."""
+        lo, hi = self.num_blocks, -1
+        for f, n in zip(first, count):
+            if n > 0:
+                lo, hi = min(lo, f), max(hi, f + n)
+        if hi < 0:
+            return None
+        return lo * self.block_len, min(hi * self.block_len, self.gen_length)
+
+    def event_list(self, kind: str, pairs: List[Tuple[int, int]], batch: int, g: int) -> List[BlockEvent]:
         """Events for (row, block) pairs; one ``row=-1`` event when every row has the same one."""
         out = []
-        for b in sorted(set(blocks)):
-            rs = [r for r, bb in zip(rows, blocks) if bb == b]
+        for b in sorted({bb for _, bb in pairs}):
+            rs = [r for r, bb in pairs if bb == b]
             s, e = self.span(b, g)
             out += [BlockEvent(kind, b, s, e, -1)] if len(rs) == batch else [BlockEvent(kind, b, s, e, r) for r in rs]
         return out
 
     # -- policy ------------------------------------------------------------------------------------
+    # The buffers (first block, number of blocks per row) evolve on the host, from the masked positions per row and
+    # block that the step's one host read brings back; select only gets, as one small host-made tensor, which blocks
+    # of its window each row may commit in and which may force a top-1 (None: all of them).
     def init_state(self, canvas):
         check_eos_options(self.cfg, canvas)
-        sizes = host_tensor([min(self.block_len, self.gen_length - b * self.block_len)
-                             for b in range(self.num_blocks)], torch.long, canvas.device)
-        first = self.first_incomplete(self.blocks(canvas.masked()[:, canvas.gen_start:]))
-        return BufferState(first, (first < self.num_blocks).long(), sizes)
+        sizes = host_tensor(list(self.sizes), torch.long, canvas.device)
+        return BufferState(sizes, block_counts(canvas, self.block_len),
+                           cols=torch.arange(self.block_len, device=canvas.device))
 
     def plan(self, canvas, st: BufferState):
-        live = [(f, n) for f, n in zip(st.host_first, st.host_count) if n > 0]
-        if not live:
+        w = self.host_window(st.host_first, st.host_count)
+        if w is None:
             return None, st
         g = canvas.gen_start
-        lo = min(f for f, _ in live) * self.block_len
-        hi = min(max(f + n for f, n in live) * self.block_len, self.gen_length)
+        lo, hi = w
         window = (g + lo, g + hi)
         step_in_window = 0 if window != st.window else st.step_in_window + 1
         done_all = min(st.host_first)
         store = [self.span(b, g) for b in range(st.stored, done_all)]
-        st = dataclasses.replace(st, window=window, step_in_window=step_in_window, stored=max(st.stored, done_all))
+        st = BufferState(st.sizes, st.counts, st.host_first, st.host_count, st.host_masked, st.in_buf, st.may_force,
+                         st.events, window, step_in_window, max(st.stored, done_all), st.cols)
         c = self.cfg
         b0, b1 = lo // self.block_len, -(-hi // self.block_len)
         return StepPlan(
@@ -135,67 +161,123 @@ class BlockBuffer(Strategy):
     def select(self, canvas, plan, proposal, st: BufferState):
         c, g = self.cfg, canvas.gen_start
         s, e = plan.window
-        W, B = e - s, canvas.batch_size
-        b0, n_win = (s - g) // self.block_len, -(-W // self.block_len)
-        pad = n_win * self.block_len - W
-        blk = b0 + torch.arange(n_win, device=canvas.device)                             # [n_win]
-        in_buf = (blk >= st.first[:, None]) & (blk < (st.first + st.count)[:, None])     # [B, n_win]
-        cand = F.pad(canvas.masked()[:, s:e], (0, pad)).view(B, n_win, self.block_len) & in_buf[..., None]
-        if proposal.valid is not None:
-            cand &= F.pad(proposal.valid, (0, pad)).view(B, n_win, self.block_len)
+        W, B, bl = e - s, canvas.batch_size, self.block_len
+        n_win = -(-W // bl)
+        pad = n_win * bl - W
+        masked_gen = canvas.step_of[:, g:] < 0        # the generation's masks before this step (a fresh tensor) ...
+        win = masked_gen[:, s - g:e - g]               # ... whose window view becomes the masks after it (below)
+        cand = win if proposal.valid is None else win & proposal.valid
         conf_w = eos_confidence(c, canvas, plan, proposal)
-        conf = F.pad(conf_w, (0, pad), value=float("-inf")).view(B, n_win, self.block_len)
+        conf = conf_w
+        if pad:
+            cand, conf = F.pad(cand, (0, pad)), F.pad(conf_w, (0, pad), value=float("-inf"))
+        cand, conf = cand.reshape(B, n_win, bl), conf.reshape(B, n_win, bl)     # cand may be a view of ``win``
+        if st.in_buf is not None:
+            cand = cand & st.in_buf[..., None]
         accept = cand & (conf >= c.accept_threshold)
-        masked_gen = canvas.masked()[:, g:]
-        prog = self.progress(self.blocks(masked_gen), st.sizes)                          # before this step
-        pred_ok = torch.cat([torch.ones_like(prog[:, :1], dtype=torch.bool),
-                             prog[:, :-1] >= c.semi_complete_threshold], dim=1)[:, blk]
-        may_force = (blk == st.first[:, None]) | pred_ok
-        need = may_force & cand.any(-1) & ~accept.any(-1)
+        need = cand.any(-1) ^ accept.any(-1)           # = cand.any & ~accept.any: accept is a part of cand
+        if st.may_force is not None:
+            need &= st.may_force
         top = masked_conf(conf, cand).argmax(-1)
-        forced = F.one_hot(top, self.block_len).bool() & need[..., None]
-        commit = (accept | forced).view(B, -1)[:, :W]
-        delta = eos_stop(c, canvas, self.delta(canvas, proposal, commit, confidence=conf_w))
-
-        after = masked_gen.clone()
-        after[:, s - g:e - g] &= ~commit
+        # accept | one_hot(top) where a block needs its top-1 (-1 matches no column)
+        commit = accept.logical_or_(st.cols == torch.where(need, top, -1)[..., None]).view(B, n_win * bl)
+        if pad:
+            commit = commit[:, :W]
+        win &= ~commit                                  # masked_gen is now the masks after this step
+        finished = masked_gen.any(-1).logical_or_(canvas.finished).logical_not_()
+        delta = eos_stop(c, canvas, self.delta(canvas, proposal, commit, confidence=conf_w, finished=finished))
         if c.stop_at_eos:
-            after &= ~delta.finished[:, None]          # rows ended at EOS have the rest filled
-        blocks_after = self.blocks(after)
-        prog_after = self.progress(blocks_after, st.sizes)
-        new_first = self.first_incomplete(blocks_after)
-        new_count = (st.first + st.count - new_first).clamp_min(0)
-        newest = (new_first + new_count - 1).clamp(0, self.num_blocks - 1)
-        room = (new_count < c.buffer_size) & (new_first + new_count < self.num_blocks)
-        admit = room & ((new_count == 0) | (prog_after.gather(1, newest[:, None]).squeeze(1) >= c.add_block_threshold))
+            masked_gen &= ~delta.finished[:, None]      # rows ended at EOS have the rest filled
+        counts = block_counts(canvas, bl, masked_gen)   # = the canvas' once the delta is applied: the sync request
         events = list(st.events)
         for s0, e0 in (plan.cache.stored if plan.cache is not None else []):   # honoured by the cache
-            events.append(BlockEvent("stored", (s0 - g) // self.block_len, s0, e0))
-        count = new_count + admit.long()
+            events.append(BlockEvent("stored", (s0 - g) // bl, s0, e0))
         delta.block_events = events            # + completed / admitted, once the host knows (synced)
-        delta.scalars.update({"committed": commit.sum(-1), "block_progress": prog_after,
-                              "buffer_first": new_first, "buffer_count": count})
-        return delta, dataclasses.replace(st, first=new_first, count=count, events=())
+        # the buffers after this step are decided on the host (synced fills the placeholders, keeping this order)
+        delta.scalars.update({"committed": commit.sum(-1), "block_progress": 1.0 - counts / st.sizes,
+                              "buffer_first": None, "buffer_count": None})
+        return delta, BufferState(st.sizes, counts, st.host_first, st.host_count, st.host_masked, None, None, (),
+                                  st.window, st.step_in_window, st.stored, st.cols)
 
-    # -- the step's host read: the buffer of every row ----------------------------------------------------
+    # -- the step's host read: masked positions per row and block -----------------------------------------------
     def sync_request(self, canvas, st: BufferState):
-        # + masked positions per block: only those can be committed, so the float64 softmax runs there only
-        return torch.cat([st.first, st.count, block_counts(canvas, self.block_len).reshape(-1)])
+        return st.counts
 
     def synced(self, canvas, st: BufferState, values, delta):
-        """Host copies of the buffer; the blocks that completed or were admitted become block events."""
-        B, g = canvas.batch_size, canvas.gen_start
-        first = tuple(int(v) for v in values[:B])
-        count = tuple(int(v) for v in values[B:2 * B])
-        masked = host_rows(values[2 * B:], B)
-        if delta is None:                                  # before the first step: the initial buffers
-            rows = [r for r in range(B) if count[r] > 0]
-            events = self.event_list("admitted", rows, [first[r] for r in rows], B, g)
-            return dataclasses.replace(st, host_first=first, host_count=count, host_masked=masked,
-                                       events=tuple(events))
-        old_first, old_end = st.host_first, [f + n for f, n in zip(st.host_first, st.host_count)]
-        done = [(r, b) for r in range(B) for b in range(old_first[r], min(first[r], self.num_blocks))]
-        delta.block_events += self.event_list("completed", [r for r, _ in done], [b for _, b in done], B, g)
-        new = [(r, first[r] + count[r] - 1) for r in range(B) if first[r] + count[r] > max(old_end[r], first[r])]
-        delta.block_events += self.event_list("admitted", [r for r, _ in new], [b for _, b in new], B, g)
-        return dataclasses.replace(st, host_first=first, host_count=count, host_masked=masked)
+        """The buffers once the host knows the masked positions per block, by the rules the device applied before:
+        complete blocks leave, and one more is admitted when there is room and the newest one is at least
+        ``add_block_threshold`` along (or the buffer is empty); the blocks that completed or were admitted become
+        block events. Plain loops: this runs every step."""
+        B, g, nb = canvas.batch_size, canvas.gen_start, self.num_blocks
+        masked = tuple([tuple(values[i:i + nb]) for i in range(0, B * nb, nb)])
+        first, count, done, new = [], [], [], []
+        size, add_max = self.cfg.buffer_size, self.add_max
+        for r in range(B):
+            row = masked[r]
+            f = 0
+            while f < nb and not row[f]:          # the first incomplete block
+                f += 1
+            if delta is None:                     # before the first step: the initial buffers
+                n = 1 if f < nb else 0
+                if n:
+                    new.append((r, f))
+            else:
+                old_f, old_end = st.host_first[r], st.host_first[r] + st.host_count[r]
+                n = max(old_end - f, 0)
+                if n < size and f + n < nb:
+                    newest = min(max(f + n - 1, 0), nb - 1)
+                    if n == 0 or row[newest] <= add_max[newest]:
+                        n += 1
+                for b in range(old_f, min(f, nb)):
+                    done.append((r, b))
+                if f + n > max(old_end, f):
+                    new.append((r, f + n - 1))
+            first.append(f)
+            count.append(n)
+        first, count = tuple(first), tuple(count)
+        if delta is None:
+            events = tuple(self.event_list("admitted", new, B, g))
+        else:
+            if done:
+                delta.block_events += self.event_list("completed", done, B, g)
+            if new:
+                delta.block_events += self.event_list("admitted", new, B, g)
+            delta.scalars["buffer_first"], delta.scalars["buffer_count"] = \
+                host_tensor([first, count], torch.long, st.sizes.device).unbind(0)
+            events = st.events
+        in_buf, may_force = self.gates(first, count, masked, st.sizes.device)
+        return BufferState(st.sizes, st.counts, first, count, masked, in_buf, may_force, events, st.window,
+                           st.step_in_window, st.stored, st.cols)
+
+    def gates(self, first, count, masked, device) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """``[B, n_win]`` bool for the next window's blocks (None = True everywhere): in the row's buffer; may force
+        its top-1 (the buffer's first block, or its predecessor is semi-complete)."""
+        w = self.host_window(first, count)
+        if w is None:
+            return None, None
+        b0, b1 = w[0] // self.block_len, -(-w[1] // self.block_len)
+        semi_max = self.semi_max
+        full, free = True, True
+        may = []
+        for f, n, row in zip(first, count, masked):
+            full = full and f <= b0 and b1 <= f + n
+            m = [b == f or b == 0 or row[b - 1] <= semi_max[b - 1] for b in range(b0, b1)]
+            free = free and all(m)
+            may.append(m)
+        in_buf = None if full else [[f <= b < f + n for b in range(b0, b1)] for f, n in zip(first, count)]
+        if in_buf is not None and not free:
+            return host_tensor([in_buf, may], torch.bool, device).unbind(0)
+        if in_buf is not None:
+            return host_tensor(in_buf, torch.bool, device), None
+        return None, (None if free else host_tensor(may, torch.bool, device))
+        b0, b1 = w[0] // self.block_len, -(-w[1] // self.block_len)
+        in_buf = [[f <= b < f + n for b in range(b0, b1)] for f, n in zip(first, count)]
+        may = [[b == f or b == 0 or host_progress(row[b - 1], self.sizes[b - 1]) >= self.semi32 for b in range(b0, b1)]
+               for f, row in zip(first, masked)]
+        need_buf, need_may = not all(map(all, in_buf)), not all(map(all, may))
+        if need_buf and need_may:
+            return host_tensor([in_buf, may], torch.bool, device).unbind(0)
+        if need_buf or need_may:
+            t = host_tensor(in_buf if need_buf else may, torch.bool, device)
+            return (t, None) if need_buf else (None, t)
+        return None, None
