@@ -18,7 +18,6 @@ shifts within the shadow block only).
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -69,6 +68,9 @@ class WinoState:
     counts: Tuple[Tuple[int, ...], ...] = ()    # last host read: masked positions per row and block
     shrunk: Optional[tuple] = None              # last host read (shrinking_window): (rows active, row 0's span,
                                                 # masked positions per row in that span) under block_mask
+    aux: Optional[tuple] = None                 # ((bs, be), AuxColumns): the shadow block of the last window (reused
+                                                # while the window stays: it depends on the window alone)
+    left: Optional[torch.Tensor] = None         # [B, G] masked generated positions after the last select
 
 
 @register_strategy("wino", WinoConfig)
@@ -117,36 +119,46 @@ class Wino(Strategy):
                     raise UserError("wino (shrinking_window=true): row 0 has nothing left in its block while another "
                                     "row does -- the reference fails here; use the corrected window")
                 break
-            st = dataclasses.replace(st, block=st.block + 1, block_mask=None)
+            st = WinoState(st.block + 1, None, st.window, st.counts, st.shrunk, st.aux, st.left)
         else:
             return None, st
         mask = None
         if c.shrinking_window:     # the active-row check shrinks the reference's block mask in place
             bm = st.block_mask if st.block_mask is not None else self.fresh_mask(canvas, st.block)
             mask = bm & canvas.masked()[:, g:]
-        st = dataclasses.replace(st, block_mask=mask, window=(bs, be))
-        W = be - bs
-        B, L = canvas.batch_size, canvas.length
+        B = canvas.batch_size
         pos = canvas.position_ids
-        # the shadow block: W masks at the window's positions; canvas rows cannot see it, shadow slot i cannot
-        # see window position i; padding stays invisible to everyone
-        keys = torch.cat([canvas.attention_mask.bool(), torch.ones((B, W), dtype=torch.bool, device=canvas.device)], 1)
-        attend = keys[:, None, :].expand(B, L + W, L + W).clone()
-        attend[:, :L, L:] = False
-        i = torch.arange(W, device=canvas.device)
-        attend[:, L + i, g + bs + i] = False
-        aux = AuxColumns(tokens=torch.full((B, W), canvas.mask_id, dtype=torch.long, device=canvas.device),
-                         positions=pos[:, g + bs:g + be], attend=attend, shift_within=c.shadow_shift_within)
+        aux = st.aux[1] if st.aux is not None and st.aux[0] == (bs, be) else self.shadow(canvas, bs, be)
+        st = WinoState(st.block, mask, (bs, be), st.counts, st.shrunk, ((bs, be), aux), st.left)
         ntt = c.num_transfer_tokens
         run = [n[r] for r in range(B) if rows[r]]
         cap = [max(min(max(int(_f32(k) * _f32(0.7)), 5), 20), ntt) for k in run]   # clamp(0.7 n, 5, 20), >= ntt
         return StepPlan(window=(g + bs, g + be), sample=False, rows=None if all(rows) else list(rows), aux=aux,
                         position_ids=pos, temperature=c.temperature, info={"counts": run, "cap": cap}), st
 
+    def shadow(self, canvas, bs: int, be: int) -> AuxColumns:
+        """The shadow block of window ``[bs, be)``: W masks at the window's positions; canvas rows cannot see it,
+        shadow slot i cannot see window position i; padding stays invisible to everyone."""
+        g, W = canvas.gen_start, be - bs
+        B, L = canvas.batch_size, canvas.length
+        keys = torch.cat([canvas.attention_mask.bool(), torch.ones((B, W), dtype=torch.bool, device=canvas.device)], 1)
+        attend = keys[:, None, :].expand(B, L + W, L + W).clone()
+        attend[:, :L, L:] = False
+        i = torch.arange(W, device=canvas.device)
+        attend[:, L + i, g + bs + i] = False
+        return AuxColumns(tokens=torch.full((B, W), canvas.mask_id, dtype=torch.long, device=canvas.device),
+                          positions=canvas.position_ids[:, g + bs:g + be], attend=attend,
+                          shift_within=self.cfg.shadow_shift_within)
+
     # -- the step's host read -----------------------------------------------------------------------------------
     def sync_request(self, canvas, st: WinoState):
         g = canvas.gen_start
-        masked = canvas.masked()[:, g:] & ~canvas.finished[:, None]
+        # the masks of the canvas (as the last select left them), rows that finished left out; with the corrected
+        # window a finished row has none left (it finishes when its block and the rest are decoded, and blocks
+        # advance only when no row has a mask left in them), so only the shrinking window needs the row mask
+        masked = canvas.masked()[:, g:] if st.left is None else st.left
+        if self.cfg.shrinking_window:
+            masked = masked & ~canvas.finished[:, None]
         parts = [block_counts(canvas, self.block_len, masked).reshape(-1)]
         if self.cfg.shrinking_window and st.block_mask is not None:
             bm = st.block_mask
@@ -158,7 +170,8 @@ class Wino(Strategy):
             inside = (col >= first) & (col <= last)
             parts += [(bm & masked).any(-1), first.reshape(1), last.reshape(1),
                       (canvas.masked()[:, g:] & inside[None, :]).sum(-1)]
-        return torch.cat([x.to(torch.int64) for x in parts])
+            return torch.cat([x.to(torch.int64) for x in parts])
+        return parts[0]
 
     def synced(self, canvas, st: WinoState, values, delta):
         B, nb = canvas.batch_size, self.num_blocks
@@ -168,22 +181,27 @@ class Wino(Strategy):
             rest = [int(v) for v in values[B * nb:]]
             first, last = rest[B], rest[B + 1]
             shrunk = ([v > 0 for v in rest[:B]], (first, last + 1) if first >= 0 else (-1, -1), rest[B + 2:])
-        return dataclasses.replace(st, counts=counts, shrunk=shrunk)
+        return WinoState(st.block, st.block_mask, st.window, counts, shrunk, st.aux, st.left)
 
     # -- select ----------------------------------------------------------------------------------------------
     def select(self, canvas, plan, proposal, st: WinoState):
-        c, g, B = self.cfg, canvas.gen_start, canvas.batch_size
+        c, g = self.cfg, canvas.gen_start
         bs, be = st.window
-        rows = proposal.rows if proposal.rows is not None else torch.arange(B, device=canvas.device)
-        masked_w = canvas.masked()[rows, g + bs:g + be]
+        rows = proposal.rows
+        if rows is None:                                   # every row: slices instead of row gathers
+            masked_w = canvas.step_of[:, g + bs:g + be] < 0
+            current = canvas.tokens[:, g + bs:g + be]
+        else:
+            masked_w = canvas.step_of[rows, g + bs:g + be] < 0
+            current = canvas.tokens[rows, g + bs:g + be]
         combined = torch.where(masked_w[..., None], proposal.logits, proposal.aux_logits).to(torch.float64)
         s = sample_tokens(combined, c.temperature, c.top_p, c.top_k, alg=c.alg.value)
-        current = canvas.tokens[rows, g + bs:g + be]
         in_place = torch.gather(s.probs, -1, current[..., None]).squeeze(-1)
         conf = torch.where(masked_w, s.confidence, in_place)
-        scores = torch.where(masked_w, conf, torch.full_like(conf, float("-inf")))
+        scores = conf               # d2c_commit ranks masked slots only (-inf elsewhere)
         if c.sigma:
-            dens = certainty_density(~canvas.masked()[rows, g:], c.sigma)[:, bs:be].to(conf.dtype)
+            m = canvas.step_of[:, g:] >= 0 if rows is None else canvas.step_of[rows, g:] >= 0
+            dens = certainty_density(m, c.sigma)[:, bs:be].to(conf.dtype)
             scores = conf * dens
         ntt = c.num_transfer_tokens
         wide = d2c_commit(scores, masked_w, ntt, plan.info["cap"], counts=plan.info["counts"],
@@ -192,31 +210,39 @@ class Wino(Strategy):
         decoded = ~masked_w
         low = decoded & (conf < c.narrow_out_thres)
         too_many = low.sum(-1) > k
-        lowest = topk_rows(torch.where(decoded, conf, torch.full_like(conf, float("inf"))), k, largest=False)
+        lowest = topk_rows(torch.where(decoded, conf, float("inf")), k, largest=False)
         out = torch.where(too_many[:, None], lowest & decoded, low)
         return self.frame(canvas, rows, (g + bs, g + be), wide, out, s.x0, conf, st)
 
     def frame(self, canvas, rows, window, wide_a, out_a, x0_a, conf_a, st: WinoState):
         s, e = window
         B, W = canvas.batch_size, e - s
-        commit = torch.zeros((B, W), dtype=torch.bool, device=canvas.device)
-        remask = torch.zeros_like(commit)
-        commit[rows], remask[rows] = wide_a, out_a
-        tokens = canvas.tokens[:, s:e].clone()
-        tokens[rows] = torch.where(wide_a, x0_a, tokens[rows])
-        conf = torch.zeros((B, W), dtype=torch.float32, device=canvas.device)
-        conf[rows] = conf_a.float()
-        active = torch.zeros(B, dtype=torch.bool, device=canvas.device)
-        active[rows] = True
+        if rows is None:                                   # every row took part: the call's tensors are the delta's
+            commit, remask = wide_a, out_a
+            tokens = torch.where(wide_a, x0_a, canvas.tokens[:, s:e])
+            conf = conf_a.float()
+            active = torch.ones(B, dtype=torch.bool, device=canvas.device)
+        else:
+            commit = torch.zeros((B, W), dtype=torch.bool, device=canvas.device)
+            remask = torch.zeros_like(commit)
+            commit[rows], remask[rows] = wide_a, out_a
+            tokens = canvas.tokens[:, s:e].clone()
+            tokens[rows] = torch.where(wide_a, x0_a, tokens[rows])
+            conf = torch.zeros((B, W), dtype=torch.float32, device=canvas.device)
+            conf[rows] = conf_a.float()
+            active = torch.zeros(B, dtype=torch.bool, device=canvas.device)
+            active[rows] = True
         g = canvas.gen_start
         left = masked_after(canvas, s, commit, remask)
-        later = left[:, (st.block + 1) * self.block_len:].any(-1)
-        now = left[:, st.block * self.block_len:(st.block + 1) * self.block_len]
-        if st.block_mask is not None:                      # the reference: only what its block mask still holds
-            now = now & st.block_mask[:, st.block * self.block_len:(st.block + 1) * self.block_len]
-        finished = ~(now.any(-1) | later) & ~canvas.finished
+        lo = st.block * self.block_len
+        if st.block_mask is None:                          # ~(masks left in the block or after it) & ~finished
+            finished = left[:, lo:].any(-1).logical_or_(canvas.finished).logical_not_()
+        else:                                              # the reference: only what its block mask still holds
+            hi = lo + self.block_len
+            now = left[:, lo:hi] & st.block_mask[:, lo:hi]
+            finished = ~(now.any(-1) | left[:, hi:].any(-1)) & ~canvas.finished
         delta = FrameDelta(step=canvas.step + 1, nfe=1, start=s, commit=commit, tokens=tokens, active=active,
                            finished=finished, confidence=conf, remask=remask,
                            scalars={"block": st.block, "committed": commit.sum(-1), "remasked": remask.sum(-1),
                                     "window_start": s - g, "window_end": e - g})
-        return delta, dataclasses.replace(st)
+        return delta, WinoState(st.block, st.block_mask, st.window, st.counts, st.shrunk, st.aux, left)
