@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -49,9 +50,11 @@ class BlockBufferConfig(EosOptions):
 class BufferState:
     sizes: torch.Tensor                    # [num_blocks] positions per block (on the canvas device)
     counts: torch.Tensor                   # [B, num_blocks] masked positions per block after the last select (device)
-    host_first: Tuple[int, ...] = ()       # per row: the buffer's first block (= first incomplete block), as of
-    host_count: Tuple[int, ...] = ()       # the last host read, and its number of blocks
-    host_masked: Tuple[Tuple[int, ...], ...] = ()   # masked positions per row and block, as of the last host read
+    # host arrays (numpy, never written), as of the last host read: per row the buffer's first block (= the first
+    # incomplete block) and its number of blocks; [B, num_blocks] masked positions per row and block
+    host_first: Optional[np.ndarray] = None
+    host_count: Optional[np.ndarray] = None
+    host_masked: Optional[np.ndarray] = None
     in_buf: Optional[torch.Tensor] = None  # [B, n_win] bool for the next window: the block is in the row's buffer
     may_force: Optional[torch.Tensor] = None   # ... the block may force its top-1 (None: True everywhere)
     events: Tuple[BlockEvent, ...] = ()    # waiting for the next delta
@@ -99,22 +102,20 @@ class BlockBuffer(Strategy):
         self.sizes = tuple(min(self.block_len, self.gen_length - b * self.block_len) for b in range(self.num_blocks))
         # per block: the most masked positions with which its float32 progress still reaches the threshold (-1:
         # none), as the device compared them (progress falls as the masked positions grow)
-        self.semi_max = tuple(progress_max(n, c.semi_complete_threshold) for n in self.sizes)
-        self.add_max = tuple(progress_max(n, c.add_block_threshold) for n in self.sizes)
+        self.semi_max = np.array([progress_max(n, c.semi_complete_threshold) for n in self.sizes], dtype=np.int64)
+        self.add_max = np.array([progress_max(n, c.add_block_threshold) for n in self.sizes], dtype=np.int64)
 
     # -- block views -------------------------------------------------------------------------------------------
     def span(self, b: int, g: int) -> Tuple[int, int]:
         """Canvas columns of block ``b`` (the last block may be shorter)."""
         return g + b * self.block_len, g + min((b + 1) * self.block_len, self.gen_length)
 
-    def host_window(self, first: Sequence[int], count: Sequence[int]) -> Optional[Tuple[int, int]]:
+    def host_window(self, first: np.ndarray, count: np.ndarray) -> Optional[Tuple[int, int]]:
         """Generated positions ``[lo, hi)`` of the blocks buffered by any row (None = no row has a buffer)."""
-        lo, hi = self.num_blocks, -1
-        for f, n in zip(first, count):
-            if n > 0:
-                lo, hi = min(lo, f), max(hi, f + n)
-        if hi < 0:
+        live = count > 0
+        if not live.any():
             return None
+        lo, hi = int(first[live].min()), int((first + count)[live].max())
         return lo * self.block_len, min(hi * self.block_len, self.gen_length)
 
     def event_list(self, kind: str, pairs: List[Tuple[int, int]], batch: int, g: int) -> List[BlockEvent]:
@@ -144,14 +145,14 @@ class BlockBuffer(Strategy):
         lo, hi = w
         window = (g + lo, g + hi)
         step_in_window = 0 if window != st.window else st.step_in_window + 1
-        done_all = min(st.host_first)
+        done_all = int(st.host_first.min())
         store = [self.span(b, g) for b in range(st.stored, done_all)]
         st = BufferState(st.sizes, st.counts, st.host_first, st.host_count, st.host_masked, st.in_buf, st.may_force,
                          st.events, window, step_in_window, max(st.stored, done_all), st.cols)
         c = self.cfg
         b0, b1 = lo // self.block_len, -(-hi // self.block_len)
         return StepPlan(
-            window=window, temperature=c.temperature, masked=[sum(row[b0:b1]) for row in st.host_masked],
+            window=window, temperature=c.temperature, masked=st.host_masked[:, b0:b1].sum(1).tolist(),
             confidence="random" if c.remasking == Remasking.random else "prob", softmax_dtype="float64",
             cache=CacheDirective(block=window, block_start=step_in_window == 0, step_in_block=step_in_window,
                                  store=store),
@@ -207,43 +208,33 @@ class BlockBuffer(Strategy):
         """The buffers once the host knows the masked positions per block, by the rules the device applied before:
         complete blocks leave, and one more is admitted when there is room and the newest one is at least
         ``add_block_threshold`` along (or the buffer is empty); the blocks that completed or were admitted become
-        block events. Plain loops: this runs every step."""
+        block events. Host arrays, every row at once: this runs every step."""
         B, g, nb = canvas.batch_size, canvas.gen_start, self.num_blocks
-        masked = tuple([tuple(values[i:i + nb]) for i in range(0, B * nb, nb)])
-        first, count, done, new = [], [], [], []
-        size, add_max = self.cfg.buffer_size, self.add_max
-        for r in range(B):
-            row = masked[r]
-            f = 0
-            while f < nb and not row[f]:          # the first incomplete block
-                f += 1
-            if delta is None:                     # before the first step: the initial buffers
-                n = 1 if f < nb else 0
-                if n:
-                    new.append((r, f))
-            else:
-                old_f, old_end = st.host_first[r], st.host_first[r] + st.host_count[r]
-                n = max(old_end - f, 0)
-                if n < size and f + n < nb:
-                    newest = min(max(f + n - 1, 0), nb - 1)
-                    if n == 0 or row[newest] <= add_max[newest]:
-                        n += 1
-                for b in range(old_f, min(f, nb)):
-                    done.append((r, b))
-                if f + n > max(old_end, f):
-                    new.append((r, f + n - 1))
-            first.append(f)
-            count.append(n)
-        first, count = tuple(first), tuple(count)
-        if delta is None:
-            events = tuple(self.event_list("admitted", new, B, g))
+        masked = np.asarray(values, dtype=np.int64).reshape(B, nb)
+        rows = np.arange(B)
+        inc = masked > 0
+        first = np.where(inc.any(1), inc.argmax(1), nb)                 # the first incomplete block
+        if delta is None:                                               # before the first step: the initial buffers
+            count = (first < nb).astype(np.int64)
+            new = rows[count > 0]
+            events = tuple(self.event_list("admitted", list(zip(new.tolist(), first[new].tolist())), B, g))
         else:
-            if done:
-                delta.block_events += self.event_list("completed", done, B, g)
-            if new:
-                delta.block_events += self.event_list("admitted", new, B, g)
+            old_first = st.host_first
+            old_end = old_first + st.host_count
+            count = np.maximum(old_end - first, 0)
+            newest = np.clip(first + count - 1, 0, nb - 1)
+            room = (count < self.cfg.buffer_size) & (first + count < nb)
+            count = count + (room & ((count == 0) | (masked[rows, newest] <= self.add_max[newest])))
+            col = np.arange(nb)
+            done = (col >= old_first[:, None]) & (col < first[:, None])      # row-major: rows, then blocks
+            if done.any():
+                delta.block_events += self.event_list("completed", list(zip(*(a.tolist() for a in np.nonzero(done)))), B, g)
+            new = rows[first + count > np.maximum(old_end, first)]
+            if new.size:
+                delta.block_events += self.event_list("admitted", list(zip(new.tolist(), (first + count - 1)[new].tolist())),
+                                                      B, g)
             delta.scalars["buffer_first"], delta.scalars["buffer_count"] = \
-                host_tensor([first, count], torch.long, st.sizes.device).unbind(0)
+                host_tensor(np.stack([first, count]), torch.long, st.sizes.device).unbind(0)
             events = st.events
         in_buf, may_force = self.gates(first, count, masked, st.sizes.device)
         return BufferState(st.sizes, st.counts, first, count, masked, in_buf, may_force, events, st.window,
@@ -255,6 +246,17 @@ class BlockBuffer(Strategy):
         w = self.host_window(first, count)
         if w is None:
             return None, None
+        b = np.arange(w[0] // self.block_len, -(-w[1] // self.block_len))
+        prev = np.maximum(b - 1, 0)
+        in_buf = (b >= first[:, None]) & (b < (first + count)[:, None])
+        may = (b == first[:, None]) | (b == 0) | (masked[:, prev] <= self.semi_max[prev])
+        need_buf, need_may = not in_buf.all(), not may.all()
+        if need_buf and need_may:
+            return host_tensor(np.stack([in_buf, may]), torch.bool, device).unbind(0)
+        if need_buf or need_may:
+            t = host_tensor(in_buf if need_buf else may, torch.bool, device)
+            return (t, None) if need_buf else (None, t)
+        return None, None
         b0, b1 = w[0] // self.block_len, -(-w[1] // self.block_len)
         semi_max = self.semi_max
         full, free = True, True
