@@ -186,10 +186,15 @@ def factor_count(scores: torch.Tensor, cand: torch.Tensor, factor: float) -> tor
     """d2Cache's factor rule: the first rank ``n`` (1-based) of the sorted candidates with
     ``(n + 1) (1 - s_n) >= factor`` in float32, or ``|cand|`` when none; the row then commits ``n - 1``.
     Rows without candidates get 0 (the reference raises there, or reuses the previous row's ``n``)."""
-    B, W = scores.shape
+    return _factor_count(masked_conf(scores, cand), cand, factor)
+
+
+def _factor_count(c: torch.Tensor, cand: torch.Tensor, factor: float) -> torch.Tensor:
+    """:func:`factor_count` of scores ``c`` that are ``-inf`` outside ``cand`` already."""
+    W = c.shape[1]
     M = cand.sum(-1)
-    s = torch.sort(masked_conf(scores, cand), dim=-1, descending=True).values
-    n = torch.arange(1, W + 1, device=scores.device)
+    s = torch.sort(c, dim=-1, descending=True).values
+    n = torch.arange(1, W + 1, device=c.device)
     ok = ((n + 1).to(s.dtype)[None, :] * (1 - s) >= factor) & (n[None, :] <= M[:, None])
     first = torch.where(ok.any(-1), ok.to(torch.int64).argmax(-1) + 1, M)
     return torch.where(M > 0, first, torch.zeros_like(first))
@@ -201,8 +206,7 @@ def eb_count(scores: torch.Tensor, probs: torch.Tensor, gamma: float, over_ranks
     ``#{k : A_k - M_k <= gamma}``. The reference's running maximum runs over the *batch* at each rank
     (``over_ranks=False``, the default); ``over_ranks=True`` takes it over the ranks of the row."""
     order = torch.sort(scores, dim=-1, descending=True).indices
-    H = torch.distributions.Categorical(probs=probs.float(), validate_args=False).entropy()
-    H = torch.gather(H, 1, order)
+    H = torch.gather(_categorical_entropy(probs.float()), 1, order)
     A = torch.cumsum(H, dim=1)
     Mx = torch.cummax(H, dim=1 if over_ranks else 0).values
     return ((A - Mx) <= gamma).sum(-1)
@@ -211,7 +215,7 @@ def eb_count(scores: torch.Tensor, probs: torch.Tensor, gamma: float, over_ranks
 def d2c_commit(scores: torch.Tensor, cand: torch.Tensor, min_tt: int, max_tt=None, *,
                counts: Optional[Sequence[int]] = None, threshold: Optional[float] = None,
                factor: Optional[float] = None, gamma: Optional[float] = None, probs: Optional[torch.Tensor] = None,
-               eb_over_ranks: bool = False) -> torch.Tensor:
+               eb_over_ranks: bool = False, ranked: bool = False) -> torch.Tensor:
     """The d2Cache framework's ``confidence_unmasking`` for every row at once (``[B, W]`` bool commits).
 
     ``threshold``: every candidate scoring ``>= threshold`` (none at all when more than ``max_tt`` do);
@@ -221,11 +225,14 @@ def d2c_commit(scores: torch.Tensor, cand: torch.Tensor, min_tt: int, max_tt=Non
 
     ``counts`` (candidates per row) and ``max_tt`` known on the host make every top-count a host number, so
     the top-k picks are the reference's ``torch.topk`` picks (ties included) and nothing is read back; the
-    factor rule's and EB's data-dependent counts use a stable sort instead.
+    factor rule's and EB's data-dependent counts use a stable sort instead. ``ranked``: ``scores`` is already
+    ``-inf`` outside ``cand`` (it is ranked as it is).
     """
     if sum(x is not None for x in (threshold, factor, gamma)) > 1:
         raise ValueError("at most one of threshold, factor and gamma")
-    c = masked_conf(scores, cand)
+    if threshold is not None and min_tt == 0 and max_tt is None:
+        return cand & (scores >= threshold)     # never too many, never a fallback (KLASS's stable set)
+    c = scores if ranked else masked_conf(scores, cand)
     B = c.shape[0]
     if counts is None:                                  # the candidates are only known on the device
         M = cand.sum(-1)
@@ -240,8 +247,11 @@ def d2c_commit(scores: torch.Tensor, cand: torch.Tensor, min_tt: int, max_tt=Non
         return torch.minimum(a, b) if not host else [min(x, y) for x, y in zip(a, b)]
 
     base = lo(mx, [min_tt] * B) if host else torch.clamp(mx, max=min_tt)      # clamp(min(min_tt, max), min_tt, max)
-    if threshold is not None and min_tt == 0 and max_tt is None:
-        return cand & (c >= threshold)          # never too many, never a fallback (KLASS's stable set)
+    if threshold is not None and max_tt is None:
+        # at most every candidate passes, never more than max = |cand|: the count is min(min_tt, |cand|) <= |cand|
+        picked = cand & (c >= threshold)
+        top = topk_rows(c, base)
+        return torch.where((picked.sum(-1) < _row_counts(base, c.device))[:, None], top, picked)
     if threshold is not None:
         picked = cand & (c >= threshold)
         n = picked.sum(-1)
@@ -256,16 +266,13 @@ def d2c_commit(scores: torch.Tensor, cand: torch.Tensor, min_tt: int, max_tt=Non
         picked = picked & ~over[:, None]
         return torch.where((picked.sum(-1) < num)[:, None], top, picked)
     if factor is not None:
-        n1 = (factor_count(scores, cand, factor) - 1).clamp_min(0)
+        n1 = (_factor_count(c, cand, factor) - 1).clamp_min(0)
         picked = topk_rows(c, torch.minimum(n1, _ints(mx, c.device)))
-        num = _ints(base, c.device)
         top = topk_rows(c, lo(M, base))
-        return torch.where((picked.sum(-1) < num)[:, None], top, picked)
+        return torch.where((picked.sum(-1) < _row_counts(base, c.device))[:, None], top, picked)
     if gamma is not None:
-        num = eb_count(c, probs, gamma, eb_over_ranks)
-        mxt = _ints(mx, c.device)
-        num = torch.minimum(torch.maximum(num, torch.full_like(num, min_tt)), mxt)
-        return topk_rows(c, torch.minimum(_ints(M, c.device), num))
+        k = torch.minimum(eb_count(c, probs, gamma, eb_over_ranks).clamp_min(min_tt), _ints(mx, c.device))
+        return topk_rows(c, k if max_tt is None else torch.minimum(_ints(M, c.device), k))   # (mx is M without max_tt)
     return topk_rows(c, lo(M, base))                      # the fixed rate: min(min_tt, max) top candidates
 
 
@@ -278,3 +285,23 @@ def masked_order(mask: torch.Tensor, count: int) -> torch.Tensor:
     """Flat indices of ``mask``'s true entries in row-major order (``mask.nonzero()`` as ``x[mask]`` visits
     them), given their number ``count`` on the host: a stable sort instead of a host read."""
     return torch.argsort((~mask).reshape(-1).to(torch.uint8), stable=True)[:count]
+
+
+def _row_counts(values, device):
+    """Per-row counts to compare a ``[B]`` tensor with: one host number when every row has it (no copy), else
+    :func:`_ints`."""
+    if not torch.is_tensor(values) and all(v == values[0] for v in values):
+        return values[0]
+    return _ints(values, device)
+
+
+def _categorical_entropy(probs: torch.Tensor) -> torch.Tensor:
+    """``torch.distributions.Categorical(probs=probs).entropy()`` bit for bit -- the same kernels on the same
+    values (renormalise, clamp to ``[eps, 1 - eps]``, log, times the probabilities, sum) -- without building the
+    distribution, and in place where Categorical allocates (the ``[..., V]`` temporaries are the big ones). Its
+    ``clamp(min=finfo.min)`` of the logs is left out: the log of a value clamped to ``>= eps`` is finite or NaN,
+    which that clamp returns unchanged."""
+    p = probs / probs.sum(-1, keepdim=True)
+    eps = torch.finfo(p.dtype).eps
+    p_log_p = p.clamp(min=eps, max=1 - eps).log_().mul_(p)
+    return -p_log_p.sum(-1)
