@@ -21,7 +21,6 @@ Reference quirks are reproduced by default; each has an option for the corrected
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from enum import Enum
 from typing import Optional, Tuple
@@ -81,6 +80,28 @@ class BlockState:
     step: int = 0                               # steps taken in the current block
     freq: Optional[torch.Tensor] = None         # PC-Sampler table (length V), loaded on the first step
     counts: Tuple[Tuple[int, ...], ...] = ()    # last host read: eligible positions per row and block
+    # per-step caches (host-keyed, never read across a mismatch): the ``[G]`` columns of block ``blk_of``, and the
+    # eligible positions once the delta of step ``after_step`` is applied (select computes them; sync_request
+    # reads them instead of recounting from the canvas)
+    blk: Optional[torch.Tensor] = None
+    blk_of: int = -1
+    after: Optional[torch.Tensor] = None
+    after_step: int = -1
+
+
+def evolve(st, **changes):
+    """``dataclasses.replace`` for the frozen states of the d2c family, without its per-call field walk (a few
+    microseconds a step): a shallow copy with ``changes``."""
+    new = object.__new__(type(st))
+    d = new.__dict__
+    d.update(st.__dict__)
+    d.update(changes)
+    return new
+
+
+class BlockSampled(Sampled):
+    """:meth:`D2C.sample_at`'s result: the confidence is ``-inf`` outside the positions sampled (the block's
+    candidates)."""
 
 
 @register_strategy("d2c", D2CConfig)
@@ -125,7 +146,7 @@ class D2C(Strategy):
         if not self.cfg.debias or st.freq is not None:
             return st
         path = FrequencyTable.resolve(self.cfg.freq_table, canvas.model_info.model_type)
-        return dataclasses.replace(st, freq=FrequencyTable.load(str(path), vocab).to(canvas.device))
+        return evolve(st, freq=FrequencyTable.load(str(path), vocab).to(canvas.device))
 
     # -- helpers -----------------------------------------------------------------------------------------
     def eligible(self, canvas, masked: torch.Tensor, tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -143,6 +164,8 @@ class D2C(Strategy):
     def after(self, canvas, delta: FrameDelta) -> torch.Tensor:
         """Eligible positions once ``delta`` (over the generation) is applied."""
         masked = masked_after(canvas, delta.start, delta.commit, delta.remask)
+        if not self.cfg.stop_until_eos:
+            return masked
         tokens = torch.where(delta.commit, delta.tokens, canvas.tokens[:, canvas.gen_start:])
         return self.eligible(canvas, masked, tokens)
 
@@ -162,7 +185,7 @@ class D2C(Strategy):
             left = [row[st.block] for row in st.counts]      # eligible positions per row (last host read)
             if any(left):
                 break
-            st = dataclasses.replace(st, block=st.block + 1, step=0)
+            st = evolve(st, block=st.block + 1, step=0)
         else:
             return None, st
         a, b = self.block_cols(st.block)
@@ -173,14 +196,17 @@ class D2C(Strategy):
 
     # -- the step's host read: eligible positions per row and block -----------------------------------------
     def sync_request(self, canvas, st: BlockState):
-        elig = self.eligible(canvas, canvas.masked()[:, canvas.gen_start:]) & ~canvas.finished[:, None]
+        if st.after is not None and st.after_step == canvas.step:
+            elig = st.after        # select's eligible positions after its delta: no row finished before it
+        else:
+            elig = self.eligible(canvas, canvas.step_of[:, canvas.gen_start:] < 0) & ~canvas.finished[:, None]
         return block_counts(canvas, self.block_len, elig)
 
     def synced(self, canvas, st: BlockState, values, delta):
         counts = host_rows(values, canvas.batch_size)
         if delta is not None and st.block < self.num_blocks and not any(row[st.block] for row in counts):
-            st = dataclasses.replace(st, block=st.block + 1, step=0)        # the step finished the block
-        return dataclasses.replace(st, counts=counts)
+            return evolve(st, block=st.block + 1, step=0, counts=counts, after=None)   # the step finished the block
+        return evolve(st, counts=counts, after=None)
 
     def sampler_options(self, st: BlockState) -> dict:
         """The keyword arguments of :func:`sample_tokens` for this config (and the loaded PC-Sampler table)."""
@@ -227,69 +253,84 @@ class D2C(Strategy):
         B, G, V = logits.shape
         order = masked_order(where, count)
         part = sample_tokens(logits.reshape(B * G, V)[order], **self.sampler_options(st))
-        return Sampled(placed(part.confidence, order, (B, G), float("-inf")), placed(part.x0, order, (B, G), 0),
-                       None)
+        return BlockSampled(placed(part.confidence, order, (B, G), float("-inf")), placed(part.x0, order, (B, G), 0),
+                            None)
 
     def pick(self, scores, cand, block_cand, sampled: Sampled, st: BlockState, rows, counts):
         """``[B_a, G]`` commits of the call's rows (``rows``; None: every row) and the new state (subclasses: KLASS,
         AR); ``counts``: the
         block's candidates per call row when known on the host (None when a cache may have left some out)."""
         c = self.cfg
+        # the block's own samples as the scores are -inf outside ``block_cand`` already (no masking op)
+        ranked = isinstance(sampled, BlockSampled) and scores is sampled.confidence
         commit = d2c_commit(scores, block_cand, c.num_transfer_tokens, counts=counts, threshold=c.threshold,
-                            factor=c.factor, gamma=c.gamma, probs=sampled.probs, eb_over_ranks=c.eb_cummax_over_ranks)
+                            factor=c.factor, gamma=c.gamma, probs=sampled.probs, eb_over_ranks=c.eb_cummax_over_ranks,
+                            ranked=ranked)
         return commit, st
+
+    def block_mask(self, st: BlockState, G: int, device) -> BlockState:
+        """The state holding the ``[G]`` columns of its block (made once per block)."""
+        if st.blk_of == st.block and st.blk is not None:
+            return st
+        a, b = self.block_cols(st.block)
+        blk = torch.zeros(G, dtype=torch.bool, device=device)
+        blk[a:b].fill_(True)
+        return evolve(st, blk=blk, blk_of=st.block)
 
     def select(self, canvas, plan, proposal, st: BlockState):
         c, g = self.cfg, canvas.gen_start
         rows = proposal.rows                             # None: the call ran every row (no gathers and scatters)
         every = rows is None
-        masked_all = canvas.masked()[:, g:]
+        masked_all = canvas.step_of[:, g:] < 0           # canvas.masked() of the generation
         masked = masked_all if every else masked_all[rows]
         cand = masked if (proposal.valid is None or not c.restrict_to_computed_logits) else masked & proposal.valid
-        st = self.frequencies(canvas, st, proposal.logits.shape[-1])
-        a, b = self.block_cols(st.block)
-        in_block = torch.zeros_like(cand)
-        in_block[:, a:b] = True
-        block_cand = cand & in_block
+        B_a, G, V = proposal.logits.shape
+        st = self.block_mask(self.frequencies(canvas, st, V), G, cand.device)
+        block_cand = cand & st.blk
         if c.stop_until_eos:
             elig = self.eligible(canvas, masked_all)
             block_cand &= elig if every else elig[rows]
         counts = plan.info["counts"] if cand is masked else None
-        B_a, G, V = proposal.logits.shape
         n = None if counts is None else sum(counts)
         if n is not None and (B_a * G - n) * V >= sampler.SCORED_MIN_SAVING and self.block_scores_suffice(proposal):
             sampled = self.sample_at(proposal.logits, block_cand, n, st)
+            conf = sampled.confidence                    # already -inf outside the block's candidates
         else:
             sampled = self.sample(proposal.logits, cand, st)
-        conf = torch.where(cand, sampled.confidence, torch.full_like(sampled.confidence, float("-inf")))
+            conf = torch.where(cand, sampled.confidence, float("-inf"))
         scores = conf * certainty_density(~masked, c.sigma) if c.sigma else conf
         commit_a, st = self.pick(scores, cand, block_cand, sampled, st, rows, counts)
-        delta = self.frame(canvas, rows, commit_a, sampled.x0, conf)
+        delta, after = self.frame(canvas, rows, commit_a, sampled.x0, conf, masked_all)
         delta.scalars.update(block=st.block, committed=delta.commit.sum(-1))
-        return delta, dataclasses.replace(st, step=st.step + 1)   # the block ends in synced, on the host read
+        # the block ends in synced, on the host read
+        return delta, evolve(st, step=st.step + 1, after=after, after_step=delta.step)
 
-    def frame(self, canvas, rows, commit_a, x0_a, conf_a) -> FrameDelta:
-        """The full-batch delta over the generation from the call rows' commits, tokens and confidences
-        (``rows`` None: the call ran every row)."""
-        g, B = canvas.gen_start, canvas.batch_size
+    def frame(self, canvas, rows, commit_a, x0_a, conf_a, masked: Optional[torch.Tensor] = None):
+        """``(delta, after)``: the full-batch delta over the generation from the call rows' commits, tokens and
+        confidences (``rows`` None: the call ran every row), and the eligible positions once it is applied when
+        they come cheaply (``masked``: the generation's masked positions before it; else None)."""
+        g, B, dev = canvas.gen_start, canvas.batch_size, canvas.device
+        conf_a = conf_a if conf_a.dtype == torch.float32 else conf_a.float()
         if rows is None:
-            delta = FrameDelta(step=canvas.step + 1, nfe=1, start=g, commit=commit_a,
-                               tokens=torch.where(commit_a, x0_a, canvas.tokens[:, g:]),
-                               active=torch.ones(B, dtype=torch.bool, device=canvas.device),
-                               finished=torch.zeros(B, dtype=torch.bool, device=canvas.device),
-                               confidence=conf_a.float())
-            return self.finish(canvas, delta)
-        commit = torch.zeros((B, canvas.gen_length), dtype=torch.bool, device=canvas.device)
-        commit[rows] = commit_a
-        tokens = canvas.tokens[:, g:].clone()
-        tokens[rows] = torch.where(commit_a, x0_a, tokens[rows])
-        conf = torch.zeros((B, canvas.gen_length), dtype=torch.float32, device=canvas.device)
-        conf[rows] = conf_a.float()
-        active = torch.zeros(B, dtype=torch.bool, device=canvas.device)
-        active[rows] = True
+            commit, active = commit_a, torch.ones(B, dtype=torch.bool, device=dev)
+            tokens, conf = torch.where(commit_a, x0_a, canvas.tokens[:, g:]), conf_a
+        else:
+            commit = torch.zeros((B, canvas.gen_length), dtype=torch.bool, device=dev).index_copy_(0, rows, commit_a)
+            tokens = canvas.tokens[:, g:].clone()
+            tokens.index_copy_(0, rows, torch.where(commit_a, x0_a, tokens[rows]))
+            conf = torch.zeros((B, canvas.gen_length), dtype=torch.float32, device=dev).index_copy_(0, rows, conf_a)
+            active = torch.zeros(B, dtype=torch.bool, device=dev).index_fill_(0, rows, True)
         delta = FrameDelta(step=canvas.step + 1, nfe=1, start=g, commit=commit, tokens=tokens, active=active,
-                           finished=torch.zeros_like(active), confidence=conf)
-        return self.finish(canvas, delta)
+                           finished=None, confidence=conf)
+        c = self.cfg
+        if masked is None or c.eos_fill or c.stop_until_eos or any(canvas.finished_host):
+            delta.finished = torch.zeros(B, dtype=torch.bool, device=dev)
+            return self.finish(canvas, delta), None
+        # no row was finished before this step, and nothing but the commits changes what is left (no EOS rule):
+        # a row finishes when no masked position remains
+        after = masked & ~commit
+        delta.finished = ~after.any(-1)
+        return delta, after
 
     def finish(self, canvas, delta: FrameDelta) -> FrameDelta:
         """Mark rows with nothing left to decode finished (with ``eos_fill``, fill what follows an EOS)."""
@@ -298,4 +339,3 @@ class D2C(Strategy):
         left = self.after(canvas, delta).any(-1)
         delta.finished = delta.finished | (~left & ~canvas.finished)
         return delta
-
