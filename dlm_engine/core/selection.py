@@ -249,9 +249,10 @@ def d2c_commit(scores: torch.Tensor, cand: torch.Tensor, min_tt: int, max_tt=Non
     base = lo(mx, [min_tt] * B) if host else torch.clamp(mx, max=min_tt)      # clamp(min(min_tt, max), min_tt, max)
     if threshold is not None and max_tt is None:
         # at most every candidate passes, never more than max = |cand|: the count is min(min_tt, |cand|) <= |cand|
-        picked = cand & (c >= threshold)
+        # c is -inf outside cand, where no finite threshold passes
+        picked = c >= threshold if isinstance(threshold, (int, float)) and threshold > NEG_INF else cand & (c >= threshold)
         top = topk_rows(c, base)
-        return torch.where((picked.sum(-1) < _row_counts(base, c.device))[:, None], top, picked)
+        return torch.where(_fewer(picked, base), top, picked)
     if threshold is not None:
         picked = cand & (c >= threshold)
         n = picked.sum(-1)
@@ -269,11 +270,12 @@ def d2c_commit(scores: torch.Tensor, cand: torch.Tensor, min_tt: int, max_tt=Non
         n1 = (_factor_count(c, cand, factor) - 1).clamp_min(0)
         picked = topk_rows(c, torch.minimum(n1, _ints(mx, c.device)))
         top = topk_rows(c, lo(M, base))
-        return torch.where((picked.sum(-1) < _row_counts(base, c.device))[:, None], top, picked)
+        return torch.where(_fewer(picked, base), top, picked)
     if gamma is not None:
         k = torch.minimum(eb_count(c, probs, gamma, eb_over_ranks).clamp_min(min_tt), _ints(mx, c.device))
         return topk_rows(c, k if max_tt is None else torch.minimum(_ints(M, c.device), k))   # (mx is M without max_tt)
-    return topk_rows(c, lo(M, base))                      # the fixed rate: min(min_tt, max) top candidates
+    # the fixed rate: min(min_tt, max) top candidates (without max_tt, base is that already)
+    return topk_rows(c, base if max_tt is None else lo(M, base))
 
 
 def _ints(values, device) -> torch.Tensor:
@@ -287,12 +289,12 @@ def masked_order(mask: torch.Tensor, count: int) -> torch.Tensor:
     return torch.argsort((~mask).reshape(-1).to(torch.uint8), stable=True)[:count]
 
 
-def _row_counts(values, device):
-    """Per-row counts to compare a ``[B]`` tensor with: one host number when every row has it (no copy), else
-    :func:`_ints`."""
-    if not torch.is_tensor(values) and all(v == values[0] for v in values):
-        return values[0]
-    return _ints(values, device)
+def _fewer(picked: torch.Tensor, num) -> torch.Tensor:
+    """``[B, 1]``: the rows of ``picked`` with fewer picks than ``num`` (per-row counts on the host or the
+    device; one host number when every row has it: no copy)."""
+    if not torch.is_tensor(num) and all(v == num[0] for v in num):
+        return picked.sum(-1, keepdim=True) < num[0]
+    return (picked.sum(-1) < _ints(num, picked.device))[:, None]
 
 
 def _categorical_entropy(probs: torch.Tensor) -> torch.Tensor:
