@@ -13,7 +13,6 @@ crashes doing so with float32 models; the fixtures were made with the cast, whic
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -22,7 +21,7 @@ import torch
 from dlm_engine.core.registry import register_strategy
 from dlm_engine.core.selection import d2c_commit
 from dlm_engine.errors import ConfigError
-from dlm_engine.strategies.d2c import D2C, BlockState, D2CConfig
+from dlm_engine.strategies.d2c import D2C, BlockState, D2CConfig, evolve
 
 
 @dataclass
@@ -71,25 +70,35 @@ class Klass(D2C):
         every = rows is None                                           # the call ran every row
         mine = slice(None) if every else rows
         p64 = p.to(torch.float64)
-        log_p = torch.log(p64 + 1e-12)       # kept for the next step: the same values as its log(prev + 1e-12)
+        # kept for the next step: the same values as its log(prev + 1e-12). In place on fresh [B_a, G - a, V]
+        # temporaries (the same kernels and values, fewer allocations of the step's largest tensors)
+        log_p = (p64 + 1e-12).log_()
         if st.previous_log is None:          # the reference's zeros before the first step
             prev_all = torch.full((), 1e-12, dtype=torch.float64, device=p.device).log().expand(
                 hist.shape[0], p.shape[1], V)
         else:
             prev_all = st.previous_log[:, a - st.previous_from:]
-        kl = (p64 * (log_p - prev_all[mine])).sum(-1)                 # [B_a, G - a]
+        kl = torch.sub(log_p, prev_all[mine]).mul_(p64).sum(-1)       # [B_a, G - a]: sum p (log p - log prev)
         h = torch.roll(hist[mine, a:], -1, dims=-1)
         h[:, :, -1] = kl
-        pool = block_cand.clone()                    # (columns before ``a`` are outside the block: never in it)
-        pool[:, a:] &= (h < c.kl_threshold).all(-1)
+        stable = (h < c.kl_threshold).all(-1)
+        if a == 0:
+            pool = block_cand & stable
+        else:
+            pool = block_cand.clone()                # (columns before ``a`` are outside the block: never in it)
+            pool[:, a:].logical_and_(stable)
         if c.threshold is None and c.factor is None and c.klass_commit_stable:
             chosen = pool
         else:
             chosen = d2c_commit(scores, pool, 0, threshold=c.threshold, factor=c.factor)
         fallback = d2c_commit(scores, block_cand, c.num_transfer_tokens, counts=counts)
         commit = torch.where(chosen.any(-1, keepdim=True), chosen, fallback)
-        new_hist = hist.clone()
-        new_hist[mine, a:] = h
+        if not every:
+            new_hist = hist.clone()
+            new_hist[mine, a:] = h
+        elif a == 0:
+            new_hist = h                             # a fresh [B, G, H] (roll's result)
+        else:
+            new_hist = torch.cat([hist[:, :a], h], dim=1)
         prev_log = log_p if every else prev_all.index_copy(0, rows, log_p)
-        st = dataclasses.replace(st, history=new_hist, previous_log=prev_log, previous_from=a)
-        return commit, st
+        return commit, evolve(st, history=new_hist, previous_log=prev_log, previous_from=a)
