@@ -36,19 +36,17 @@ class AR(D2C):
 
     def pick(self, scores, cand, block_cand, sampled, st, rows, counts):
         c = self.cfg
-        G = block_cand.shape[1]
-        col = torch.arange(G, device=block_cand.device)
-        first = torch.where(block_cand.any(-1), block_cand.int().argmax(-1), torch.full_like(block_cand[:, 0], G, dtype=torch.long))
-        after = col[None, :] >= first[:, None]
-        run = torch.cumprod((block_cand | ~after).int(), dim=-1).bool() & after      # the run from the first candidate
+        after = block_cand.cummax(-1).values                  # at or after the row's first candidate
+        # the run from the first candidate: candidates with no gap (a non-candidate after the first) before them
+        run = block_cand & ((after > block_cand).cumsum(-1) == 0)
+        if c.threshold is None and not c.ar_respect_ntt:
+            return run, st                                    # the whole run (quirk 9)
         n = run.sum(-1)
         if c.threshold is not None:
-            good = torch.cumprod(((scores >= c.threshold) | ~after).int(), dim=-1).bool() & run
-            lead = good.sum(-1)
+            # the leading run positions before the first one (from the first candidate on) scoring below threshold
+            fail = after > (scores >= c.threshold)
+            lead = (run & (fail.cumsum(-1) == 0)).sum(-1)
             count = torch.minimum(torch.clamp(lead, min=c.num_transfer_tokens), n)
-        elif c.ar_respect_ntt:
-            count = torch.clamp(n, max=c.num_transfer_tokens)
         else:
-            count = n
-        rank = torch.cumsum(run.int(), dim=-1)
-        return run & (rank <= count[:, None]), st
+            count = torch.clamp(n, max=c.num_transfer_tokens)
+        return run & (run.cumsum(-1) <= count[:, None]), st     # the run's first ``count`` positions
