@@ -51,6 +51,7 @@ from dlm_engine.core.kvcache import Cache, RowStore, keep_layer_rows
 from dlm_engine.core.priors import certainty_density
 from dlm_engine.core.protocol import Columns, recomputed_columns
 from dlm_engine.core.registry import register_cache
+from dlm_engine.core.selection import first_true
 from dlm_engine.core.strategy import masked_after
 from dlm_engine.errors import ConfigError
 
@@ -250,7 +251,7 @@ class D2Cache(Cache):
 
         # the search window and the certainty-ranked picks
         hit = rem.cumsum(-1) >= c.current_k
-        e0 = torch.where(hit.any(-1), hit.int().argmax(-1), torch.full_like(bsize, G - 1))
+        e0 = first_true(hit, G - 1)
         send = (torch.div(e0, bsize, rounding_mode="floor") + 1) * bsize - 1
         window = (col >= bstart[:, None]) & (col <= send[:, None])
         sc = conf * certainty_density(~rem, float(c.sigma))

@@ -35,7 +35,7 @@ from dlm_engine.core.priors import FrequencyTable, certainty_density
 from dlm_engine.core.registry import register_strategy
 from dlm_engine.core import sampler
 from dlm_engine.core.sampler import Sampled, placed, sample_tokens
-from dlm_engine.core.selection import d2c_commit, masked_order
+from dlm_engine.core.selection import d2c_commit, first_true, masked_order
 from dlm_engine.core.strategy import CacheDirective, StepPlan, Strategy, masked_after
 from dlm_engine.errors import ConfigError
 
@@ -158,7 +158,7 @@ class D2C(Strategy):
         is_eos = (gen == canvas.eos_id) & ~masked
         G = gen.shape[1]
         col = torch.arange(G, device=gen.device)
-        first = torch.where(is_eos.any(-1), is_eos.int().argmax(-1), torch.full_like(is_eos[:, 0], G, dtype=torch.long))
+        first = first_true(is_eos, G)
         return masked & (col[None, :] < first[:, None])
 
     def after(self, canvas, delta: FrameDelta) -> torch.Tensor:

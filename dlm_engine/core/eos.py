@@ -25,6 +25,7 @@ import torch
 from dlm_engine.core.canvas import Canvas, FrameDelta
 from dlm_engine.errors import ConfigError
 from dlm_engine.core.sampler import confidence_of
+from dlm_engine.core.selection import first_true
 
 
 @dataclass
@@ -105,7 +106,7 @@ def stop_at_eos(canvas: Canvas, delta: FrameDelta, eos_id: int) -> FrameDelta:
     is_eos = (gen_tok == eos_id) & ~gen_masked
     G = gen_tok.shape[1]
     col = torch.arange(G, device=canvas.device)
-    first = torch.where(is_eos.any(-1), is_eos.int().argmax(-1), torch.full((B,), G, device=canvas.device))
+    first = first_true(is_eos, G)
     open_before = (gen_masked & (col[None, :] < first[:, None])).any(-1)
     done = (first < G) & ~open_before & ~canvas.finished & ~delta.finished
     fill = torch.zeros_like(commit)

@@ -29,6 +29,11 @@ def host_schedule(masked: Sequence[int], steps: int) -> Tuple[Tuple[int, ...], .
     return tuple(tuple(n // steps + (i < n % steps) for i in range(steps)) for n in masked)
 
 
+def first_true(mask: torch.Tensor, default: int) -> torch.Tensor:
+    """Per row of ``mask`` (``[..., N]`` bool) the index of its first True, ``default`` where there is none."""
+    return torch.where(mask.any(-1), mask.int().argmax(-1), default)
+
+
 def masked_conf(conf: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
     return torch.where(cand, conf, NEG_INF)        # one kernel (masked_fill(~cand) is two)
 
