@@ -15,7 +15,6 @@ block complete (its remaining blocks get ``completed`` events) and leaves the bu
 """
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -29,8 +28,8 @@ from dlm_engine.core.devices import host_tensor
 from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.eos import EosOptions, check_eos_options, eos_confidence, eos_stop, eos_suppress
 from dlm_engine.core.registry import register_strategy
-from dlm_engine.core.selection import masked_conf
-from dlm_engine.core.strategy import CacheDirective, Remasking, StepPlan, Strategy
+from dlm_engine.core.selection import f32, masked_conf
+from dlm_engine.core.strategy import CacheDirective, Remasking, StepPlan, Strategy, evolve
 from dlm_engine.errors import ConfigError
 
 
@@ -62,12 +61,6 @@ class BufferState:
     step_in_window: int = 0
     stored: int = 0                        # blocks [0, stored) were handed to the cache as complete
     cols: Optional[torch.Tensor] = None    # arange(block_length) on the canvas device
-
-
-def f32(x: float) -> float:
-    """``x`` rounded to float32 (round to nearest even), as torch rounds a Python scalar it compares a float32
-    tensor with."""
-    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 def host_progress(masked: int, size: int) -> float:
@@ -147,8 +140,7 @@ class BlockBuffer(Strategy):
         step_in_window = 0 if window != st.window else st.step_in_window + 1
         done_all = int(st.host_first.min())
         store = [self.span(b, g) for b in range(st.stored, done_all)]
-        st = BufferState(st.sizes, st.counts, st.host_first, st.host_count, st.host_masked, st.in_buf, st.may_force,
-                         st.events, window, step_in_window, max(st.stored, done_all), st.cols)
+        st = evolve(st, window=window, step_in_window=step_in_window, stored=max(st.stored, done_all))
         c = self.cfg
         b0, b1 = lo // self.block_len, -(-hi // self.block_len)
         return StepPlan(
@@ -197,8 +189,7 @@ class BlockBuffer(Strategy):
         # the buffers after this step are decided on the host (synced fills the placeholders, keeping this order)
         delta.scalars.update({"committed": commit.sum(-1), "block_progress": 1.0 - counts / st.sizes,
                               "buffer_first": None, "buffer_count": None})
-        return delta, BufferState(st.sizes, counts, st.host_first, st.host_count, st.host_masked, None, None, (),
-                                  st.window, st.step_in_window, st.stored, st.cols)
+        return delta, evolve(st, counts=counts, in_buf=None, may_force=None, events=())
 
     # -- the step's host read: masked positions per row and block -----------------------------------------------
     def sync_request(self, canvas, st: BufferState):
@@ -237,8 +228,8 @@ class BlockBuffer(Strategy):
                 host_tensor(np.stack([first, count]), torch.long, st.sizes.device).unbind(0)
             events = st.events
         in_buf, may_force = self.gates(first, count, masked, st.sizes.device)
-        return BufferState(st.sizes, st.counts, first, count, masked, in_buf, may_force, events, st.window,
-                           st.step_in_window, st.stored, st.cols)
+        return evolve(st, host_first=first, host_count=count, host_masked=masked, in_buf=in_buf, may_force=may_force,
+                      events=events)
 
     def gates(self, first, count, masked, device) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """``[B, n_win]`` bool for the next window's blocks (None = True everywhere): in the row's buffer; may force
@@ -253,32 +244,6 @@ class BlockBuffer(Strategy):
         need_buf, need_may = not in_buf.all(), not may.all()
         if need_buf and need_may:
             return host_tensor(np.stack([in_buf, may]), torch.bool, device).unbind(0)
-        if need_buf or need_may:
-            t = host_tensor(in_buf if need_buf else may, torch.bool, device)
-            return (t, None) if need_buf else (None, t)
-        return None, None
-        b0, b1 = w[0] // self.block_len, -(-w[1] // self.block_len)
-        semi_max = self.semi_max
-        full, free = True, True
-        may = []
-        for f, n, row in zip(first, count, masked):
-            full = full and f <= b0 and b1 <= f + n
-            m = [b == f or b == 0 or row[b - 1] <= semi_max[b - 1] for b in range(b0, b1)]
-            free = free and all(m)
-            may.append(m)
-        in_buf = None if full else [[f <= b < f + n for b in range(b0, b1)] for f, n in zip(first, count)]
-        if in_buf is not None and not free:
-            return host_tensor([in_buf, may], torch.bool, device).unbind(0)
-        if in_buf is not None:
-            return host_tensor(in_buf, torch.bool, device), None
-        return None, (None if free else host_tensor(may, torch.bool, device))
-        b0, b1 = w[0] // self.block_len, -(-w[1] // self.block_len)
-        in_buf = [[f <= b < f + n for b in range(b0, b1)] for f, n in zip(first, count)]
-        may = [[b == f or b == 0 or host_progress(row[b - 1], self.sizes[b - 1]) >= self.semi32 for b in range(b0, b1)]
-               for f, row in zip(first, masked)]
-        need_buf, need_may = not all(map(all, in_buf)), not all(map(all, may))
-        if need_buf and need_may:
-            return host_tensor([in_buf, may], torch.bool, device).unbind(0)
         if need_buf or need_may:
             t = host_tensor(in_buf if need_buf else may, torch.bool, device)
             return (t, None) if need_buf else (None, t)

@@ -21,7 +21,8 @@ import torch
 from dlm_engine.core.registry import register_strategy
 from dlm_engine.core.selection import d2c_commit
 from dlm_engine.errors import ConfigError
-from dlm_engine.strategies.d2c import D2C, BlockState, D2CConfig, evolve
+from dlm_engine.core.strategy import evolve
+from dlm_engine.strategies.d2c import D2C, BlockState, D2CConfig
 
 
 @dataclass

@@ -30,18 +30,11 @@ from dlm_engine.core.priors import certainty_density
 from dlm_engine.core.protocol import AuxColumns
 from dlm_engine.core.registry import register_strategy
 from dlm_engine.core.sampler import sample_tokens
-from dlm_engine.core.selection import d2c_commit, topk_rows
-from dlm_engine.core.strategy import StepPlan, Strategy, masked_after
+from dlm_engine.core.selection import d2c_commit, f32, topk_rows
+from dlm_engine.core.strategy import StepPlan, Strategy, evolve, masked_after
 from dlm_engine.errors import ConfigError, UserError
 from dlm_engine.strategies.d2c import Alg
 
-
-
-def _f32(x: float) -> float:
-    """``x`` rounded to float32 (the reference computes ``int(0.7 * n)`` in float32)."""
-    import struct
-
-    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 @dataclass
@@ -71,6 +64,13 @@ class WinoState:
     aux: Optional[tuple] = None                 # ((bs, be), AuxColumns): the shadow block of the last window (reused
                                                 # while the window stays: it depends on the window alone)
     left: Optional[torch.Tensor] = None         # [B, G] masked generated positions after the last select
+
+
+def wide_cap(n: int, ntt: int) -> int:
+    """WINO's most commits for a window with ``n`` masked positions: ``max(clamp(int(0.7 n), 5, 20), ntt)`` with
+    ``0.7 n`` a float32 product as the reference computes it (``int(float32(n) * float32(0.7))``, rounded to
+    float32 before the truncation: 7 for ``n = 10``, where the double product of the float32 factors is 6.9999...)."""
+    return max(min(max(int(f32(f32(n) * f32(0.7))), 5), 20), ntt)
 
 
 @register_strategy("wino", WinoConfig)
@@ -119,7 +119,7 @@ class Wino(Strategy):
                     raise UserError("wino (shrinking_window=true): row 0 has nothing left in its block while another "
                                     "row does -- the reference fails here; use the corrected window")
                 break
-            st = WinoState(st.block + 1, None, st.window, st.counts, st.shrunk, st.aux, st.left)
+            st = evolve(st, block=st.block + 1, block_mask=None)
         else:
             return None, st
         mask = None
@@ -129,10 +129,10 @@ class Wino(Strategy):
         B = canvas.batch_size
         pos = canvas.position_ids
         aux = st.aux[1] if st.aux is not None and st.aux[0] == (bs, be) else self.shadow(canvas, bs, be)
-        st = WinoState(st.block, mask, (bs, be), st.counts, st.shrunk, ((bs, be), aux), st.left)
+        st = evolve(st, block_mask=mask, window=(bs, be), aux=((bs, be), aux))
         ntt = c.num_transfer_tokens
         run = [n[r] for r in range(B) if rows[r]]
-        cap = [max(min(max(int(_f32(k) * _f32(0.7)), 5), 20), ntt) for k in run]   # clamp(0.7 n, 5, 20), >= ntt
+        cap = [wide_cap(k, ntt) for k in run]
         return StepPlan(window=(g + bs, g + be), sample=False, rows=None if all(rows) else list(rows), aux=aux,
                         position_ids=pos, temperature=c.temperature, info={"counts": run, "cap": cap}), st
 
@@ -181,7 +181,7 @@ class Wino(Strategy):
             rest = [int(v) for v in values[B * nb:]]
             first, last = rest[B], rest[B + 1]
             shrunk = ([v > 0 for v in rest[:B]], (first, last + 1) if first >= 0 else (-1, -1), rest[B + 2:])
-        return WinoState(st.block, st.block_mask, st.window, counts, shrunk, st.aux, st.left)
+        return evolve(st, counts=counts, shrunk=shrunk)
 
     # -- select ----------------------------------------------------------------------------------------------
     def select(self, canvas, plan, proposal, st: WinoState):
@@ -245,4 +245,4 @@ class Wino(Strategy):
                            finished=finished, confidence=conf, remask=remask,
                            scalars={"block": st.block, "committed": commit.sum(-1), "remasked": remask.sum(-1),
                                     "window_start": s - g, "window_end": e - g})
-        return delta, WinoState(st.block, st.block_mask, st.window, st.counts, st.shrunk, st.aux, left)
+        return delta, evolve(st, left=left)

@@ -312,3 +312,35 @@ def test_sums_draws_and_undeclared_picks_keep_every_position(tiny_llada, monkeyp
     canvas = Canvas.from_prompts([[5, 6, 7, 8]], 16, int(tiny_llada.config.mask_token_id), 0)
     decode(tiny_llada, canvas, cls(cls.Config(block_length=4, **kw), 16))
     assert not seen and canvas.nfe > 0
+
+
+def test_wino_cap_is_the_float32_product_of_the_spec():
+    """d2cache.md: ``⌊0.7·n⌋`` is ``int(float32(n)·float32(0.7))`` (the float32 product, then truncated), equal to
+    the exact floor below n = 200. The double product of the float32 factors truncates n = 10 to 6, not 7."""
+    from dlm_engine.strategies.wino import wide_cap
+
+    for n in range(0, 4097):
+        want = int((torch.tensor(float(n), dtype=torch.float32) * 0.7).item())
+        assert wide_cap(n, 1) == max(min(max(want, 5), 20), 1), n
+        if n < 200:
+            assert want == (7 * n) // 10, n
+    assert wide_cap(10, 1) == 7 and wide_cap(20, 1) == 14 and wide_cap(3, 8) == 8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_eb_entropy_is_categoricals_bit_for_bit(dtype):
+    """EB-Sampler's entropies come from an in-place copy of ``Categorical(probs).entropy()``'s kernels: the same
+    bits, including exact 0s and 1s, unnormalised rows and NaN rows."""
+    from dlm_engine.core.selection import _categorical_entropy
+
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(3, 7, 50, generator=g, dtype=dtype) * 4, -1)
+    p[0, 0] = 0.0
+    p[0, 0, 3] = 1.0                                   # a certain position
+    p[1, 2] *= 3.0                                     # not normalised
+    p[2, 4, :10] = 0.0                                 # zeros inside a row
+    p[2, 5] = float("nan")
+    want = torch.distributions.Categorical(probs=p, validate_args=False).entropy()
+    got = _categorical_entropy(p.clone())
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))

@@ -277,3 +277,57 @@ def test_eos_options_need_the_models_ids(name):
     for key in ("logits_eos_inf", "stop_at_eos", "confidence_eos_eot_inf"):
         with pytest.raises(ConfigError, match=f"strategy.{key}"):
             run_scripted(name, eos=None, eot=None, **{key: True})
+
+
+class FinishedCheck:
+    """A sink checking ``FrameDelta.finished`` against the canvas: it flags exactly the rows that finish at this
+    step, never a row finished before (rows sit steps out once finished), and every row left without a masked
+    generated position."""
+
+    wants_logits = wants_recomputed = False
+
+    def on_start(self, canvas, info):
+        self.prev, self.exercised, self.bad = canvas.finished.clone(), 0, []
+
+    def on_delta(self, delta, canvas):
+        prev, g = self.prev, canvas.gen_start
+        left = (canvas.step_of[:, g:] < 0).any(-1)                  # the canvas once the delta is applied
+        if (delta.finished & prev).any():
+            self.bad.append(f"step {delta.step}: rows finished before are flagged again")
+        if (~left & ~prev & ~delta.finished).any():
+            self.bad.append(f"step {delta.step}: a row without masks left is not flagged")
+        self.exercised += int(bool(prev.any()) and not bool(prev.all()))
+        self.prev = canvas.finished.clone()
+
+    def on_end(self, canvas):
+        pass
+
+
+FINISH_CASES = CASES + [
+    ("early_exit", "none", dict(answer_start=0, steps=16, block_length=4)),
+    ("d2c", "none", dict(threshold=0.5, block_length=4)),
+    ("d2c", "dual", dict(threshold=0.5, block_length=4)),
+    ("klass", "none", dict(threshold=0.5, block_length=4)),
+    ("ar", "none", dict(threshold=0.5, block_length=4)),
+    ("wino", "none", dict(block_length=4)),
+]
+
+
+@pytest.mark.parametrize("name,cache,kw", FINISH_CASES,
+                         ids=[f"{n}-{c}-{i}" for i, (n, c, _) in enumerate(FINISH_CASES)])
+def test_delta_finished_flags_exactly_the_rows_that_finish(tiny_llada, name, cache, kw):
+    """The fast paths that take finished rows from host mask counts (``Strategy.delta(masked_left=...)``, d2c's
+    frame) must agree with the canvas on a batch whose rows finish at different steps."""
+    cls = strategy_class(name)
+    if "stop_at_eos" in cls.Config.__dataclass_fields__:
+        kw = dict(kw, stop_at_eos=True)
+        eos = pick_eos(tiny_llada, name, cache, 0, **{k: v for k, v in kw.items() if k != "stop_at_eos"})
+    else:
+        eos = None
+    canvas = Canvas.from_prompts(PROMPTS, GEN, 1000, 1001, eos_id=eos)
+    check = FinishedCheck()
+    decode(tiny_llada, canvas, cls(cls.Config(**kw), GEN), cache=make_cache(cache), sinks=[check])
+    assert not check.bad, check.bad[:3]
+    assert bool(canvas.finished.all())
+    if eos is not None or name == "d2c":
+        assert check.exercised, "no step ran with some rows finished and others not"

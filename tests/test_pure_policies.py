@@ -160,3 +160,19 @@ def test_delta_with_remask_derives_finished(tiny_llada):
     assert Strategy.delta(canvas, prop, commit).finished.tolist() == [True, True]
     canvas.apply(d)
     assert canvas.masked()[:, g:].tolist() == [[True, False, False], [False, False, False]]
+
+
+def test_evolve_copies_and_rejects_unknown_fields():
+    """``evolve`` (the states' fast ``dataclasses.replace``) leaves the old state alone and refuses a misspelt
+    field instead of adding an attribute."""
+    import pytest
+
+    from dlm_engine.core.strategy import BlockCursor, evolve
+    from dlm_engine.strategies.low_confidence import Schedule
+
+    st = Schedule(counts=((1, 2),))
+    new = evolve(st, cursor=BlockCursor(1, 0))
+    assert new.cursor == BlockCursor(1, 0) and new.counts == ((1, 2),) and st.cursor == BlockCursor()
+    assert new == Schedule(cursor=BlockCursor(1, 0), counts=((1, 2),))
+    with pytest.raises(TypeError, match="curser"):
+        evolve(st, curser=BlockCursor(1, 0))

@@ -175,3 +175,22 @@ def test_recording_adds_no_host_sync_on_the_step_loop(tiny_llada, tmp_path, capt
             assert tr.ok and len(tr) == 3
         counts[record] = (dict(counter.counts), canvas.step)
     assert counts[True] == counts[False]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (runs where one is lent)")
+def test_host_tensor_on_cuda_and_a_decode_matches_the_cpu(tiny_llada):
+    """The pinned, non-blocking path of ``host_tensor`` gives the values, and a decode with per-row host numbers
+    (a padded batch: row indices, counts) matches the CPU one token for token."""
+    from dlm_engine.core.devices import host_tensor
+
+    t = host_tensor([[1, 2], [3, 4]], torch.long, "cuda")
+    assert t.device.type == "cuda" and t.tolist() == [[1, 2], [3, 4]]
+    out = {}
+    for dev in ("cpu", "cuda"):
+        model = tiny_llada.to(dev)
+        canvas = Canvas.from_prompts(PROMPTS[3], GEN, int(model.config.mask_token_id), 0, device=dev)
+        cls = strategy_class("threshold")
+        decode(model, canvas, cls(cls.Config(block_length=8), GEN))
+        out[dev] = canvas.tokens.cpu().tolist()
+    tiny_llada.to("cpu")
+    assert out["cpu"] == out["cuda"]

@@ -89,7 +89,9 @@ class Canvas:
         self.step = 0
         self.nfe = 0
         self.row_nfe = torch.zeros(tokens.shape[0], dtype=torch.long, device=tokens.device)
-        # ``finished`` as the step loop last read it on the host (set by the loop once per step)
+        # ``finished`` as the step loop last read it on the host (set by the loop once per step). Fast paths rely
+        # on it (Strategy.delta(masked_left=...), d2c's frame): code that changes ``finished`` outside the loop
+        # must update it too
         self.finished_host: Tuple[bool, ...] = (False,) * tokens.shape[0]
         self.position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
         # left padding per row, on the host (read once here: rows are ranked as in a batch of one)

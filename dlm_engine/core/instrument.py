@@ -115,7 +115,8 @@ def _bool_index(idx) -> bool:
 
 
 # a tensor made from host data (``torch.tensor``/``as_tensor``). 0-dim ones are left out: ``x[i] = 1.0`` makes one
-# too, and a Python scalar reaches a GPU as a kernel argument, without a copy
+# too, and a Python scalar reaches a GPU as a kernel argument, without a copy. On a CPU-only run this is what can be
+# seen of a host-to-device copy; ``cpu_tensor.to("cuda")`` (pageable memory, also a wait) is only visible on a GPU
 _LIFT = torch.ops.aten.lift_fresh.default
 _INDEXING = (torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default)
 

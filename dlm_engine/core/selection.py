@@ -5,6 +5,7 @@ All functions are batched: ``conf`` is ``[B, W]`` with ``-inf`` (or any value) o
 from __future__ import annotations
 
 import functools
+import struct
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -27,6 +28,12 @@ def host_schedule(masked: Sequence[int], steps: int) -> Tuple[Tuple[int, ...], .
     """:func:`dlm_engine.core.selection.transfer_schedule` on host numbers: ``n // steps`` per step, the
     remainder's +1s on the first steps."""
     return tuple(tuple(n // steps + (i < n % steps) for i in range(steps)) for n in masked)
+
+
+def f32(x: float) -> float:
+    """``x`` rounded to float32 (to nearest even): what a float32 tensor holds for it, e.g. a Python threshold it is
+    compared with, so that host decisions reproduce device ones."""
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 def first_true(mask: torch.Tensor, default: int) -> torch.Tensor:
@@ -261,10 +268,11 @@ def d2c_commit(scores: torch.Tensor, cand: torch.Tensor, min_tt: int, max_tt=Non
     if threshold is not None:
         picked = cand & (c >= threshold)
         n = picked.sum(-1)
-        over = n > (_ints(mx, c.device) if host else mx)
+        mx_t = _ints(mx, c.device)                      # (one copy of the host numbers for both uses)
+        over = n > mx_t
         if host:   # the count is max when too many pass, else min(min_tt, max): both known, pick per row
             k_over, k_base = lo(M, mx), lo(M, base)
-            num = torch.where(over, _ints(mx, c.device), _ints(base, c.device))
+            num = torch.where(over, mx_t, _ints(base, c.device))
             top = torch.where(over[:, None], topk_rows(c, k_over), topk_rows(c, k_base))
         else:
             num = torch.where(over, mx, base)

@@ -24,7 +24,7 @@ from dlm_engine.core.protocol import AuxColumns, CacheDirective
 from dlm_engine.core.sampler import Proposal
 from dlm_engine.errors import ConfigError
 
-__all__ = ["Strategy", "StepPlan", "CacheDirective", "BlockCursor", "Remasking", "block_range", "candidates"]
+__all__ = ["Strategy", "StepPlan", "CacheDirective", "BlockCursor", "Remasking", "block_range", "candidates", "evolve"]
 
 
 class Remasking(str, Enum):
@@ -177,7 +177,8 @@ class Strategy:
         ``masked_left``: per row, on the host, the masked generated positions before this delta (the last host
         read), for a ``commit`` that only covers masked positions and no ``remask``: a row then finishes when it
         commits as many as it had left (``committed``: ``commit.sum(-1)`` if the caller has it), three
-        operations instead of eight."""
+        operations instead of eight. Rows finished before are told by ``canvas.finished_host``, which the step
+        loop keeps current (a caller outside :func:`dlm_engine.core.loop.decode` must set it)."""
         s = proposal.start
         if active is None:
             active = proposal.active if proposal.active is not None else ~canvas.finished
@@ -196,6 +197,20 @@ class Strategy:
             active=active, finished=finished, confidence=conf, remask=remask,
             block_events=list(events or []), scalars=dict(scalars or {}),
         )
+
+
+def evolve(state, **changes):
+    """A frozen state dataclass with ``changes`` (``dataclasses.replace`` without its per-call walk over the fields
+    and ``__init__``: states change every step). A name that is not a field is a TypeError, as with replace."""
+    fields = type(state).__dataclass_fields__
+    for k in changes:
+        if k not in fields:
+            raise TypeError(f"{type(state).__name__} has no field '{k}'")
+    new = object.__new__(type(state))
+    d = new.__dict__
+    d.update(state.__dict__)
+    d.update(changes)
+    return new
 
 
 def masked_after(canvas: Canvas, start: int, commit: torch.Tensor, remask: Optional[torch.Tensor] = None) -> torch.Tensor:
