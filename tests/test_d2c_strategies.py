@@ -344,3 +344,55 @@ def test_eb_entropy_is_categoricals_bit_for_bit(dtype):
     got = _categorical_entropy(p.clone())
     assert torch.equal(got.isnan(), want.isnan())
     assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
+
+
+@pytest.mark.parametrize("kw", [dict(threshold=0.5), dict(threshold=0.5, num_transfer_tokens=2), dict(),
+                                dict(ar_respect_ntt=True, num_transfer_tokens=3)])
+def test_ar_pick_is_the_run_from_the_first_candidate(kw):
+    """``ar`` commits the first ``count`` positions of the contiguous run of candidates starting at the row's first
+    candidate (d2cache.md §8): checked row by row against a plain loop, on random rows with gaps and NaN scores."""
+    from dlm_engine.core.registry import strategy_class
+
+    cls = strategy_class("ar")
+    ar = cls(cls.Config(**kw), 16)
+    g = torch.Generator().manual_seed(0)
+    cand = torch.rand(400, 16, generator=g) < 0.6
+    scores = torch.rand(400, 16, generator=g, dtype=torch.float64)
+    scores[torch.rand(400, 16, generator=g) < 0.05] = float("nan")
+    commit, _ = ar.pick(scores, cand, cand, None, None, None, None)
+    ntt, thr = ar.cfg.num_transfer_tokens, kw.get("threshold")
+    for r in range(cand.shape[0]):
+        c, s = cand[r].tolist(), scores[r].tolist()
+        run = []
+        for j in range(c.index(True) if True in c else 16, 16):
+            if not c[j]:
+                break
+            run.append(j)
+        if thr is not None:
+            lead = 0
+            while lead < len(run) and s[run[lead]] >= thr:     # NaN fails
+                lead += 1
+            count = min(max(lead, ntt), len(run))
+        else:
+            count = min(len(run), ntt) if kw.get("ar_respect_ntt") else len(run)
+        assert [j for j in range(16) if commit[r, j]] == run[:count], r
+
+
+def test_d2c_host_read_uses_selects_masks_only_for_the_step_they_were_made_for(tiny_llada):
+    """``select`` hands ``sync_request`` the eligible positions after its delta (no recount); a state whose copy is
+    from another step must count the canvas instead."""
+    from dlm_engine.core.registry import strategy_class
+    from dlm_engine.core.strategy import evolve
+
+    from dlm_engine.core.canvas import Canvas
+
+    gen = 16
+    cls = strategy_class("d2c")
+    d2c = cls(cls.Config(block_length=8), gen)
+    canvas = Canvas.from_prompts([[5, 6, 7], [8, 9], [10]], gen, int(tiny_llada.config.mask_token_id), 0)
+    st = d2c.init_state(canvas)
+    fresh = d2c.sync_request(canvas, st)
+    wrong = torch.zeros(3, gen, dtype=torch.bool)                 # what a stale copy would claim
+    assert torch.equal(d2c.sync_request(canvas, evolve(st, after=wrong, after_step=canvas.step + 1)), fresh)
+    assert int(d2c.sync_request(canvas, evolve(st, after=wrong, after_step=canvas.step)).sum()) == 0
+    assert int(fresh.sum()) == 3 * gen
