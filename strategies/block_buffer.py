@@ -28,7 +28,7 @@ from dlm_engine.core.devices import host_tensor
 from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.eos import EosOptions, check_eos_options, eos_confidence, eos_stop, eos_suppress
 from dlm_engine.core.registry import register_strategy
-from dlm_engine.core.selection import f32, masked_conf
+from dlm_engine.core.selection import column_indices, f32, masked_conf
 from dlm_engine.core.strategy import CacheDirective, Remasking, StepPlan, Strategy, evolve
 from dlm_engine.errors import ConfigError
 
@@ -60,7 +60,6 @@ class BufferState:
     window: Optional[Tuple[int, int]] = None
     step_in_window: int = 0
     stored: int = 0                        # blocks [0, stored) were handed to the cache as complete
-    cols: Optional[torch.Tensor] = None    # arange(block_length) on the canvas device
 
 
 def host_progress(masked: int, size: int) -> float:
@@ -127,8 +126,7 @@ class BlockBuffer(Strategy):
     def init_state(self, canvas):
         check_eos_options(self.cfg, canvas)
         sizes = host_tensor(list(self.sizes), torch.long, canvas.device)
-        return BufferState(sizes, block_counts(canvas, self.block_len),
-                           cols=torch.arange(self.block_len, device=canvas.device))
+        return BufferState(sizes, block_counts(canvas, self.block_len))
 
     def plan(self, canvas, st: BufferState):
         w = self.host_window(st.host_first, st.host_count)
@@ -173,7 +171,8 @@ class BlockBuffer(Strategy):
             need &= st.may_force
         top = masked_conf(conf, cand).argmax(-1)
         # accept | one_hot(top) where a block needs its top-1 (-1 matches no column)
-        commit = accept.logical_or_(st.cols == torch.where(need, top, -1)[..., None]).view(B, n_win * bl)
+        commit = accept.logical_or_(column_indices(bl, conf.device) == torch.where(need, top, -1)[..., None])
+        commit = commit.view(B, n_win * bl)
         if pad:
             commit = commit[:, :W]
         win &= ~commit                                  # masked_gen is now the masks after this step

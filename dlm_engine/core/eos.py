@@ -24,7 +24,7 @@ import torch
 
 from dlm_engine.core.canvas import Canvas, FrameDelta
 from dlm_engine.errors import ConfigError
-from dlm_engine.core.sampler import confidence_of
+from dlm_engine.core.sampler import confidence_of, suppress_
 from dlm_engine.core.selection import first_true
 
 
@@ -77,10 +77,7 @@ def eos_eot_confidence(logits: torch.Tensor, x0: torch.Tensor, kind: str, softma
     cols = [c for c in ((eot_id,) + ((eos_id,) if temperature == 0 else ())) if c is not None]
     if not cols:
         return confidence_of(logits, x0, kind, softmax_dtype)
-    edited = logits.clone()
-    for c in cols:
-        edited[..., c] = float("-inf")
-    return confidence_of(edited, x0, kind, softmax_dtype)
+    return confidence_of(suppress_(logits.clone(), cols), x0, kind, softmax_dtype)
 
 
 def stop_at_eos(canvas: Canvas, delta: FrameDelta, eos_id: int) -> FrameDelta:

@@ -75,8 +75,7 @@ def forward(model, canvas: Canvas, plan: StepPlan, cache, rows: Optional[torch.T
         if call.valid is not None:
             call.valid = call.valid.chunk(2, dim=0)[0]
     if plan.suppress:  # in place, after CFG and before any noise (LLaDA's logits_eos_inf)
-        for t in plan.suppress:     # one column at a time: an index list would be a host-to-device copy
-            logits[..., t] = float("-inf")
+        sampler.suppress_(logits, plan.suppress)
     return logits, call
 
 

@@ -56,6 +56,14 @@ class Proposal:
         return self.start - self.call_start, self.call_len
 
 
+def suppress_(logits: torch.Tensor, ids) -> torch.Tensor:
+    """``logits[..., i] = -inf`` for every token id ``i`` of ``ids``, in place: one column at a time (an index list
+    would be a host-to-device copy)."""
+    for i in ids:
+        logits[..., i] = float("-inf")
+    return logits
+
+
 def noise_draw(shape, device) -> torch.Tensor:
     return torch.rand(shape, dtype=torch.float64, device=device)
 

@@ -148,7 +148,7 @@ def factor_commit(conf: torch.Tensor, cand: torch.Tensor, factor: float,
 
 
 @functools.lru_cache(maxsize=64)
-def _columns(W: int, device: torch.device) -> torch.Tensor:
+def column_indices(W: int, device: torch.device) -> torch.Tensor:
     """``[1, W]`` column indices ``0..W-1`` (made once per width and device; read only)."""
     return torch.arange(W, device=device)[None, :]
 
@@ -177,7 +177,7 @@ def topk_rows(scores: torch.Tensor, k, largest: bool = True, lead: Optional[Sequ
     W = scores.shape[1]
     if torch.is_tensor(k):
         order = torch.sort(scores, dim=-1, descending=largest, stable=True).indices
-        take = _columns(W, scores.device) < k[:, None]
+        take = column_indices(W, scores.device) < k[:, None]
         return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(1, order, take)
     ks = [int(k)] * scores.shape[0] if isinstance(k, int) else k
     if lead is None and all(kv == ks[0] for kv in ks):       # the common case: one call for every row
