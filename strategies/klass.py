@@ -14,7 +14,7 @@ crashes doing so with float32 models; the fixtures were made with the cast, whic
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -35,9 +35,16 @@ class KlassConfig(D2CConfig):
 
 @dataclass(frozen=True)
 class KlassState(BlockState):
-    history: Optional[torch.Tensor] = None    # [B, G, H] float64: the last H divergences per position
-    previous_log: Optional[torch.Tensor] = None   # [B, G - from, V] float64: log(last step's distributions + 1e-12)
-    previous_from: int = 0                        # the first generated column ``previous_log`` covers
+    # the current block's columns only (``of_block``): divergences are read for candidates, which lie in the block
+    history: Optional[torch.Tensor] = None        # [B, Lb, H] float64: the last H divergences per position
+    previous_log: Optional[torch.Tensor] = None   # [B, Lb, V] float64: log(last step's distributions + 1e-12)
+    of_block: int = -1                            # the block ``history`` and ``previous_log`` describe
+    # the later blocks' distributions of each row's last H steps, oldest first ([B, G - ring_from, V], model
+    # dtype; None: zeros, the reference's state before a row's first step): a block's divergence history is
+    # computed from them when it becomes current, not every step for every later position
+    ring: Tuple[Optional[torch.Tensor], ...] = ()
+    ring_from: int = 0                            # the first generated column the ring covers
+    batch: int = 0                                # rows of the canvas
 
 
 @register_strategy("klass", KlassConfig)
@@ -53,53 +60,84 @@ class Klass(D2C):
 
     def init_state(self, canvas) -> KlassState:
         super().init_state(canvas)
-        # the reference's zeros: nothing is stable at the first step (its divergence from zeros is huge)
-        hist = torch.zeros((canvas.batch_size, canvas.gen_length, self.cfg.kl_history_length), dtype=torch.float64,
-                           device=canvas.device)
-        return KlassState(history=hist)
+        return KlassState(ring=(None,) * int(self.cfg.kl_history_length), batch=canvas.batch_size)
 
-    picks_from_block_scores = False     # the divergences read every position's distribution from the block on
+    picks_from_block_scores = False     # the divergences read the distributions of the block and of later blocks
 
     def pick(self, scores, cand, block_cand, sampled, st: KlassState, rows, counts):
-        """Divergences only from the block's first column on: columns of earlier blocks are decoded (or past
-        the row's EOS) and never candidates again, so their history is never read."""
+        """The reference computes every generated position's divergence every step. Only the block's candidates
+        are ever read, and a position is read only once its block is current, when its history holds the
+        divergences of the row's last H steps -- which the last H distributions give. So each step computes the
+        block's divergences and keeps the later columns' distributions; a new block's history is computed from
+        them (the same values: the same float64 operations on the same inputs, per position)."""
         c = self.cfg
-        a = st.block * self.block_len
-        p = sampled.probs[:, a:]                                       # [B_a, G - a, V], model dtype
-        V = p.shape[-1]
-        hist = st.history
+        a, b = self.block_cols(st.block)
         every = rows is None                                           # the call ran every row
         mine = slice(None) if every else rows
-        p64 = p.to(torch.float64)
-        # kept for the next step: the same values as its log(prev + 1e-12). In place on fresh [B_a, G - a, V]
-        # temporaries (the same kernels and values, fewer allocations of the step's largest tensors)
+        if st.of_block != st.block:
+            st = self.enter_block(st, a, b, sampled.probs)
+        p64 = sampled.probs[:, a:b].to(torch.float64)                  # [B_a, Lb, V]
+        # kept for the next step: the same values as its log(prev + 1e-12). In place on a fresh temporary
         log_p = (p64 + 1e-12).log_()
-        if st.previous_log is None:          # the reference's zeros before the first step
-            prev_all = torch.full((), 1e-12, dtype=torch.float64, device=p.device).log().expand(
-                hist.shape[0], p.shape[1], V)
-        else:
-            prev_all = st.previous_log[:, a - st.previous_from:]
-        kl = torch.sub(log_p, prev_all[mine]).mul_(p64).sum(-1)       # [B_a, G - a]: sum p (log p - log prev)
-        h = torch.roll(hist[mine, a:], -1, dims=-1)
+        kl = torch.sub(log_p, st.previous_log[mine]).mul_(p64).sum(-1)      # [B_a, Lb]: sum p (log p - log prev)
+        h = torch.roll(st.history[mine], -1, dims=-1)
         h[:, :, -1] = kl
         stable = (h < c.kl_threshold).all(-1)
-        if a == 0:
-            pool = block_cand & stable
-        else:
-            pool = block_cand.clone()                # (columns before ``a`` are outside the block: never in it)
-            pool[:, a:].logical_and_(stable)
+        pool = torch.zeros_like(block_cand)
+        pool[:, a:b] = block_cand[:, a:b] & stable
         if c.threshold is None and c.factor is None and c.klass_commit_stable:
             chosen = pool
         else:
             chosen = d2c_commit(scores, pool, 0, threshold=c.threshold, factor=c.factor)
         fallback = d2c_commit(scores, block_cand, c.num_transfer_tokens, counts=counts)
         commit = torch.where(chosen.any(-1, keepdim=True), chosen, fallback)
-        if not every:
-            new_hist = hist.clone()
-            new_hist[mine, a:] = h
-        elif a == 0:
-            new_hist = h                             # a fresh [B, G, H] (roll's result)
+        if every:
+            hist, prev_log = h, log_p
         else:
-            new_hist = torch.cat([hist[:, :a], h], dim=1)
-        prev_log = log_p if every else prev_all.index_copy(0, rows, log_p)
-        return commit, evolve(st, history=new_hist, previous_log=prev_log, previous_from=a)
+            hist, prev_log = st.history.index_copy(0, rows, h), st.previous_log.index_copy(0, rows, log_p)
+        return commit, evolve(st, history=hist, previous_log=prev_log, ring=self.pushed(st, sampled.probs, b, rows),
+                              ring_from=b)
+
+    def enter_block(self, st: KlassState, a: int, b: int, like: torch.Tensor) -> KlassState:
+        """The state describing block ``[a, b)`` (``like``: this step's distributions, for the batch size, dtype
+        and vocabulary): its columns' divergence history and last logs, from the ring."""
+        H = len(st.ring)
+        zeros = None
+        ring = []
+        for r in st.ring:
+            if r is None:
+                if zeros is None:
+                    zeros = like.new_zeros((st.batch, b - a, like.shape[-1]))
+                r = zeros
+            else:
+                r = r[:, a - st.ring_from:b - st.ring_from]
+            ring.append(r)
+        logs = [(r.to(torch.float64) + 1e-12).log_() for r in ring]
+        hist = torch.zeros((st.batch, b - a, H), dtype=torch.float64, device=like.device)
+        for j in range(1, H):           # slot j: the divergence of the ring's entry j from entry j - 1
+            hist[:, :, j] = torch.sub(logs[j], logs[j - 1]).mul_(ring[j].to(torch.float64)).sum(-1)
+        # slot 0 is rolled out at this step; a pair of zero entries (steps before the row's first) gives 0, the
+        # reference's initial history, and its first step's divergence from zeros is huge as there
+        return evolve(st, history=hist, previous_log=logs[-1], of_block=st.block)
+
+    def pushed(self, st: KlassState, probs: torch.Tensor, b: int, rows) -> Tuple[Optional[torch.Tensor], ...]:
+        """The ring once the call's rows (``rows``; None: every row) took this step's distributions ``probs``
+        (``[B_a, G, V]``): columns from ``b`` (the block's end) on, each row's last H steps."""
+        H, G = len(st.ring), probs.shape[1]
+        if b >= G:                      # the last block: no later column is ever read
+            return (None,) * H
+        old = [None if r is None else r[:, b - st.ring_from:] for r in st.ring]
+        new = probs[:, b:]
+        if rows is None:
+            return tuple(old[1:]) + (new,)
+        out = []
+        for k in range(H):              # active rows shift by one entry; the others keep theirs
+            keep = old[k]
+            take = new if k == H - 1 else (None if old[k + 1] is None else old[k + 1][rows])
+            if keep is None and take is None:
+                out.append(None)
+                continue
+            if keep is None:
+                keep = new.new_zeros((st.batch,) + tuple(new.shape[1:]))
+            out.append(keep.index_fill(0, rows, 0) if take is None else keep.index_copy(0, rows, take))
+        return tuple(out)

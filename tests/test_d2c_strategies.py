@@ -396,3 +396,71 @@ def test_d2c_host_read_uses_selects_masks_only_for_the_step_they_were_made_for(t
     assert torch.equal(d2c.sync_request(canvas, evolve(st, after=wrong, after_step=canvas.step + 1)), fresh)
     assert int(d2c.sync_request(canvas, evolve(st, after=wrong, after_step=canvas.step)).sum()) == 0
     assert int(fresh.sum()) == 3 * gen
+
+
+def _spec_klass(base):
+    """KLASS exactly as d2cache.md §8 states it: every generated position's divergence every step, float64 history
+    ``[B, G, H]`` and previous distributions ``[B, G, V]`` updated for the call's rows."""
+    from dlm_engine.core.selection import d2c_commit
+
+    class SpecKlass(base):
+        partial_steps = 0
+
+        def init_state(self, canvas):
+            self.hist = self.prev = None
+            return super().init_state(canvas)
+
+        def pick(self, scores, cand, block_cand, sampled, st, rows, counts):
+            c = self.cfg
+            p = sampled.probs.to(torch.float64)
+            if self.hist is None:
+                B = st.batch
+                self.hist = torch.zeros((B, p.shape[1], c.kl_history_length), dtype=torch.float64)
+                self.prev = torch.zeros((B,) + tuple(p.shape[1:]), dtype=torch.float64)
+            mine = slice(None) if rows is None else rows
+            self.partial_steps += rows is not None
+            kl = (p * (torch.log(p + 1e-12) - torch.log(self.prev[mine] + 1e-12))).sum(-1)
+            h = torch.roll(self.hist[mine], -1, dims=-1)
+            h[:, :, -1] = kl
+            self.hist[mine] = h
+            self.prev[mine] = p
+            pool = block_cand & (h < c.kl_threshold).all(-1)
+            if c.threshold is None and c.factor is None and c.klass_commit_stable:
+                chosen = pool
+            else:
+                chosen = d2c_commit(scores, pool, 0, threshold=c.threshold, factor=c.factor)
+            fallback = d2c_commit(scores, block_cand, c.num_transfer_tokens, counts=counts)
+            return torch.where(chosen.any(-1, keepdim=True), chosen, fallback), st
+
+    return SpecKlass
+
+
+@pytest.mark.parametrize("kw", [dict(threshold=0.3, kl_threshold=2.0), dict(threshold=0.3, kl_threshold=5.0,
+                                                                             kl_history_length=1),
+                                dict(threshold=0.2, kl_threshold=2.0, kl_history_length=3),
+                                dict(klass_commit_stable=True, kl_threshold=1.0, num_transfer_tokens=2),
+                                dict(factor=2.0, kl_threshold=1.0)])
+@pytest.mark.parametrize("cache", ["none", "dual"])
+def test_klass_history_of_a_new_block_is_the_specs(tiny_llada, kw, cache):
+    """KLASS computes the current block's divergences each step and a later block's history from the last H
+    distributions when that block becomes current: the commits are the spec's, which recomputes every position
+    every step -- over several blocks, for a batch whose rows sit steps out (their history must not move) and
+    with stable sets that change what is committed."""
+    from dlm_engine.core.canvas import Canvas
+    from dlm_engine.core.loop import decode
+    from dlm_engine.core.registry import cache_class, strategy_class
+
+    cls = strategy_class("klass")
+    spec_cls = _spec_klass(cls)
+    prompts = [[5, 6, 7, 8, 9], [11, 12], [13, 14, 15, 16], [20]]
+    mask = int(tiny_llada.config.mask_token_id)
+    out = {}
+    for name, k, extra in (("lazy", cls, {}), ("spec", spec_cls, {}), ("never stable", cls, {"kl_threshold": 1e-30})):
+        canvas = Canvas.from_prompts(prompts, 24, mask, 0)
+        s = k(k.Config(block_length=6, **dict(kw, **extra)), 24)
+        with torch.inference_mode():
+            decode(tiny_llada, canvas, s, cache_class(cache)())
+        out[name] = (canvas.tokens, canvas.step_of, s)
+    assert torch.equal(out["lazy"][0], out["spec"][0]) and torch.equal(out["lazy"][1], out["spec"][1])
+    assert out["spec"][2].partial_steps > 0                                    # rows sat steps out
+    assert not torch.equal(out["lazy"][1], out["never stable"][1])            # the stable sets mattered
