@@ -2,6 +2,7 @@
 (host numbers), and the sampler computes confidences there only (the float64 softmax over the vocabulary is the
 costliest part of a step outside the model). The outputs must be exactly those of scoring every position."""
 import pytest
+import torch
 
 import dlm_engine.core.sampler as sampler
 from dlm_engine.core.canvas import Canvas
@@ -18,14 +19,18 @@ CASES = [
     ("early_exit", {"block_length": 8, "steps": 16, "answer_start": 0}),
     ("cadllm", {"initial_block_length": 8, "min_block": 4, "max_block": 8}),
     ("block_buffer", {"block_length": 4, "buffer_size": 3, "add_block_threshold": 0.3}),
+    ("low_confidence", {"block_length": 8, "steps": 16, "temperature": 0.7}),
+    ("threshold", {"block_length": 8, "threshold": 0.7, "temperature": 0.5}),
+    ("block_buffer", {"block_length": 4, "buffer_size": 3, "temperature": 0.6}),
 ]
 
 
 def run(model, name, kw, cache, min_saving, monkeypatch):
     monkeypatch.setattr(sampler, "SCORED_MIN_SAVING", min_saving)
     calls = []
-    orig = sampler.scored_confidence
-    monkeypatch.setattr(sampler, "scored_confidence", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    for fn in ("scored_confidence", "scored_proposal"):      # (T > 0: the draw is over the window; T = 0: none)
+        orig = getattr(sampler, fn)
+        monkeypatch.setattr(sampler, fn, lambda *a, _orig=orig, **k: calls.append(1) or _orig(*a, **k))
     cls = strategy_class(name)
     strategy = cls(cls.Config(**kw), 16)
     cache_cls = cache if isinstance(cache, type) else cache_class(cache)
@@ -33,6 +38,7 @@ def run(model, name, kw, cache, min_saving, monkeypatch):
     canvas = Canvas.from_prompts(prompts, 16, int(model.config.mask_token_id), 0,
                                  eos_id=int(model.config.eos_token_id))
     sink = CommittedDeltas()
+    torch.manual_seed(0)                                   # the same draws for both runs (T > 0)
     decode(model, canvas, strategy, cache_cls(), sinks=[sink])
     return (canvas.tokens.tolist(), canvas.step_of.tolist(), canvas.nfe, sink.seen), len(calls)
 
@@ -71,3 +77,23 @@ def test_sums_and_confidence_readers_keep_every_position(tiny_llada, monkeypatch
     assert n == 0
     _, n = run(tiny_llada, "low_confidence", {"block_length": 8, "steps": 16}, "none", 0, monkeypatch)
     assert n > 0
+
+
+@pytest.mark.parametrize("kind, dtype, top_v", [("prob", "model", None), ("prob", "float64", None), ("prob", "model", 7),
+                                                ("margin", "float64", None), ("inv_entropy", "model", 5),
+                                                ("entropy", "float64", None)])
+def test_scored_proposal_is_the_whole_windows_at_the_masked_positions(kind, dtype, top_v):
+    """At T = 0 the proposals and confidences of the masked positions are made from their logits only: the same
+    bits as over the whole window there (ties in the argmax included), the held token and -inf elsewhere."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 9, 40, generator=g) * 3
+    logits[0, 2, [4, 11]] = 50.0                           # an exact tie: the first index wins either way
+    mask = torch.rand(3, 9, generator=g) < 0.5
+    mask[1] = False                                        # a row with nothing masked
+    tokens = torch.randint(0, 40, (3, 9), generator=g)
+    x0, conf = sampler.scored_proposal(logits, kind, dtype, top_v, mask, int(mask.sum()), tokens)
+    full_x0 = logits.argmax(-1)
+    full = sampler.confidence_of(logits, full_x0, kind, dtype, top_v=top_v)
+    assert torch.equal(x0, torch.where(mask, full_x0, tokens)) and x0.dtype == torch.long
+    assert torch.equal(conf[mask], full[mask]) and bool((conf[~mask] == float("-inf")).all())
+    assert int(x0[0, 2]) == 4 or not bool(mask[0, 2])

@@ -101,8 +101,8 @@ def sample(logits: torch.Tensor, plan: StepPlan, call: ForwardCall, rows: Option
         B, W, V = logits.shape
         count = sum(plan.masked) if rows is None else sum(n for n, f in zip(plan.masked, run) if f)
         if (B * W - count) * V >= sampler.SCORED_MIN_SAVING:   # else gathering them costs more than it saves
-            mask = canvas.masked()[:, start:start + W]
-            scored = (mask if rows is None else mask[rows], count)
+            mask, held = canvas.masked()[:, start:start + W], canvas.tokens[:, start:start + W]
+            scored = (mask, count, held) if rows is None else (mask[rows], count, held[rows])
     return propose(logits, start, temperature=plan.temperature, confidence=plan.confidence,
                    softmax_dtype=plan.softmax_dtype, call_len=call_len, call_start=call_start, top_v=plan.top_v,
                    discard_draws=call.discard_draws, valid=call.valid, scored=scored)

@@ -54,7 +54,8 @@ class StepPlan:
     position_ids: Optional[torch.Tensor] = None   # [B, L] position ids for this call (None = the canvas')
     # per row, on the host: the masked positions of the window. Set it when only masked positions can be
     # committed: confidences are then computed there only (the float64 softmax over the vocabulary is the
-    # costliest part of a step outside the model), the others are -inf
+    # costliest part of a step outside the model), the others are -inf; at T = 0 so are the proposals (``x0``
+    # elsewhere is the token the position holds)
     masked: Optional[Sequence[int]] = None
 
 
