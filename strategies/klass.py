@@ -112,8 +112,10 @@ class Klass(D2C):
             else:
                 r = r[:, a - st.ring_from:b - st.ring_from]
             ring.append(r)
-        logs = [(r.to(torch.float64) + 1e-12).log_() for r in ring]
         hist = torch.zeros((st.batch, b - a, H), dtype=torch.float64, device=like.device)
+        if all(r is None for r in st.ring):     # no step yet: the zeros' logs, and a history of zeros
+            return evolve(st, history=hist, previous_log=(zeros.to(torch.float64) + 1e-12).log_(), of_block=st.block)
+        logs = [(r.to(torch.float64) + 1e-12).log_() for r in ring]
         for j in range(1, H):           # slot j: the divergence of the ring's entry j from entry j - 1
             hist[:, :, j] = torch.sub(logs[j], logs[j - 1]).mul_(ring[j].to(torch.float64)).sum(-1)
         # slot 0 is rolled out at this step; a pair of zero entries (steps before the row's first) gives 0, the
