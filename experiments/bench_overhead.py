@@ -51,18 +51,18 @@ SETTINGS = [
 ]
 
 
-def models(which):
+def models(which, device="cpu", dtype="float32"):
     from dlm_engine.checkpoints import embedded_path
     from dlm_engine.models.loader import build_random, load_pretrained
 
     out = []
     if which in ("tiny", "both"):
-        m = load_pretrained(embedded_path("tiny"), device="cpu", dtype="float32")[0]
+        m = load_pretrained(embedded_path("tiny"), device=device, dtype=dtype)[0]
         out.append(("tiny", m, 16, 16, [[5 + (i % 40), 6, 7, 8, 9, 10] for i in range(64)], 10.0))
     if which in ("d256", "both"):
         cfg = dict(d_model=256, n_heads=4, n_layers=4, mlp_hidden_size=768, vocab_size=4096, embedding_size=4096,
                    mask_token_id=4000, eos_token_id=4001, pad_token_id=4001, max_sequence_length=512)
-        m = build_random(cfg, seed=0)[0]
+        m = build_random(cfg, seed=0, device=device, dtype=dtype)[0]
         out.append(("d256", m, 128, 32, [[5 + i] * 16 for i in range(64)], 3.0))
     return out
 
@@ -75,7 +75,8 @@ def one(model, prompts, gen, name, kw, cache, batch, instrument=("sections", "sy
     from one run each)."""
     cls = strategy_class(name)
     timer = ModelTimer(model)
-    cpu = 0.0
+    dev = next(model.parameters()).device
+    cpu = wall = 0.0
     steps = 0
     syncs = decodes = 0
     sections = Sections()
@@ -83,18 +84,22 @@ def one(model, prompts, gen, name, kw, cache, batch, instrument=("sections", "sy
     for i in range(0, len(prompts), batch):
         chunk = prompts[i:i + batch]
         strategy = cls(cls.Config(**kw), gen)
-        canvas = Canvas.from_prompts(chunk, gen, int(model.config.mask_token_id), 0)
+        canvas = Canvas.from_prompts(chunk, gen, int(model.config.mask_token_id), 0, device=dev)
         counter = SyncCounter(timer)
         with torch.inference_mode(), \
                 (sections.around(strategy) if "sections" in instrument else contextlib.nullcontext()), \
                 (counter if "syncs" in instrument else contextlib.nullcontext()):
-            t0 = time.thread_time()
+            w0, t0 = time.perf_counter(), time.thread_time()
             decode(timer, canvas, strategy, cache_class(cache)())
             cpu += time.thread_time() - t0
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            wall += time.perf_counter() - w0
         steps += canvas.step
         syncs += counter.total
         ops += counter.ops
         decodes += 1
+    one.wall = wall                    # (wall seconds of the last call, the device's queue drained)
     return cpu, timer.cpu, steps, syncs, sections.cpu, decodes, ops
 
 
@@ -105,16 +110,20 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--only", default=None, help="comma-separated labels")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (on a GPU the CPU times are the host's work: "
+                    "kernel launches; 'wall ms' is the decode's wall time per step, the device's queue drained)")
+    ap.add_argument("--dtype", default="float32", help="float32 or bfloat16")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     load_plugins()
     only = set(args.only.split(",")) if args.only else None
-    for mname, model, gen, block, prompts, budget in models(args.model):
+    for mname, model, gen, block, prompts, budget in models(args.model, args.device, args.dtype):
         prompts = prompts[:args.prompts]
         print(f"\nmodel {mname}: gen {gen}, {len(prompts)} prompts, budget: overhead <= {budget:.0f}% at batch 1, "
               f"<= 1 sync/step (syncs/st excludes one setup read per decode; the check allows two)")
         head = (f"{'strategy':<13}{'cache':<6}{'B':>3}{'steps':>7}{'decode s':>9}{'model s':>9}{'ovh':>7}{'':>3}"
-                f"{'syncs/st':>9}{'':>3}{'ops/st':>7}{'plan':>8}{'sample':>8}{'select':>8}{'apply':>8}  (CPU ms/step)")
+                f"{'syncs/st':>9}{'':>3}{'ops/st':>7}{'plan':>8}{'sample':>8}{'select':>8}{'apply':>8}  (CPU ms/step)"
+                f"{'wall ms':>9}")
         print(head + "\n" + "-" * len(head))
         for label, name, kw, caches in SETTINGS:
             if only and label not in only:
@@ -131,8 +140,10 @@ def main(argv=None) -> int:
                 for batch in [int(b) for b in args.batches.split(",")]:
                     if cls.max_batch == 1 and batch > 1:
                         continue
-                    runs = [one(model, prompts, gen, name, kw, cache, batch, instrument=())
-                            for _ in range(args.repeats)]
+                    runs, walls = [], []
+                    for _ in range(args.repeats):
+                        runs.append(one(model, prompts, gen, name, kw, cache, batch, instrument=()))
+                        walls.append(one.wall)
                     # the least disturbed runs: the smallest outside-the-model and model times (VM noise)
                     ovh_cpu, mcpu = min(r[0] - r[1] for r in runs), min(r[1] for r in runs)
                     cpu = ovh_cpu + mcpu
@@ -147,7 +158,8 @@ def main(argv=None) -> int:
                     per = {k: 1000 * v / steps for k, v in sec.items()}
                     print(f"{label:<13}{cache:<6}{batch:>3}{steps:>7}{cpu:>9.3f}{mcpu:>9.3f}{ovh:>7.1%} {ok}"
                           f"{syncs / steps:>9.2f} {sok}{ops / steps:>7.1f}{per.get('plan', 0):>8.3f}{per.get('sample', 0):>8.3f}"
-                          f"{per.get('select', 0):>8.3f}{per.get('apply', 0):>8.3f}", flush=True)
+                          f"{per.get('select', 0):>8.3f}{per.get('apply', 0):>8.3f}{'':>15}"
+                          f"{1000 * min(walls) / steps:>9.3f}", flush=True)
     return 0
 
 

@@ -307,12 +307,13 @@ def run_case(case: dict, prompts: List[List[int]], model, mask_id: int, pad_id: 
              suite: Optional[dict] = None, overrides: Optional[dict] = None) -> Dict[str, Any]:
     strategy, cache, st = build(case, suite, overrides)
     rows, batched = _rows(case, prompts)
-    canvas = Canvas.from_prompts(rows, st.gen_length, mask_id, pad_id, eos_id=st.eos_id)
+    dev = next(model.parameters()).device
+    canvas = Canvas.from_prompts(rows, st.gen_length, mask_id, pad_id, device=dev, eos_id=st.eos_id)
     if canvas.is_padded and st.ignore_padding:
         # The LLaDA references run Fast-dLLM's copy of the model, which ignores padding masks (spec §1.5):
         # left padding is attended like any token, with plain 0..L-1 positions. Reproduce that here.
         canvas.attention_mask[:] = True
-        canvas.position_ids = torch.arange(canvas.length).expand(canvas.batch_size, -1).clone()
+        canvas.position_ids = torch.arange(canvas.length, device=dev).expand(canvas.batch_size, -1).clone()
         canvas.is_padded = False
     log = StepLog()
     if case.get("seed") is not None:
@@ -346,7 +347,10 @@ def model_dirs(folder: Path) -> Dict[str, Path]:
     return found
 
 
-def run_folder(folder: Path, only: Optional[str] = None, progress: bool = False) -> Tuple[List[dict], List[Tuple[str, str]]]:
+def run_folder(folder: Path, only: Optional[str] = None, progress: bool = False, device: str = "cpu",
+               dtype: str = "float32") -> Tuple[List[dict], List[Tuple[str, str]]]:
+    """Every case of ``folder``'s suites (the fixtures were made on CPU in float32: on another device or dtype the
+    count of matches is a measurement, not a pass)."""
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     dirs = model_dirs(folder)
     loaded: Dict[str, Tuple[Any, int, int]] = {}
@@ -354,7 +358,7 @@ def run_folder(folder: Path, only: Optional[str] = None, progress: bool = False)
     def model_for(case: dict, suite: dict):
         name = case.get("model_dir") or (suite.get("models") or {}).get(case.get("model")) or next(iter(dirs))
         if name not in loaded:
-            model, raw, _ = load_pretrained(dirs[name], device="cpu", dtype="float32")
+            model, raw, _ = load_pretrained(dirs[name], device=device, dtype=dtype)
             pad = raw.get("pad_token_id") if raw.get("pad_token_id") is not None else raw.get("eos_token_id", 0)
             loaded[name] = (model, int(model.config.mask_token_id), int(pad))
         model, mask_id, pad = loaded[name]
@@ -391,11 +395,13 @@ def main(argv=None) -> int:
     ap.add_argument("out", type=Path)
     ap.add_argument("--only", default=None, help="run only cases whose id contains this string")
     ap.add_argument("-v", "--verbose", action="store_true")
+    ap.add_argument("--device", default="cpu", help="cpu (the fixtures' device) or cuda")
+    ap.add_argument("--dtype", default="float32", help="float32 (the fixtures' dtype) or bfloat16")
     args = ap.parse_args(argv)
     if not args.fixtures.is_dir():
         print(f"parity: fixtures folder '{args.fixtures}' does not exist", file=sys.stderr)
         return 2
-    results, skipped = run_folder(args.fixtures, args.only, args.verbose)
+    results, skipped = run_folder(args.fixtures, args.only, args.verbose, args.device, args.dtype)
     tmp = args.out.with_suffix(args.out.suffix + ".tmp")
     tmp.write_text(json.dumps({"cases": results}, indent=1))
     os.replace(tmp, args.out)

@@ -194,3 +194,51 @@ def test_host_tensor_on_cuda_and_a_decode_matches_the_cpu(tiny_llada):
         out[dev] = canvas.tokens.cpu().tolist()
     tiny_llada.to("cpu")
     assert out["cpu"] == out["cuda"]
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (runs where one is lent)")
+
+
+@pytest.mark.parametrize("device, dtype", [("cpu", "float32"), pytest.param("cuda", "float32", marks=CUDA),
+                                           pytest.param("cuda", "bfloat16", marks=CUDA)])
+@pytest.mark.parametrize("capture", ["default", "topk"])
+@pytest.mark.parametrize("name, kw", [("threshold", {"block_length": 8}), ("wino", {"block_length": 8}),
+                                      ("block_buffer", {"block_length": 4}), ("klass", {"block_length": 8,
+                                                                                        "threshold": 0.5})])
+def test_recorder_reads_back_the_decode(tmp_path, device, dtype, capture, name, kw):
+    """A padded batch whose rows sit steps out, recorded (on CUDA: events, the side stream's host copies): the
+    trace read back holds the decode's tokens and commit steps, one step record per step, captured top-k logits
+    of the committed positions (strategies that sample themselves hand over their call rows' logits only), and
+    recording adds no host sync on the step loop's thread."""
+    from conftest import REFPARITY
+    from dlm_engine.models.loader import load_pretrained
+    from dlm_engine.trace import TraceRecorder, open_trace
+
+    model = load_pretrained(REFPARITY / "tiny_llada", device=device, dtype=dtype)[0]
+    mask = int(model.config.mask_token_id)
+    header = {"model": {"eos_id": 2, "mask_id": mask}, "tokenizer": {"kind": "char"}}
+    counts = {}
+    for record in (False, True):
+        cls = strategy_class(name)
+        canvas = Canvas.from_prompts(PROMPTS[3], GEN, mask, 0, device=device)
+        timer = ModelTimer(model)
+        path = tmp_path / f"{record}.dlmt"
+        rec = TraceRecorder(str(path), header, **({} if capture == "default" else {"capture": capture})) if record else None
+        with SyncCounter(timer) as counter:
+            decode(timer, canvas, cls(cls.Config(**kw), GEN), sinks=[rec.sink(0, [0, 1, 2])] if rec else ())
+        counts[record] = (dict(counter.counts), canvas.step)
+        if rec is not None:
+            rec.close()
+            tr = open_trace(str(path), recover=False)
+            assert tr.ok and len(tr) == 3 and len(tr.batches[0].steps) == canvas.step
+            g = canvas.gen_start
+            for i in range(3):
+                assert tr[i].tokens.tolist() == canvas.tokens[i, g:].tolist()
+                assert tr[i].step_of.tolist() == canvas.step_of[i, g:].tolist()
+                if capture == "topk":            # at T = 0 the committed token is the top-1 id of its step's logits
+                    cols, ids, _ = tr[i].topk
+                    committed = canvas.step_of[i, g:].cpu() >= 1
+                    assert ids.shape == (int(committed.sum()), 5)
+                    if device == "cpu":             # (exact ties may break differently on a GPU)
+                        assert ids[:, 0].tolist() == canvas.tokens[i, g:].cpu()[committed].tolist()
+    assert counts[True] == counts[False]

@@ -172,7 +172,7 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
             delta, state = strategy.select(canvas, plan, proposal, state)
             delta.wall_time = time.perf_counter() - t0
             if want_logits:
-                delta.logits = proposal.logits
+                delta.logits = delta_logits(proposal, delta, rows, canvas)
             cache.after_step(canvas, delta, call)
             if want_recomputed:
                 delta.scalars["recomputed"] = recomputed_rows(canvas, call, rows)
@@ -213,6 +213,20 @@ def sync_round(canvas: Canvas, strategy: Strategy, state, delta: Optional[FrameD
     host = HostView([bool(v) for v in flat[:B]], flat[B + n_bad:], bool(flat[B]) if bad is not None else False)
     canvas.finished_host = tuple(host.finished)
     return host, strategy.synced(canvas, state, host.values, delta)
+
+
+def delta_logits(proposal: Proposal, delta: FrameDelta, rows: Optional[torch.Tensor],
+                 canvas: Canvas) -> Optional[torch.Tensor]:
+    """``delta.logits`` for a sink that wants them: ``[B, W, V]`` over the delta's own window, full batch (a plan
+    that samples itself gets its call rows' logits over its window; rows the call did not run get zeros). None
+    when the delta's window reaches outside the logits'."""
+    lg = proposal.logits
+    if rows is not None and lg.shape[0] != canvas.batch_size:
+        lg = lg.new_zeros((canvas.batch_size,) + tuple(lg.shape[1:])).index_copy_(0, rows, lg)
+    a, W = delta.start - proposal.start, delta.commit.shape[1]
+    if a < 0 or a + W > lg.shape[1]:
+        return None
+    return lg if (a == 0 and W == lg.shape[1]) else lg[:, a:a + W]
 
 
 def non_finite(logits: torch.Tensor) -> torch.Tensor:
