@@ -178,6 +178,26 @@ def test_recording_adds_no_host_sync_on_the_step_loop(tiny_llada, tmp_path, capt
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (runs where one is lent)")
+@pytest.mark.parametrize("name, kw, cache", [("d2c", {"block_length": 8, "threshold": 0.5}, "prefix"),
+                                             ("d2c", {"block_length": 8, "threshold": 0.5}, "dual"),
+                                             ("klass", {"block_length": 8, "threshold": 0.5}, "d2cache"),
+                                             ("low_confidence", {"block_length": 8}, "dual")])
+def test_cached_decode_with_rows_sitting_out_matches_the_cpu_on_cuda(tiny_llada, name, kw, cache):
+    """A padded batch whose rows sit steps out (their block is done) through a stored cache: the cache finds the
+    call's rows among the rows it holds on the rows' device (a CPU ``arange`` there failed every such call on a
+    GPU); at T = 0 the tokens are the CPU's."""
+    out = {}
+    for dev in ("cpu", "cuda"):
+        model = tiny_llada.to(dev)
+        canvas = Canvas.from_prompts(PROMPTS[3], GEN, int(model.config.mask_token_id), 0, device=dev)
+        cls = strategy_class(name)
+        decode(model, canvas, cls(cls.Config(**kw), GEN), batch_cache(cache))
+        out[dev] = canvas.tokens.cpu().tolist()
+    tiny_llada.to("cpu")
+    assert out["cpu"] == out["cuda"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (runs where one is lent)")
 def test_host_tensor_on_cuda_and_a_decode_matches_the_cpu(tiny_llada):
     """The pinned, non-blocking path of ``host_tensor`` gives the values, and a decode with per-row host numbers
     (a padded batch: row indices, counts) matches the CPU one token for token."""

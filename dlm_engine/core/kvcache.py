@@ -74,14 +74,16 @@ class RowStore:
         if fresh:
             self.shape, self.held, self.n_held = (full, call.length), live, n_live
         elif n_live != self.n_held:           # rows finished since the last call: drop them
-            keep(torch.searchsorted(self._held(), live))
+            keep(torch.searchsorted(self._held(live.device), live))
             self.held, self.n_held = live, n_live
         rows = req.rows
-        self.index = None if rows is None or int(rows.numel()) == self.n_held else torch.searchsorted(self._held(), rows)
+        self.index = (None if rows is None or int(rows.numel()) == self.n_held
+                      else torch.searchsorted(self._held(rows.device), rows))
         return fresh
 
-    def _held(self) -> torch.Tensor:
-        return self.held if self.held is not None else torch.arange(self.n_held)
+    def _held(self, device) -> torch.Tensor:
+        """The held rows, on the device of the row indices they are searched with."""
+        return self.held if self.held is not None else torch.arange(self.n_held, device=device)
 
     def alloc(self, shape, like: torch.Tensor) -> torch.Tensor:
         """A store tensor for every held row (zeros: rows a call does not write are never garbage)."""
