@@ -28,9 +28,8 @@ CASES = [
 def run(model, name, kw, cache, min_saving, monkeypatch):
     monkeypatch.setattr(sampler, "SCORED_MIN_SAVING", min_saving)
     calls = []
-    for fn in ("scored_confidence", "scored_proposal"):      # (T > 0: the draw is over the window; T = 0: none)
-        orig = getattr(sampler, fn)
-        monkeypatch.setattr(sampler, fn, lambda *a, _orig=orig, **k: calls.append(1) or _orig(*a, **k))
+    orig = sampler.scored_proposal
+    monkeypatch.setattr(sampler, "scored_proposal", lambda *a, **k: calls.append(1) or orig(*a, **k))
     cls = strategy_class(name)
     strategy = cls(cls.Config(**kw), 16)
     cache_cls = cache if isinstance(cache, type) else cache_class(cache)
@@ -91,9 +90,13 @@ def test_scored_proposal_is_the_whole_windows_at_the_masked_positions(kind, dtyp
     mask = torch.rand(3, 9, generator=g) < 0.5
     mask[1] = False                                        # a row with nothing masked
     tokens = torch.randint(0, 40, (3, 9), generator=g)
-    x0, conf = sampler.scored_proposal(logits, kind, dtype, top_v, mask, int(mask.sum()), tokens)
+    x0, conf = sampler.scored_proposal(logits, None, kind, dtype, top_v, mask, int(mask.sum()), tokens)
     full_x0 = logits.argmax(-1)
     full = sampler.confidence_of(logits, full_x0, kind, dtype, top_v=top_v)
     assert torch.equal(x0, torch.where(mask, full_x0, tokens)) and x0.dtype == torch.long
     assert torch.equal(conf[mask], full[mask]) and bool((conf[~mask] == float("-inf")).all())
     assert int(x0[0, 2]) == 4 or not bool(mask[0, 2])
+    drawn = torch.randint(0, 40, (3, 9), generator=g)     # T > 0: the window's draw is given and kept
+    x0, conf = sampler.scored_proposal(logits, drawn, kind, dtype, top_v, mask, int(mask.sum()), tokens)
+    full = sampler.confidence_of(logits, drawn, kind, dtype, top_v=top_v)
+    assert x0 is drawn and torch.equal(conf[mask], full[mask]) and bool((conf[~mask] == float("-inf")).all())

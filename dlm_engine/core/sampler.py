@@ -136,11 +136,11 @@ def propose(logits: torch.Tensor, start: int, *, temperature: float, confidence:
     ``discard_draws`` extra noise draws are made first and thrown away (Fast-dLLM prefix-cache quirk).
     ``valid`` marks the columns whose logits the call computed: the others get confidence ``-inf`` and are
     never committed (their logits are zeros, not a distribution).
-    ``scored = (mask [B, W], count[, tokens [B, W]])``: confidences are needed at the ``count`` positions of
+    ``scored = (mask [B, W], count, tokens [B, W])``: confidences are needed at the ``count`` positions of
     ``mask`` only (the candidates that can be committed): they are computed there, row by row exactly as over the
     whole window, and the other positions get ``-inf``. Not for ``random`` confidences (their draw has the
-    window's shape). With the window's current ``tokens`` and ``T = 0`` (no draw) the proposals too are made
-    there only (an argmax is per position) and the other positions propose the token they hold.
+    window's shape). At ``T = 0`` (no draw) the proposals too are made there only (an argmax is per position) and
+    the other positions propose the token they hold in the window's current ``tokens``.
     """
     B, W, V = logits.shape
     call_len = W if call_len is None else call_len
@@ -148,11 +148,9 @@ def propose(logits: torch.Tensor, start: int, *, temperature: float, confidence:
     if temperature > 0:
         for _ in range(discard_draws):
             noise_draw((B, call_len, V), logits.device)
-    if scored is not None and confidence != "random" and temperature == 0 and len(scored) > 2:
-        x0, conf = scored_proposal(logits, confidence, softmax_dtype, top_v, *scored)
-    elif scored is not None and confidence != "random":
-        x0 = gumbel_argmax(logits, temperature, call_len, offset)
-        conf = scored_confidence(logits, x0, confidence, softmax_dtype, top_v, *scored[:2])
+    if scored is not None and confidence != "random":
+        x0 = gumbel_argmax(logits, temperature, call_len, offset) if temperature > 0 else None
+        x0, conf = scored_proposal(logits, x0, confidence, softmax_dtype, top_v, *scored)
     else:
         x0 = gumbel_argmax(logits, temperature, call_len, offset)
         conf = confidence_of(logits, x0, confidence, softmax_dtype, call_len, offset, top_v)
@@ -162,33 +160,24 @@ def propose(logits: torch.Tensor, start: int, *, temperature: float, confidence:
                     valid=valid)
 
 
-def scored_confidence(logits: torch.Tensor, x0: torch.Tensor, kind: str, dtype: str, top_v: Optional[int],
-                      mask: torch.Tensor, count: int) -> torch.Tensor:
-    """:func:`confidence_of` at the ``count`` positions of ``mask`` (``-inf`` elsewhere): a softmax is a per-row
-    computation, so those values are the ones the whole window would give."""
-    from dlm_engine.core.selection import masked_order
-
-    B, W, V = logits.shape
-    order = masked_order(mask, count)
-    sub = confidence_of(logits.reshape(B * W, V)[order][None], x0.reshape(-1)[order][None], kind, dtype,
-                        top_v=top_v)[0]
-    return placed(sub, order, (B, W), float("-inf"))
-
-
-def scored_proposal(logits: torch.Tensor, kind: str, dtype: str, top_v: Optional[int], mask: torch.Tensor,
-                    count: int, tokens: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(x0, confidence)`` at ``T = 0`` computed at the ``count`` positions of ``mask`` only: there the argmax and
-    :func:`confidence_of` of those positions' logits (per-position computations: the values the whole window
-    gives), elsewhere the token ``tokens`` holds and ``-inf``."""
+def scored_proposal(logits: torch.Tensor, x0: Optional[torch.Tensor], kind: str, dtype: str, top_v: Optional[int],
+                    mask: torch.Tensor, count: int, tokens: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(x0, confidence)`` with :func:`confidence_of` computed at the ``count`` positions of ``mask`` only (a
+    softmax is a per-position computation: the values the whole window gives there) and ``-inf`` elsewhere.
+    ``x0``: the window's proposals (a draw has the window's shape), or None at ``T = 0``: the argmax is then taken
+    at those positions only too, and the others propose the token ``tokens`` holds."""
     from dlm_engine.core.selection import masked_order
 
     B, W, V = logits.shape
     order = masked_order(mask, count)
     rows = logits.reshape(B * W, V)[order]
-    x0 = rows.argmax(dim=-1)
-    conf = confidence_of(rows[None], x0[None], kind, dtype, top_v=top_v)[0]
-    held = tokens.reshape(-1).to(torch.long, copy=True).index_copy_(0, order, x0).view(B, W)
-    return held, placed(conf, order, (B, W), float("-inf"))
+    if x0 is None:
+        picked = rows.argmax(dim=-1)
+        x0 = tokens.reshape(-1).to(torch.long, copy=True).index_copy_(0, order, picked).view(B, W)
+    else:
+        picked = x0.reshape(-1)[order]
+    conf = confidence_of(rows[None], picked[None], kind, dtype, top_v=top_v)[0]
+    return x0, placed(conf, order, (B, W), float("-inf"))
 
 
 def placed(values: torch.Tensor, order: torch.Tensor, shape: Tuple[int, int], fill) -> torch.Tensor:
