@@ -33,6 +33,7 @@ from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.eos import stop_at_eos
 from dlm_engine.core.priors import FrequencyTable, certainty_density
 from dlm_engine.core.registry import register_strategy
+from dlm_engine.core.rows import full_batch
 from dlm_engine.core import sampler
 from dlm_engine.core.sampler import Sampled, placed, sample_tokens
 from dlm_engine.core.selection import d2c_commit, first_true, masked_order
@@ -305,10 +306,10 @@ class D2C(Strategy):
             commit, active = commit_a, torch.ones(B, dtype=torch.bool, device=dev)
             tokens, conf = torch.where(commit_a, x0_a, canvas.tokens[:, g:]), conf_a
         else:
-            commit = torch.zeros((B, canvas.gen_length), dtype=torch.bool, device=dev).index_copy_(0, rows, commit_a)
+            commit = full_batch(commit_a, rows, B, False)
             tokens = canvas.tokens[:, g:].clone()
             tokens.index_copy_(0, rows, torch.where(commit_a, x0_a, tokens[rows]))
-            conf = torch.zeros((B, canvas.gen_length), dtype=torch.float32, device=dev).index_copy_(0, rows, conf_a)
+            conf = full_batch(conf_a, rows, B, 0.0)
             active = torch.zeros(B, dtype=torch.bool, device=dev).index_fill_(0, rows, True)
         delta = FrameDelta(step=canvas.step + 1, nfe=1, start=g, commit=commit, tokens=tokens, active=active,
                            finished=None, confidence=conf)

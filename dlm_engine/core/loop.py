@@ -8,7 +8,7 @@ import torch
 
 from dlm_engine.core.canvas import Canvas, FrameDelta, ModelInfo
 from dlm_engine.core.protocol import CallRequest, ForwardCall
-from dlm_engine.core.rows import ActiveRows, call_rows, expand_proposal, idle_proposal, recomputed_rows
+from dlm_engine.core.rows import ActiveRows, call_rows, expand_proposal, full_batch, idle_proposal, recomputed_rows
 from dlm_engine.core import sampler
 from dlm_engine.core.sampler import Proposal, propose
 from dlm_engine.core.strategy import StepPlan, Strategy
@@ -222,7 +222,7 @@ def delta_logits(proposal: Proposal, delta: FrameDelta, rows: Optional[torch.Ten
     when the delta's window reaches outside the logits'."""
     lg = proposal.logits
     if rows is not None and lg.shape[0] != canvas.batch_size:
-        lg = lg.new_zeros((canvas.batch_size,) + tuple(lg.shape[1:])).index_copy_(0, rows, lg)
+        lg = full_batch(lg, rows, canvas.batch_size, 0)
     a, W = delta.start - proposal.start, delta.commit.shape[1]
     if a < 0 or a + W > lg.shape[1]:
         return None

@@ -91,18 +91,20 @@ def call_rows(rows: torch.Tensor, batch: int, cfg: bool) -> Tuple[torch.Tensor, 
     return rows, batch
 
 
+def full_batch(values: torch.Tensor, rows: torch.Tensor, B: int, fill) -> torch.Tensor:
+    """``[B, ...]``: the call rows' ``values`` at their canvas rows ``rows``, ``fill`` on the rows the call did
+    not run."""
+    return values.new_full((B,) + tuple(values.shape[1:]), fill).index_copy_(0, rows, values)
+
+
 def expand_proposal(p: Proposal, rows: torch.Tensor, canvas: Canvas) -> Proposal:
     """A full-batch proposal from one over ``rows``; the other rows get uncommittable proposals."""
     B, W = canvas.batch_size, p.logits.shape[1]
     s = p.start
     x0 = None if p.x0 is None else canvas.tokens[:, s:s + W].index_copy(0, rows, p.x0)
-    conf = None
-    if p.confidence is not None:
-        conf = p.confidence.new_full((B, W), float("-inf")).index_copy_(0, rows, p.confidence)
-    logits = p.logits.new_zeros((B,) + tuple(p.logits.shape[1:])).index_copy_(0, rows, p.logits)
-    valid = None
-    if p.valid is not None:
-        valid = torch.zeros((B, W), dtype=torch.bool, device=p.valid.device).index_copy_(0, rows, p.valid)
+    conf = None if p.confidence is None else full_batch(p.confidence, rows, B, float("-inf"))
+    logits = full_batch(p.logits, rows, B, 0)
+    valid = None if p.valid is None else full_batch(p.valid, rows, B, False)
     return Proposal(start=s, x0=x0, confidence=conf, logits=logits, call_len=p.call_len, call_start=p.call_start,
                     valid=valid)
 
