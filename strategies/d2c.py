@@ -303,7 +303,7 @@ class D2C(Strategy):
         g, B, dev = canvas.gen_start, canvas.batch_size, canvas.device
         conf_a = conf_a if conf_a.dtype == torch.float32 else conf_a.float()
         if rows is None:
-            commit, active = commit_a, torch.ones(B, dtype=torch.bool, device=dev)
+            commit, active = commit_a, canvas.every_row()
             tokens, conf = torch.where(commit_a, x0_a, canvas.tokens[:, g:]), conf_a
         else:
             commit = full_batch(commit_a, rows, B, False)

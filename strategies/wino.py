@@ -221,7 +221,7 @@ class Wino(Strategy):
             commit, remask = wide_a, out_a
             tokens = torch.where(wide_a, x0_a, canvas.tokens[:, s:e])
             conf = conf_a.float()
-            active = torch.ones(B, dtype=torch.bool, device=canvas.device)
+            active = canvas.every_row()
         else:
             commit = torch.zeros((B, W), dtype=torch.bool, device=canvas.device)
             remask = torch.zeros_like(commit)

@@ -155,6 +155,33 @@ def test_steps_after_every_row_finished_still_count_as_real_calls(tiny_llada):
     assert torch.equal(canvas.tokens, plain.tokens) and torch.equal(canvas.step_of, plain.step_of)
 
 
+def test_row_nfe_counts_steps_of_every_row_on_the_host_and_the_others_per_row():
+    """``Canvas.apply`` counts a step whose ``active`` is the canvas' own ``every_row()`` tensor on the host (no
+    kernel) and any other ``active`` per row on the device; ``row_nfe`` is their sum."""
+    from dlm_engine.core.canvas import FrameDelta
+
+    canvas = Canvas.from_prompts([[5, 6], [7]], 4, 3, 0)
+    B, W, g = 2, 4, canvas.gen_start
+
+    def step(active, nfe=1, commit_col=None):
+        commit = torch.zeros(B, W, dtype=torch.bool)
+        if commit_col is not None:
+            commit[:, commit_col] = True
+        canvas.apply(FrameDelta(step=canvas.step + 1, nfe=nfe, start=g, commit=commit, tokens=torch.full((B, W), 9),
+                                active=active, finished=torch.zeros(B, dtype=torch.bool)))
+
+    assert canvas.row_nfe.tolist() == [0, 0]
+    step(canvas.every_row(), commit_col=0)
+    step(canvas.every_row(), nfe=2)                     # e.g. a two-forward step
+    assert canvas.row_nfe.tolist() == [3, 3] and canvas._row_nfe.tolist() == [0, 0]   # host count only
+    step(torch.tensor([True, False]), commit_col=1)
+    step(torch.ones(B, dtype=torch.bool))               # all True, but not the canvas' tensor: per row
+    step(canvas.every_row(), nfe=0)                     # a set-up step costs nothing
+    assert canvas.row_nfe.tolist() == [5, 4] and canvas.nfe == 5
+    assert canvas.every_row() is canvas.every_row() and canvas.every_row().all()
+    assert canvas.tokens[:, g:g + 2].tolist() == [[9, 9], [9, 9]]
+
+
 def test_sampler_draws_use_the_active_batch(tiny_llada, monkeypatch):
     """At T > 0 the Gumbel draws have the active batch's shape (documented: batched T > 0 runs with rows
     that finish early differ from runs without compaction)."""

@@ -88,7 +88,11 @@ class Canvas:
         self.finished = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
         self.step = 0
         self.nfe = 0
-        self.row_nfe = torch.zeros(tokens.shape[0], dtype=torch.long, device=tokens.device)
+        # forwards per row: a device count for steps some rows sat out, plus (on the host, no kernel) the steps
+        # every row took part in (a delta whose ``active`` is :meth:`every_row`); read as ``row_nfe``
+        self._row_nfe = torch.zeros(tokens.shape[0], dtype=torch.long, device=tokens.device)
+        self._nfe_every_row = 0
+        self._every_row: Optional[torch.Tensor] = None
         # ``finished`` as the step loop last read it on the host (set by the loop once per step). Fast paths rely
         # on it (Strategy.delta(masked_left=...), d2c's frame): code that changes ``finished`` outside the loop
         # must update it too
@@ -146,6 +150,18 @@ class Canvas:
         keep = (self.step_of >= 0) & (self.step_of <= t)
         return torch.where(keep, self.tokens, torch.full_like(self.tokens, self.mask_id))
 
+    @property
+    def row_nfe(self) -> torch.Tensor:
+        """``[B]`` long: the forwards each row took part in (a finished row takes part in none)."""
+        return self._row_nfe + self._nfe_every_row if self._nfe_every_row else self._row_nfe
+
+    def every_row(self) -> torch.Tensor:
+        """``[B]`` bool, all True, one tensor per canvas (never write to it): the step loop passes it as the
+        rows of a call that runs every row, so :meth:`apply` counts that step's NFE on the host."""
+        if self._every_row is None:
+            self._every_row = torch.ones(self.batch_size, dtype=torch.bool, device=self.device)
+        return self._every_row
+
     # -- update ------------------------------------------------------------------------------------
     def apply(self, delta: FrameDelta) -> None:
         s, e = delta.start, delta.start + delta.width
@@ -161,4 +177,7 @@ class Canvas:
         self.step = delta.step
         self.nfe += delta.nfe
         if delta.nfe:
-            self.row_nfe.add_(delta.active, alpha=delta.nfe)
+            if delta.active is self._every_row:
+                self._nfe_every_row += delta.nfe
+            else:
+                self._row_nfe.add_(delta.active, alpha=delta.nfe)

@@ -153,7 +153,7 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
                 raise StalledDecode(f"strategy '{strategy.name}' did not finish within {limit} steps "
                                     "(did the model propose the mask token?)")
             live, rows = active.rows_for(host.finished, plan.rows)
-            call = bad = None
+            call = finite = None
             if active.none_active:
                 # Every row is finished but the strategy still schedules a step (LLaDA's zero-transfer
                 # steps): the reference runs that forward, and NFE counts model calls, so run it (uncached:
@@ -163,7 +163,7 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
             else:
                 logits, call = forward(model, canvas, plan, cache, rows=rows, live=live)
                 if active.vocab is None:    # the first forward: NaN weights or fp16 overflow end the decode
-                    bad = non_finite(logits)
+                    finite = all_finite(logits)
                     active.seen(logits)
                 proposal = sample(logits, plan, call, rows, canvas, active.run, all_conf)
                 if rows is not None and plan.sample:
@@ -177,7 +177,7 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
             if want_recomputed:
                 delta.scalars["recomputed"] = recomputed_rows(canvas, call, rows)
             canvas.apply(delta)
-            host, state = sync_round(canvas, strategy, state, delta, bad)
+            host, state = sync_round(canvas, strategy, state, delta, finite)
             if host.bad:
                 check_finite_logits(logits)             # describes the problem and raises
             for s in sinks:
@@ -198,19 +198,19 @@ class HostView:
 
 
 def sync_round(canvas: Canvas, strategy: Strategy, state, delta: Optional[FrameDelta],
-               bad: Optional[torch.Tensor] = None):
-    """The one host read of a step: finished rows, the first forward's health and the strategy's request;
-    returns ``(HostView, state after Strategy.synced)``."""
+               finite: Optional[torch.Tensor] = None):
+    """The one host read of a step: finished rows, the first forward's health (``finite``, see
+    :func:`all_finite`) and the strategy's request; returns ``(HostView, state after Strategy.synced)``."""
     parts = [canvas.finished]
-    if bad is not None:
-        parts.append(bad.reshape(1))
+    if finite is not None:
+        parts.append(finite.reshape(1))
     req = strategy.sync_request(canvas, state)
     if req is not None:
         parts.append(req.reshape(-1))
     flat = torch.cat(parts).tolist() if len(parts) > 1 else parts[0].tolist()   # cat promotes to one dtype
     B = canvas.batch_size
-    n_bad = 0 if bad is None else 1
-    host = HostView([bool(v) for v in flat[:B]], flat[B + n_bad:], bool(flat[B]) if bad is not None else False)
+    n_flag = 0 if finite is None else 1
+    host = HostView([bool(v) for v in flat[:B]], flat[B + n_flag:], finite is not None and not flat[B])
     canvas.finished_host = tuple(host.finished)
     return host, strategy.synced(canvas, state, host.values, delta)
 
@@ -229,7 +229,8 @@ def delta_logits(proposal: Proposal, delta: FrameDelta, rows: Optional[torch.Ten
     return lg if (a == 0 and W == lg.shape[1]) else lg[:, a:a + W]
 
 
-def non_finite(logits: torch.Tensor) -> torch.Tensor:
-    """A device flag: NaN, +inf or a position whose logits are all -inf (read in the step's one sync). A
-    position's maximum is finite exactly when none of these holds (``amax`` propagates NaN)."""
-    return ~logits.amax(dim=-1).isfinite().all()
+def all_finite(logits: torch.Tensor) -> torch.Tensor:
+    """A device flag, False on NaN, +inf or a position whose logits are all -inf (read in the step's one sync
+    and negated on the host). A position's maximum is finite exactly when none of these holds (``amax``
+    propagates NaN)."""
+    return logits.amax(dim=-1).isfinite().all()

@@ -42,6 +42,7 @@ class ActiveRows:
 
     def __init__(self, canvas: Canvas, compact: bool = True):
         self.batch, self.compact, self.device = canvas.batch_size, compact, canvas.device
+        self._every_row = canvas.every_row
         self.vocab: Optional[Tuple[int, torch.dtype]] = None   # logits' last dim and dtype, once seen
         self.none_active = False
         self.mask: Optional[torch.Tensor] = None                 # [B] bool: the rows of the current call
@@ -74,6 +75,8 @@ class ActiveRows:
         return live, (live if run == alive else self._index(run))
 
     def _flags(self, flags: Tuple[bool, ...]) -> torch.Tensor:
+        if all(flags):
+            return self._every_row()      # the canvas' own: Canvas.apply counts such a step on the host
         key = ("mask",) + flags
         if key not in self._memo:
             self._memo[key] = host_tensor(flags, torch.bool, self.device)

@@ -186,7 +186,8 @@ class Strategy:
         if finished is None and masked_left is not None and remask is None:
             n = commit.sum(-1) if committed is None else committed
             left = [-1 if f else m for m, f in zip(masked_left, canvas.finished_host)]   # finished rows: never again
-            finished = n == host_tensor(left, n.dtype, n.device)
+            same = all(v == left[0] for v in left)          # (a batch of one): a scalar, no host-made tensor
+            finished = n == (left[0] if same else host_tensor(left, n.dtype, n.device))
         elif finished is None:     # ~left & ~finished, as one reduction and two in-place ops
             finished = masked_after(canvas, s, commit, remask).any(dim=-1).logical_or_(canvas.finished).logical_not_()
         conf = proposal.confidence if confidence is None else confidence
