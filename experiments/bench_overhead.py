@@ -13,10 +13,16 @@ forward; the overhead is their difference over the decode time (the smallest out
 of ``--repeats`` plain runs: a VM's steal time only ever adds). Per-section times and syncs come from one
 instrumented run each. Syncs are counted by
 wrapping the tensor operations that force a host-device synchronisation (``dlm_engine.core.instrument``).
+
+``--replayed`` adds ``loop us/st`` (cache ``none``): the CPU outside the model per step when the model's forwards
+are replayed from a first recording run (:class:`ReplayedForwards`; the replayed decodes are checked to make the
+same tokens). Without the model's work between steps the loop runs with warm CPU caches, so this is lower than the
+plain figure, but it varies far less from run to run: use it to compare changes to the loop itself.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import contextlib
 import os
 import sys
@@ -81,6 +87,7 @@ def one(model, prompts, gen, name, kw, cache, batch, instrument=("sections", "sy
     syncs = decodes = 0
     sections = Sections()
     ops = 0
+    tokens = []
     for i in range(0, len(prompts), batch):
         chunk = prompts[i:i + batch]
         strategy = cls(cls.Config(**kw), gen)
@@ -96,11 +103,53 @@ def one(model, prompts, gen, name, kw, cache, batch, instrument=("sections", "sy
                 torch.cuda.synchronize(dev)
             wall += time.perf_counter() - w0
         steps += canvas.step
+        tokens.append(canvas.tokens.tolist())
         syncs += counter.total
         ops += counter.ops
         decodes += 1
     one.wall = wall                    # (wall seconds of the last call, the device's queue drained)
+    one.tokens = tokens                # (the last call's final tokens, per decode)
     return cpu, timer.cpu, steps, syncs, sections.cpu, decodes, ops
+
+
+class ReplayedForwards:
+    """A model whose forwards are replayed: the first call with given inputs runs the model, an identical later
+    call returns a copy of that call's result. A decode's CPU outside the model then comes without the model's
+    work between steps (which evicts the loop's code and data from the CPU caches: this is the loop's own cost,
+    warm, a lower bound) and with far less run-to-run noise, so that small changes to the loop can be compared.
+    Cache ``none`` only: a cache's hooks run inside the forward and keep state."""
+
+    def __init__(self, model):
+        self.model, self.store = model, {}
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, ids, **kw):
+        request = kw.get("request")
+        if request is not None and request.aux is not None:      # extra query columns: not keyed, run them
+            return self.model(ids, **kw)
+        key = tuple(None if t is None else (tuple(t.shape), t.cpu().numpy().tobytes())
+                    for t in (ids, kw.get("attention_mask"), kw.get("position_ids"))) + (kw.get("logits_range"),)
+        call = self.store.get(key)
+        if call is None:
+            call = self.store[key] = self.model(ids, **kw)
+            call.logits = call.logits.clone()
+        return dataclasses.replace(call, logits=call.logits.clone(), memo={})
+
+
+def replayed_loop_us(model, prompts, gen, name, kw, batch, repeats):
+    """``(loop us/step, same tokens)``: CPU outside the model per step with the forwards replayed (the smallest of
+    ``repeats`` runs after one run that records them with the real model), and whether every replayed decode made
+    the recording run's tokens."""
+    rep = ReplayedForwards(model)
+    steps0 = one(rep, prompts, gen, name, kw, "none", batch, instrument=())[2]
+    tokens0, best, same = one.tokens, None, True
+    for _ in range(repeats):
+        cpu, mcpu, steps = one(rep, prompts, gen, name, kw, "none", batch, instrument=())[:3]
+        same = same and steps == steps0 and one.tokens == tokens0
+        best = (cpu - mcpu) / steps * 1e6 if best is None else min(best, (cpu - mcpu) / steps * 1e6)
+    return best, same
 
 
 def main(argv=None) -> int:
@@ -113,6 +162,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu or cuda (on a GPU the CPU times are the host's work: "
                     "kernel launches; 'wall ms' is the decode's wall time per step, the device's queue drained)")
     ap.add_argument("--dtype", default="float32", help="float32 or bfloat16")
+    ap.add_argument("--replayed", action="store_true",
+                    help="also print 'loop us/st': CPU outside the model per step with the model's forwards replayed "
+                         "(ReplayedForwards; cache none only), the loop's own cost without the model's noise")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     load_plugins()
@@ -123,7 +175,7 @@ def main(argv=None) -> int:
               f"<= 1 sync/step (syncs/st excludes one setup read per decode; the check allows two)")
         head = (f"{'strategy':<13}{'cache':<6}{'B':>3}{'steps':>7}{'decode s':>9}{'model s':>9}{'ovh':>7}{'':>3}"
                 f"{'syncs/st':>9}{'':>3}{'ops/st':>7}{'plan':>8}{'sample':>8}{'select':>8}{'apply':>8}  (CPU ms/step)"
-                f"{'wall ms':>9}")
+                f"{'wall ms':>9}" + (f"{'loop us/st':>12}" if args.replayed else ""))
         print(head + "\n" + "-" * len(head))
         for label, name, kw, caches in SETTINGS:
             if only and label not in only:
@@ -159,7 +211,11 @@ def main(argv=None) -> int:
                     print(f"{label:<13}{cache:<6}{batch:>3}{steps:>7}{cpu:>9.3f}{mcpu:>9.3f}{ovh:>7.1%} {ok}"
                           f"{syncs / steps:>9.2f} {sok}{ops / steps:>7.1f}{per.get('plan', 0):>8.3f}{per.get('sample', 0):>8.3f}"
                           f"{per.get('select', 0):>8.3f}{per.get('apply', 0):>8.3f}{'':>15}"
-                          f"{1000 * min(walls) / steps:>9.3f}", flush=True)
+                          f"{1000 * min(walls) / steps:>9.3f}", end="")
+                    if args.replayed and cache == "none":
+                        us, same = replayed_loop_us(model, prompts, gen, name, kw, batch, args.repeats)
+                        print(f"{us:>12.1f}" + ("" if same else " (replay diverged!)"), end="")
+                    print(flush=True)
     return 0
 
 
