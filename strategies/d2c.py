@@ -95,6 +95,14 @@ class BlockSampled(Sampled):
     candidates)."""
 
 
+@dataclass
+class TailSampled(Sampled):
+    """:meth:`D2C.sample` from generated column ``first`` on: before it the confidence is ``-inf`` and the token
+    0, and ``probs`` covers columns ``[first, G)`` only."""
+
+    first: int = 0
+
+
 @register_strategy("d2c", D2CConfig)
 class D2C(Strategy):
     offers = caps(Cap.BLOCKS)
@@ -206,10 +214,19 @@ class D2C(Strategy):
                     clip_alpha=c.clip_alpha, debias_after_alg=c.debias_after_alg,
                     filters_at_zero=c.filters_at_zero_temperature)
 
-    def sample(self, logits: torch.Tensor, cand: torch.Tensor, st: BlockState) -> Sampled:
-        """The step's proposals for every generated position of the call's rows (or only the candidates)."""
+    def sample(self, logits: torch.Tensor, cand: torch.Tensor, st: BlockState, first: int = 0) -> Sampled:
+        """The step's proposals for every generated position of the call's rows (or only the candidates);
+        ``first`` > 0 (see :meth:`sample_from`): from that generated column on (a :class:`TailSampled`)."""
         c = self.cfg
         kw = self.sampler_options(st)
+        if first > 0:
+            part = sample_tokens(logits[:, first:], **kw)
+            B, G = cand.shape
+            conf = part.confidence.new_full((B, G), float("-inf"))
+            conf[:, first:] = part.confidence
+            x0 = part.x0.new_zeros((B, G))
+            x0[:, first:] = part.x0
+            return TailSampled(conf, x0, part.probs, first)
         if not c.sample_candidates_only:
             return sample_tokens(logits, **kw)
         part = sample_tokens(logits[cand], **kw)
@@ -232,11 +249,21 @@ class D2C(Strategy):
         CPU and GPU reductions split differently for few rows, so ``entropy``, EB's entropy budget and top-p's
         cumulative sum keep every position); nothing downstream reads the other positions' confidences
         (``Proposal.all_confidences``); and ``pick`` reads the block's scores only."""
-        c = self.cfg
         owner = next(k for k in type(self).__mro__ if "pick" in vars(k))
-        return (vars(owner).get("picks_from_block_scores", False) and c.temperature == 0 and c.gamma is None
-                and c.alg in (Alg.maskgit_plus, Alg.topk_margin) and (c.top_p is None or c.top_p >= 1)
-                and not proposal.all_confidences)
+        return vars(owner).get("picks_from_block_scores", False) and self.per_position_exact(proposal)
+
+    def sample_from(self, st: BlockState, proposal) -> int:
+        """The first generated column whose proposal or distribution the step reads when :meth:`pick` needs
+        distributions (0: every column, the reference's quirk 15). A subclass may start later where the result is
+        the same bits: see :meth:`Klass.sample_from`."""
+        return 0
+
+    def per_position_exact(self, proposal) -> bool:
+        """Whether sampling fewer positions gives the very bits sampling every generated position gives at the
+        positions sampled (see :meth:`block_scores_suffice`, which adds that ``pick`` reads scores only)."""
+        c = self.cfg
+        return (c.temperature == 0 and c.gamma is None and c.alg in (Alg.maskgit_plus, Alg.topk_margin)
+                and (c.top_p is None or c.top_p >= 1) and not proposal.all_confidences)
 
     def sample_at(self, logits: torch.Tensor, where: torch.Tensor, count: int, st: BlockState) -> Sampled:
         """:meth:`sample` at the ``count`` positions of ``where`` (known on the host: no read); elsewhere the
@@ -287,7 +314,7 @@ class D2C(Strategy):
             sampled = self.sample_at(proposal.logits, block_cand, n, st)
             conf = sampled.confidence                    # already -inf outside the block's candidates
         else:
-            sampled = self.sample(proposal.logits, cand, st)
+            sampled = self.sample(proposal.logits, cand, st, self.sample_from(st, proposal))
             conf = torch.where(cand, sampled.confidence, float("-inf"))
         scores = conf * certainty_density(~masked, c.sigma) if c.sigma else conf
         commit_a, st = self.pick(scores, cand, block_cand, sampled, st, rows, counts)

@@ -64,6 +64,18 @@ class Klass(D2C):
 
     picks_from_block_scores = False     # the divergences read the distributions of the block and of later blocks
 
+    def sample_from(self, st: KlassState, proposal) -> int:
+        """The block's first column: :meth:`pick` reads the distributions of the block and of the later columns
+        only (the earlier blocks are full, so no candidate lies there either), and where sampling is per
+        position exact those columns' bits do not depend on the earlier ones being sampled too."""
+        if self.cfg.sample_candidates_only or not self.per_position_exact(proposal):
+            return 0
+        first = self.block_cols(st.block)[0]
+        self.tail_steps += first > 0
+        return first
+
+    tail_steps = 0          # steps that sampled from their block's start (a count for tests)
+
     def pick(self, scores, cand, block_cand, sampled, st: KlassState, rows, counts):
         """The reference computes every generated position's divergence every step. Only the block's candidates
         are ever read, and a position is read only once its block is current, when its history holds the
@@ -74,9 +86,10 @@ class Klass(D2C):
         a, b = self.block_cols(st.block)
         every = rows is None                                           # the call ran every row
         mine = slice(None) if every else rows
+        off = getattr(sampled, "first", 0)                             # sampled.probs covers columns [off, G)
         if st.of_block != st.block:
             st = self.enter_block(st, a, b, sampled.probs)
-        p64 = sampled.probs[:, a:b].to(torch.float64)                  # [B_a, Lb, V]
+        p64 = sampled.probs[:, a - off:b - off].to(torch.float64)      # [B_a, Lb, V]
         # kept for the next step: the same values as its log(prev + 1e-12). In place on a fresh temporary
         log_p = (p64 + 1e-12).log_()
         kl = torch.sub(log_p, st.previous_log[mine]).mul_(p64).sum(-1)      # [B_a, Lb]: sum p (log p - log prev)
@@ -95,7 +108,7 @@ class Klass(D2C):
             hist, prev_log = h, log_p
         else:
             hist, prev_log = st.history.index_copy(0, rows, h), st.previous_log.index_copy(0, rows, log_p)
-        return commit, evolve(st, history=hist, previous_log=prev_log, ring=self.pushed(st, sampled.probs, b, rows),
+        return commit, evolve(st, history=hist, previous_log=prev_log, ring=self.pushed(st, sampled.probs, b, rows, off),
                               ring_from=b)
 
     def enter_block(self, st: KlassState, a: int, b: int, like: torch.Tensor) -> KlassState:
@@ -122,14 +135,15 @@ class Klass(D2C):
         # reference's initial history, and its first step's divergence from zeros is huge as there
         return evolve(st, history=hist, previous_log=logs[-1], of_block=st.block)
 
-    def pushed(self, st: KlassState, probs: torch.Tensor, b: int, rows) -> Tuple[Optional[torch.Tensor], ...]:
+    def pushed(self, st: KlassState, probs: torch.Tensor, b: int, rows, off: int = 0) -> Tuple[Optional[torch.Tensor], ...]:
         """The ring once the call's rows (``rows``; None: every row) took this step's distributions ``probs``
-        (``[B_a, G, V]``): columns from ``b`` (the block's end) on, each row's last H steps."""
-        H, G = len(st.ring), probs.shape[1]
+        (``[B_a, G - off, V]``: columns from ``off`` on): columns from ``b`` (the block's end) on, each row's last
+        H steps."""
+        H, G = len(st.ring), off + probs.shape[1]
         if b >= G:                      # the last block: no later column is ever read
             return (None,) * H
         old = [None if r is None else r[:, b - st.ring_from:] for r in st.ring]
-        new = probs[:, b:]
+        new = probs[:, b - off:]
         if rows is None:
             return tuple(old[1:]) + (new,)
         out = []

@@ -410,6 +410,9 @@ def _spec_klass(base):
             self.hist = self.prev = None
             return super().init_state(canvas)
 
+        def sample_from(self, st, proposal):
+            return 0                                    # every generated position's distribution, every step
+
         def pick(self, scores, cand, block_cand, sampled, st, rows, counts):
             c = self.cfg
             p = sampled.probs.to(torch.float64)
@@ -464,3 +467,26 @@ def test_klass_history_of_a_new_block_is_the_specs(tiny_llada, kw, cache):
     assert torch.equal(out["lazy"][0], out["spec"][0]) and torch.equal(out["lazy"][1], out["spec"][1])
     assert out["spec"][2].partial_steps > 0                                    # rows sat steps out
     assert not torch.equal(out["lazy"][1], out["never stable"][1])            # the stable sets mattered
+    assert out["lazy"][2].tail_steps > 0                 # steps that sampled from the block's start on (T = 0)
+
+
+def test_klass_samples_from_the_blocks_start_only_where_that_is_exact():
+    """At T = 0 with a per-position confidence KLASS samples from its block's first column on (the earlier,
+    full blocks are never read); a draw (T > 0), a confidence that sums over the vocabulary, top-p, sampling
+    candidates only, or a cache that reads every position's confidence keep every position."""
+    from types import SimpleNamespace
+
+    from dlm_engine.core.registry import strategy_class
+    from dlm_engine.strategies.d2c import D2C, BlockState
+
+    cls = strategy_class("klass")
+    plain = SimpleNamespace(all_confidences=False)
+    at_block = BlockState(block=2)
+    assert cls(cls.Config(block_length=4), 16).sample_from(at_block, plain) == 8
+    assert cls(cls.Config(block_length=4, alg="topk_margin", top_k=3), 16).sample_from(at_block, plain) == 8
+    assert cls(cls.Config(block_length=4), 16).sample_from(BlockState(block=0), plain) == 0
+    for kw in (dict(temperature=0.5), dict(alg="entropy"), dict(top_p=0.9), dict(sample_candidates_only=True)):
+        assert cls(cls.Config(block_length=4, **kw), 16).sample_from(at_block, plain) == 0, kw
+    assert cls(cls.Config(block_length=4), 16).sample_from(at_block, SimpleNamespace(all_confidences=True)) == 0
+    d2c = strategy_class("d2c")
+    assert d2c(d2c.Config(block_length=4), 16).sample_from(at_block, plain) == 0 and issubclass(d2c, D2C)
