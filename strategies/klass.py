@@ -70,11 +70,7 @@ class Klass(D2C):
         position exact those columns' bits do not depend on the earlier ones being sampled too."""
         if self.cfg.sample_candidates_only or not self.per_position_exact(proposal):
             return 0
-        first = self.block_cols(st.block)[0]
-        self.tail_steps += first > 0
-        return first
-
-    tail_steps = 0          # steps that sampled from their block's start (a count for tests)
+        return self.block_cols(st.block)[0]
 
     def pick(self, scores, cand, block_cand, sampled, st: KlassState, rows, counts):
         """The reference computes every generated position's divergence every step. Only the block's candidates
