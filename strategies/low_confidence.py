@@ -24,7 +24,7 @@ from typing import Optional, Tuple
 from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.eos import EosOptions, check_eos_options, eos_confidence, eos_stop, eos_suppress
 from dlm_engine.core.registry import register_strategy
-from dlm_engine.core.blockwise import block_counts, host_rows
+from dlm_engine.core.blockwise import block_counts, counts_after, host_rows
 from dlm_engine.core.canvas import BlockEvent
 from dlm_engine.core.selection import host_schedule, topk_commit
 from dlm_engine.core.strategy import (BlockCursor, CacheDirective, Remasking, StepPlan, Strategy, block_range,
@@ -63,6 +63,10 @@ class Schedule:
     schedule: Tuple[Tuple[int, ...], ...] = ()
     counts: Tuple[Tuple[int, ...], ...] = ()
     all_finished: bool = False
+    # the last step's commits per row ([B], device), all masked positions of block ``committed_block``: the next
+    # host read takes them and updates ``counts`` (None: recount the canvas)
+    committed: Optional[object] = None
+    committed_block: int = -1
 
 
 @register_strategy("low_confidence", LowConfidenceConfig)
@@ -118,14 +122,21 @@ class LowConfidence(Strategy):
         n = commit.sum(-1)
         delta = self.delta(canvas, proposal, commit, events=events, confidence=conf, committed=n,
                            masked_left=[sum(row) for row in st.counts], scalars={"block": cur.block, "committed": n})
-        return eos_stop(c, canvas, delta), dataclasses.replace(st, cursor=nxt)
+        # commits are masked positions of the block and nothing else changes the canvas unless an EOS stop
+        # widens the delta: then the canvas is recounted
+        done_n = None if c.stop_at_eos else n
+        return eos_stop(c, canvas, delta), dataclasses.replace(st, cursor=nxt, committed=done_n,
+                                                               committed_block=cur.block)
 
     def sync_request(self, canvas, st: Schedule):
-        return block_counts(canvas, self.block_length)
+        return block_counts(canvas, self.block_length) if st.committed is None else st.committed
 
     def synced(self, canvas, st: Schedule, values, delta):
-        counts = host_rows(values, canvas.batch_size)
-        st = dataclasses.replace(st, counts=counts, all_finished=all(canvas.finished_host))
+        if st.committed is None:
+            counts = host_rows(values, canvas.batch_size)
+        else:
+            counts = counts_after(st.counts, st.committed_block, values)
+        st = dataclasses.replace(st, counts=counts, all_finished=all(canvas.finished_host), committed=None)
         cur = st.cursor
         if (delta is not None and self.cfg.loop == Loop.fastdllm and cur.block < self.num_blocks
                 and not any(row[cur.block] for row in counts)):

@@ -97,3 +97,34 @@ def test_block_events_and_scalars(tiny_llada):
     assert kinds == [("opened", 0), ("completed", 0), ("opened", 1), ("completed", 1)]
     assert [int(d.scalars["committed"][0]) for d in rec.deltas] == [2, 2, 2, 2]
     assert [bool(d.finished[0]) for d in rec.deltas] == [False, False, False, True]
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(loop="fastdllm"), dict(remasking="random", temperature=0.7),
+                                dict(steps=24, confidence_eos_eot_inf=True), dict(stop_at_eos=True, steps=8)])
+@pytest.mark.parametrize("cache", ["none", "dual"])
+def test_host_counts_follow_the_canvas(tiny_llada, kw, cache):
+    """The step's host read is the commit counts the select summed (not a recount of the canvas): the counts kept
+    on the host from them equal the canvas' masked positions per block after every step -- batch with padding,
+    rows finishing at different steps, both loops, random remasking; with ``stop_at_eos`` the canvas is
+    recounted."""
+    from dlm_engine.core.blockwise import block_counts
+    from dlm_engine.core.registry import cache_class
+
+    cls = strategy_class("low_confidence")
+    checked = []
+
+    class Checked(cls):
+        def synced(self, canvas, st, values, delta):
+            out = super().synced(canvas, st, values, delta)
+            checked.append((st.committed is not None,
+                            out.counts == tuple(map(tuple, block_counts(canvas, self.block_length).tolist()))))
+            return out
+
+    canvas = Canvas.from_prompts([[5, 6, 7, 8, 9], [11, 12], [13, 14, 15, 16]], 16,
+                                 int(tiny_llada.config.mask_token_id), 0, eos_id=int(tiny_llada.config.eos_token_id))
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        decode(tiny_llada, canvas, Checked(cls.Config(block_length=4, **dict(dict(steps=16), **kw)), 16),
+               cache_class(cache)())
+    assert checked and all(ok for _, ok in checked)
+    assert any(used for used, _ in checked) != bool(kw.get("stop_at_eos"))   # the commit counts were the read

@@ -131,3 +131,30 @@ def test_defaults_are_the_reference_defaults():
     t = strategy_class("threshold").Config()
     assert (t.threshold, t.block_length, t.steps, t.temperature, t.remasking) == (0.9, None, None, 0.0, "low_confidence")
     assert strategy_class("factor").Config().factor == 1.0
+
+
+@pytest.mark.parametrize("name, kw", [("threshold", dict(threshold=0.5)), ("threshold", dict(threshold=0.99)),
+                                      ("factor", dict(factor=1.0)), ("threshold", dict(threshold=0.5, stop_at_eos=True))])
+@pytest.mark.parametrize("cache", ["none", "dual"])
+def test_host_counts_follow_the_canvas(tiny_llada, name, kw, cache):
+    """The step's host read is the commit counts the select summed (not a recount of the canvas): the counts kept
+    on the host from them equal the canvas' masked positions per block after every step, for a padded batch whose
+    rows fill their blocks at different steps (and sit steps out); with ``stop_at_eos`` the canvas is recounted."""
+    from dlm_engine.core.blockwise import block_counts
+
+    cls = strategy_class(name)
+    checked = []
+
+    class Checked(cls):
+        def synced(self, canvas, st, values, delta):
+            out = super().synced(canvas, st, values, delta)
+            checked.append((st.committed is not None,
+                            out.counts == tuple(map(tuple, block_counts(canvas, self.block_length).tolist()))))
+            return out
+
+    canvas = Canvas.from_prompts([[5, 6, 7, 8, 9], [11, 12], [13, 14, 15, 16]], 16,
+                                 int(tiny_llada.config.mask_token_id), 0, eos_id=int(tiny_llada.config.eos_token_id))
+    with torch.inference_mode():
+        decode(tiny_llada, canvas, Checked(cls.Config(block_length=4, **kw), 16), cache_class(cache)())
+    assert checked and all(ok for _, ok in checked)
+    assert any(used for used, _ in checked) != bool(kw.get("stop_at_eos"))   # the commit counts were the read

@@ -27,6 +27,10 @@ class BlockState:
 
     cursor: BlockCursor = BlockCursor()
     counts: Tuple[Tuple[int, ...], ...] = ()
+    # the last step's commits per row ([B], device), all masked positions of block ``committed_block``: the next
+    # host read takes them and updates ``counts`` (None: recount the canvas)
+    committed: Optional[torch.Tensor] = None
+    committed_block: int = -1
 
 
 def block_counts(canvas, block_length: int, masked: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -38,6 +42,13 @@ def block_counts(canvas, block_length: int, masked: Optional[torch.Tensor] = Non
     if nb * block_length != G:
         m = torch.nn.functional.pad(m, (0, nb * block_length - G))
     return m.view(B, nb, block_length).sum(-1)
+
+
+def counts_after(counts: Tuple[Tuple[int, ...], ...], block: int, committed) -> Tuple[Tuple[int, ...], ...]:
+    """The host counts (masked positions per row and block) once row ``r`` committed ``committed[r]`` masked
+    positions of ``block`` and nothing else changed: the step's host read can be the commit counts a strategy
+    has already summed instead of a recount over the canvas (four tensor ops fewer a step)."""
+    return tuple(row[:block] + (row[block] - int(n),) + row[block + 1:] for row, n in zip(counts, committed))
 
 
 def host_rows(values, batch: int) -> Tuple[Tuple[int, ...], ...]:
@@ -118,14 +129,20 @@ class FillBlocks(Strategy):
         delta.block_events = [BlockEvent("opened", cur.block, s, e)] if cur.step == 0 else []
         delta.scalars.update({"block": cur.block, "committed": n})
         delta.scalars.update(self.step_scalars(proposal, cand, commit))
-        return delta, BlockState(BlockCursor(cur.block, cur.step + 1), st.counts)
+        # commits are masked positions of the block and nothing else changes the canvas unless an EOS stop
+        # widens the delta: then the canvas is recounted
+        return delta, BlockState(BlockCursor(cur.block, cur.step + 1), st.counts,
+                                 None if self.cfg.stop_at_eos else n, cur.block)
 
     # -- the step's host read: masked positions per row and block -------------------------------------------
     def sync_request(self, canvas, st: "BlockState"):
-        return block_counts(canvas, self.block_length)
+        return block_counts(canvas, self.block_length) if st.committed is None else st.committed
 
     def synced(self, canvas, st: "BlockState", values, delta):
-        counts = host_rows(values, canvas.batch_size)
+        if st.committed is None:
+            counts = host_rows(values, canvas.batch_size)
+        else:
+            counts = counts_after(st.counts, st.committed_block, values)
         cur = st.cursor
         if delta is not None and cur.block < self.num_blocks and not any(row[cur.block] for row in counts):
             s, e = block_range(canvas, cur.block, self.block_length)   # the step just filled the block

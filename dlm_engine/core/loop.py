@@ -206,7 +206,7 @@ def sync_round(canvas: Canvas, strategy: Strategy, state, delta: Optional[FrameD
         parts.append(finite.reshape(1))
     req = strategy.sync_request(canvas, state)
     if req is not None:
-        parts.append(req.reshape(-1))
+        parts.append(req if req.dim() == 1 else req.reshape(-1))
     flat = torch.cat(parts).tolist() if len(parts) > 1 else parts[0].tolist()   # cat promotes to one dtype
     B = canvas.batch_size
     n_flag = 0 if finite is None else 1
