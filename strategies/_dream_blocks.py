@@ -55,7 +55,7 @@ class DreamBlockLoop:
         B = canvas.batch_size
         mask, order, _ = self._window_masks(canvas, plan, proposal, st, block_only=False)
         # draws over every mask of the window (later blocks too in "rest")
-        cval, x0 = self._propose(proposal.logits.reshape(B * (hi - lo), -1)[order])
+        cval, x0 = self._propose(proposal.logits.reshape(B * (hi - lo), -1).index_select(0, order))
         tokens = self._scatter(x0, mask, canvas.mask_id, order)
         scores = self._scatter(cval, mask, float("-inf"), order)
         scores[:, be - lo:] = float("-inf")
@@ -93,7 +93,7 @@ class DreamBlockLoop:
             return self._delta(canvas, lo, empty, proposal.x0, None, done=nxt.block >= self.num_blocks,
                                events=ev, active=proposal.active), nxt
         mask, order, M = self._window_masks(canvas, plan, proposal, st, block_only=True)
-        cval, x0 = self._propose(proposal.logits.reshape(B * (hi - lo), -1)[order], "entropy")
+        cval, x0 = self._propose(proposal.logits.reshape(B * (hi - lo), -1).index_select(0, order), "entropy")
         tokens = self._scatter(x0, mask, canvas.mask_id, order)
         n = np.float32(M) / np.float32(B)                          # batch average, float32 (reference)
         k = self._k(n, st.i, S - 1)

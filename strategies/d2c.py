@@ -270,7 +270,7 @@ class D2C(Strategy):
         confidence is ``-inf`` and the token 0. No distribution is kept."""
         B, G, V = logits.shape
         order = masked_order(where, count)
-        part = sample_tokens(logits.reshape(B * G, V)[order], **self.sampler_options(st))
+        part = sample_tokens(logits.reshape(B * G, V).index_select(0, order), **self.sampler_options(st))
         return BlockSampled(placed(part.confidence, order, (B, G), float("-inf")), placed(part.x0, order, (B, G), 0),
                             None)
 

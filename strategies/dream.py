@@ -288,7 +288,7 @@ class Dream(DreamBlockLoop, Strategy):
         mask = canvas.masked()[:, lo:]
         M = sum(st.masks)                                          # masks of the window, known on the host
         order = masked_order(mask, M)
-        mask_logits = proposal.logits.reshape(B * W, -1)[order]    # [M, V] row-major, as logits[mask_index]
+        mask_logits = proposal.logits.reshape(B * W, -1).index_select(0, order)   # [M, V] row-major, as logits[mask_index]
         i, mid = st.i, canvas.mask_id
         nxt = dataclasses.replace(st, i=st.i + 1)
         done = nxt.i >= self.steps
@@ -344,7 +344,7 @@ class Dream(DreamBlockLoop, Strategy):
         B, W = mask.shape
         active = st.i < st.steps_row                               # rows whose (grown) step budget lasts
         order = masked_order(mask, sum(st.masks))
-        cval, x0 = self._propose(proposal.logits.reshape(B * W, -1)[order])
+        cval, x0 = self._propose(proposal.logits.reshape(B * W, -1).index_select(0, order))
         tokens = self._scatter(x0, mask, canvas.mask_id, order)
         scores = self._scatter(cval, mask, float("-inf"), order)
         want = torch.where(active, st.quota + st.carry, torch.zeros_like(st.quota))

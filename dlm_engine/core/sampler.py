@@ -170,7 +170,7 @@ def scored_proposal(logits: torch.Tensor, x0: Optional[torch.Tensor], kind: str,
 
     B, W, V = logits.shape
     order = masked_order(mask, count)
-    rows = logits.reshape(B * W, V)[order]
+    rows = logits.reshape(B * W, V).index_select(0, order)      # (a copy of the rows: faster than x[order])
     if x0 is None:
         picked = rows.argmax(dim=-1)
         x0 = tokens.reshape(-1).to(torch.long, copy=True).index_copy_(0, order, picked).view(B, W)
