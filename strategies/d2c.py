@@ -27,7 +27,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from dlm_engine.core.blockwise import block_counts, host_rows
+from dlm_engine.core.blockwise import block_counts, counts_after, host_rows
 from dlm_engine.core.canvas import FrameDelta
 from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.eos import stop_at_eos
@@ -88,6 +88,9 @@ class BlockState:
     blk_of: int = -1
     after: Optional[torch.Tensor] = None
     after_step: int = -1
+    # with ``after``: the step's commits per row ([B]), all eligible positions of the block, which the host read
+    # takes to update ``counts`` (see :meth:`D2C.sync_request`)
+    committed: Optional[torch.Tensor] = None
 
 
 class BlockSampled(Sampled):
@@ -196,16 +199,21 @@ class D2C(Strategy):
     # -- the step's host read: eligible positions per row and block -----------------------------------------
     def sync_request(self, canvas, st: BlockState):
         if st.after is not None and st.after_step == canvas.step:
-            elig = st.after        # select's eligible positions after its delta: no row finished before it
-        else:
-            elig = self.eligible(canvas, canvas.step_of[:, canvas.gen_start:] < 0) & ~canvas.finished[:, None]
+            # select's delta only committed eligible positions of the block and nothing else changed them (no
+            # row finished before it, no EOS rule): its commit counts update the host counts
+            return st.committed
+        elig = self.eligible(canvas, canvas.step_of[:, canvas.gen_start:] < 0) & ~canvas.finished[:, None]
         return block_counts(canvas, self.block_len, elig)
 
     def synced(self, canvas, st: BlockState, values, delta):
-        counts = host_rows(values, canvas.batch_size)
+        if st.after is not None and st.after_step == canvas.step:
+            counts = counts_after(st.counts, st.block, values)
+        else:
+            counts = host_rows(values, canvas.batch_size)
         if delta is not None and st.block < self.num_blocks and not any(row[st.block] for row in counts):
-            return evolve(st, block=st.block + 1, step=0, counts=counts, after=None)   # the step finished the block
-        return evolve(st, counts=counts, after=None)
+            # the step finished the block
+            return evolve(st, block=st.block + 1, step=0, counts=counts, after=None, committed=None)
+        return evolve(st, counts=counts, after=None, committed=None)
 
     def sampler_options(self, st: BlockState) -> dict:
         """The keyword arguments of :func:`sample_tokens` for this config (and the loaded PC-Sampler table)."""
@@ -319,9 +327,10 @@ class D2C(Strategy):
         scores = conf * certainty_density(~masked, c.sigma) if c.sigma else conf
         commit_a, st = self.pick(scores, cand, block_cand, sampled, st, rows, counts)
         delta, after = self.frame(canvas, rows, commit_a, sampled.x0, conf, masked_all)
-        delta.scalars.update(block=st.block, committed=delta.commit.sum(-1))
+        committed = delta.commit.sum(-1)
+        delta.scalars.update(block=st.block, committed=committed)
         # the block ends in synced, on the host read
-        return delta, evolve(st, step=st.step + 1, after=after, after_step=delta.step)
+        return delta, evolve(st, step=st.step + 1, after=after, after_step=delta.step, committed=committed)
 
     def frame(self, canvas, rows, commit_a, x0_a, conf_a, masked: Optional[torch.Tensor] = None):
         """``(delta, after)``: the full-batch delta over the generation from the call rows' commits, tokens and

@@ -378,9 +378,9 @@ def test_ar_pick_is_the_run_from_the_first_candidate(kw):
         assert [j for j in range(16) if commit[r, j]] == run[:count], r
 
 
-def test_d2c_host_read_uses_selects_masks_only_for_the_step_they_were_made_for(tiny_llada):
-    """``select`` hands ``sync_request`` the eligible positions after its delta (no recount); a state whose copy is
-    from another step must count the canvas instead."""
+def test_d2c_host_read_uses_selects_commit_counts_only_for_the_step_they_were_made_for(tiny_llada):
+    """``select`` hands ``sync_request`` its commit counts (no recount of the canvas) when it also made the eligible
+    positions after its delta; a state from another step must count the canvas instead."""
     from dlm_engine.core.registry import strategy_class
     from dlm_engine.core.strategy import evolve
 
@@ -393,9 +393,45 @@ def test_d2c_host_read_uses_selects_masks_only_for_the_step_they_were_made_for(t
     st = d2c.init_state(canvas)
     fresh = d2c.sync_request(canvas, st)
     wrong = torch.zeros(3, gen, dtype=torch.bool)                 # what a stale copy would claim
-    assert torch.equal(d2c.sync_request(canvas, evolve(st, after=wrong, after_step=canvas.step + 1)), fresh)
-    assert int(d2c.sync_request(canvas, evolve(st, after=wrong, after_step=canvas.step)).sum()) == 0
+    n = torch.tensor([1, 2, 3])
+    assert torch.equal(d2c.sync_request(canvas, evolve(st, after=wrong, after_step=canvas.step + 1, committed=n)),
+                       fresh)
+    assert d2c.sync_request(canvas, evolve(st, after=wrong, after_step=canvas.step, committed=n)) is n
     assert int(fresh.sum()) == 3 * gen
+
+
+@pytest.mark.parametrize("name, kw", [("d2c", {}), ("d2c", dict(threshold=0.5)), ("d2c", dict(gamma=0.01)),
+                                      ("d2c", dict(sigma=10.0)), ("d2c", dict(stop_until_eos=True)),
+                                      ("d2c", dict(eos_fill=True)), ("klass", dict(threshold=0.5)),
+                                      ("ar", dict(threshold=0.5))])
+@pytest.mark.parametrize("cache", ["none", "dual"])
+def test_d2c_host_counts_follow_the_canvas(tiny_llada, name, kw, cache):
+    """The d2c family's host counts (eligible positions per row and block), updated from the step's commit counts
+    where select made the eligible positions after its delta, equal a recount of the canvas after every step -- a
+    padded batch whose rows fill blocks and finish at different steps; with EOS rules the canvas is recounted."""
+    from dlm_engine.core.blockwise import block_counts
+    from dlm_engine.core.canvas import Canvas
+    from dlm_engine.core.loop import decode
+    from dlm_engine.core.registry import cache_class, strategy_class
+
+    cls = strategy_class(name)
+    checked = []
+
+    class Checked(cls):
+        def synced(self, canvas, st, values, delta):
+            out = super().synced(canvas, st, values, delta)
+            elig = self.eligible(canvas, canvas.step_of[:, canvas.gen_start:] < 0) & ~canvas.finished[:, None]
+            recount = tuple(map(tuple, block_counts(canvas, self.block_len, elig).tolist()))
+            checked.append((st.after is not None and st.after_step == canvas.step, out.counts == recount))
+            return out
+
+    canvas = Canvas.from_prompts([[5, 6, 7, 8, 9], [11, 12], [13, 14, 15, 16]], 16,
+                                 int(tiny_llada.config.mask_token_id), 0, eos_id=int(tiny_llada.config.eos_token_id))
+    with torch.inference_mode():
+        decode(tiny_llada, canvas, Checked(cls.Config(block_length=4, **kw), 16), cache_class(cache)())
+    assert checked and all(ok for _, ok in checked)
+    eos_rules = kw.get("stop_until_eos") or kw.get("eos_fill")
+    assert any(used for used, _ in checked) != bool(eos_rules)      # the commit counts were the read
 
 
 def _spec_klass(base):
