@@ -410,25 +410,16 @@ def test_d2c_host_counts_follow_the_canvas(tiny_llada, name, kw, cache):
     where select made the eligible positions after its delta, equal a recount of the canvas after every step -- a
     padded batch whose rows fill blocks and finish at different steps; with EOS rules the canvas is recounted."""
     from dlm_engine.core.blockwise import block_counts
-    from dlm_engine.core.canvas import Canvas
-    from dlm_engine.core.loop import decode
-    from dlm_engine.core.registry import cache_class, strategy_class
+    from dlm_engine.core.registry import strategy_class
+    from fakes import host_counts_checked
+
+    def recount(s, canvas):
+        elig = s.eligible(canvas, canvas.step_of[:, canvas.gen_start:] < 0) & ~canvas.finished[:, None]
+        return block_counts(canvas, s.block_len, elig)
 
     cls = strategy_class(name)
-    checked = []
-
-    class Checked(cls):
-        def synced(self, canvas, st, values, delta):
-            out = super().synced(canvas, st, values, delta)
-            elig = self.eligible(canvas, canvas.step_of[:, canvas.gen_start:] < 0) & ~canvas.finished[:, None]
-            recount = tuple(map(tuple, block_counts(canvas, self.block_len, elig).tolist()))
-            checked.append((st.after is not None and st.after_step == canvas.step, out.counts == recount))
-            return out
-
-    canvas = Canvas.from_prompts([[5, 6, 7, 8, 9], [11, 12], [13, 14, 15, 16]], 16,
-                                 int(tiny_llada.config.mask_token_id), 0, eos_id=int(tiny_llada.config.eos_token_id))
-    with torch.inference_mode():
-        decode(tiny_llada, canvas, Checked(cls.Config(block_length=4, **kw), 16), cache_class(cache)())
+    checked = host_counts_checked(tiny_llada, cls, cls.Config(block_length=4, **kw), cache, recount,
+                                  lambda s, canvas, st: st.after is not None and st.after_step == canvas.step)
     assert checked and all(ok for _, ok in checked)
     eos_rules = kw.get("stop_until_eos") or kw.get("eos_fill")
     assert any(used for used, _ in checked) != bool(eos_rules)      # the commit counts were the read

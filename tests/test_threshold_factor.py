@@ -141,20 +141,11 @@ def test_host_counts_follow_the_canvas(tiny_llada, name, kw, cache):
     on the host from them equal the canvas' masked positions per block after every step, for a padded batch whose
     rows fill their blocks at different steps (and sit steps out); with ``stop_at_eos`` the canvas is recounted."""
     from dlm_engine.core.blockwise import block_counts
+    from fakes import host_counts_checked
 
     cls = strategy_class(name)
-    checked = []
-
-    class Checked(cls):
-        def synced(self, canvas, st, values, delta):
-            out = super().synced(canvas, st, values, delta)
-            checked.append((st.committed is not None,
-                            out.counts == tuple(map(tuple, block_counts(canvas, self.block_length).tolist()))))
-            return out
-
-    canvas = Canvas.from_prompts([[5, 6, 7, 8, 9], [11, 12], [13, 14, 15, 16]], 16,
-                                 int(tiny_llada.config.mask_token_id), 0, eos_id=int(tiny_llada.config.eos_token_id))
-    with torch.inference_mode():
-        decode(tiny_llada, canvas, Checked(cls.Config(block_length=4, **kw), 16), cache_class(cache)())
+    checked = host_counts_checked(tiny_llada, cls, cls.Config(block_length=4, **kw), cache,
+                                  lambda s, canvas: block_counts(canvas, s.block_length),
+                                  lambda s, canvas, st: st.committed is not None)
     assert checked and all(ok for _, ok in checked)
     assert any(used for used, _ in checked) != bool(kw.get("stop_at_eos"))   # the commit counts were the read
