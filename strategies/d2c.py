@@ -82,15 +82,12 @@ class BlockState:
     freq: Optional[torch.Tensor] = None         # PC-Sampler table (length V), loaded on the first step
     counts: Tuple[Tuple[int, ...], ...] = ()    # last host read: eligible positions per row and block
     # per-step caches (host-keyed, never read across a mismatch): the ``[G]`` columns of block ``blk_of``, and the
-    # eligible positions once the delta of step ``after_step`` is applied (select computes them; sync_request
-    # reads them instead of recounting from the canvas)
+    # commits per row ([B]) of the delta of step ``committed_step`` when they were all the eligible positions it
+    # changed (see :meth:`D2C.reads_commits`): the host read takes them instead of recounting the canvas
     blk: Optional[torch.Tensor] = None
     blk_of: int = -1
-    after: Optional[torch.Tensor] = None
-    after_step: int = -1
-    # with ``after``: the step's commits per row ([B]), all eligible positions of the block, which the host read
-    # takes to update ``counts`` (see :meth:`D2C.sync_request`)
     committed: Optional[torch.Tensor] = None
+    committed_step: int = -1
 
 
 class BlockSampled(Sampled):
@@ -197,23 +194,28 @@ class D2C(Strategy):
                         info={"counts": [n for n in left if n > 0]}), st
 
     # -- the step's host read: eligible positions per row and block -----------------------------------------
+    @staticmethod
+    def reads_commits(canvas, st: BlockState) -> bool:
+        """Whether this step's host read is select's commit counts: its delta (of this very step) committed
+        eligible positions of the block only and nothing else changed them (no row finished before it, no EOS
+        rule), so they update the host counts; otherwise the canvas is recounted."""
+        return st.committed is not None and st.committed_step == canvas.step
+
     def sync_request(self, canvas, st: BlockState):
-        if st.after is not None and st.after_step == canvas.step:
-            # select's delta only committed eligible positions of the block and nothing else changed them (no
-            # row finished before it, no EOS rule): its commit counts update the host counts
+        if self.reads_commits(canvas, st):
             return st.committed
         elig = self.eligible(canvas, canvas.step_of[:, canvas.gen_start:] < 0) & ~canvas.finished[:, None]
         return block_counts(canvas, self.block_len, elig)
 
     def synced(self, canvas, st: BlockState, values, delta):
-        if st.after is not None and st.after_step == canvas.step:
+        if self.reads_commits(canvas, st):
             counts = counts_after(st.counts, st.block, values)
         else:
             counts = host_rows(values, canvas.batch_size)
         if delta is not None and st.block < self.num_blocks and not any(row[st.block] for row in counts):
             # the step finished the block
-            return evolve(st, block=st.block + 1, step=0, counts=counts, after=None, committed=None)
-        return evolve(st, counts=counts, after=None, committed=None)
+            return evolve(st, block=st.block + 1, step=0, counts=counts, committed=None)
+        return evolve(st, counts=counts, committed=None)
 
     def sampler_options(self, st: BlockState) -> dict:
         """The keyword arguments of :func:`sample_tokens` for this config (and the loaded PC-Sampler table)."""
@@ -329,8 +331,10 @@ class D2C(Strategy):
         delta, after = self.frame(canvas, rows, commit_a, sampled.x0, conf, masked_all)
         committed = delta.commit.sum(-1)
         delta.scalars.update(block=st.block, committed=committed)
-        # the block ends in synced, on the host read
-        return delta, evolve(st, step=st.step + 1, after=after, after_step=delta.step, committed=committed)
+        # the block ends in synced, on the host read; ``after`` (the fast path) says the commits were all that
+        # changed the eligible positions
+        return delta, evolve(st, step=st.step + 1, committed=committed if after is not None else None,
+                             committed_step=delta.step)
 
     def frame(self, canvas, rows, commit_a, x0_a, conf_a, masked: Optional[torch.Tensor] = None):
         """``(delta, after)``: the full-batch delta over the generation from the call rows' commits, tokens and

@@ -379,8 +379,8 @@ def test_ar_pick_is_the_run_from_the_first_candidate(kw):
 
 
 def test_d2c_host_read_uses_selects_commit_counts_only_for_the_step_they_were_made_for(tiny_llada):
-    """``select`` hands ``sync_request`` its commit counts (no recount of the canvas) when it also made the eligible
-    positions after its delta; a state from another step must count the canvas instead."""
+    """``select`` hands ``sync_request`` its commit counts (no recount of the canvas) when they were all that changed
+    the eligible positions; a state from another step must count the canvas instead."""
     from dlm_engine.core.registry import strategy_class
     from dlm_engine.core.strategy import evolve
 
@@ -392,11 +392,9 @@ def test_d2c_host_read_uses_selects_commit_counts_only_for_the_step_they_were_ma
     canvas = Canvas.from_prompts([[5, 6, 7], [8, 9], [10]], gen, int(tiny_llada.config.mask_token_id), 0)
     st = d2c.init_state(canvas)
     fresh = d2c.sync_request(canvas, st)
-    wrong = torch.zeros(3, gen, dtype=torch.bool)                 # what a stale copy would claim
-    n = torch.tensor([1, 2, 3])
-    assert torch.equal(d2c.sync_request(canvas, evolve(st, after=wrong, after_step=canvas.step + 1, committed=n)),
-                       fresh)
-    assert d2c.sync_request(canvas, evolve(st, after=wrong, after_step=canvas.step, committed=n)) is n
+    n = torch.tensor([1, 2, 3])                                   # what a stale copy would claim
+    assert torch.equal(d2c.sync_request(canvas, evolve(st, committed_step=canvas.step + 1, committed=n)), fresh)
+    assert d2c.sync_request(canvas, evolve(st, committed_step=canvas.step, committed=n)) is n
     assert int(fresh.sum()) == 3 * gen
 
 
@@ -419,7 +417,7 @@ def test_d2c_host_counts_follow_the_canvas(tiny_llada, name, kw, cache):
 
     cls = strategy_class(name)
     checked = host_counts_checked(tiny_llada, cls, cls.Config(block_length=4, **kw), cache, recount,
-                                  lambda s, canvas, st: st.after is not None and st.after_step == canvas.step)
+                                  lambda s, canvas, st: s.reads_commits(canvas, st))
     assert checked and all(ok for _, ok in checked)
     eos_rules = kw.get("stop_until_eos") or kw.get("eos_fill")
     assert any(used for used, _ in checked) != bool(eos_rules)      # the commit counts were the read

@@ -27,10 +27,9 @@ class BlockState:
 
     cursor: BlockCursor = BlockCursor()
     counts: Tuple[Tuple[int, ...], ...] = ()
-    # the last step's commits per row ([B], device), all masked positions of block ``committed_block``: the next
-    # host read takes them and updates ``counts`` (None: recount the canvas)
+    # the last step's commits per row ([B], device), all masked positions of the cursor's block: the next host
+    # read takes them and updates ``counts`` (None: recount the canvas)
     committed: Optional[torch.Tensor] = None
-    committed_block: int = -1
 
 
 def block_counts(canvas, block_length: int, masked: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -132,7 +131,7 @@ class FillBlocks(Strategy):
         # commits are masked positions of the block and nothing else changes the canvas unless an EOS stop
         # widens the delta: then the canvas is recounted
         return delta, BlockState(BlockCursor(cur.block, cur.step + 1), st.counts,
-                                 None if self.cfg.stop_at_eos else n, cur.block)
+                                 None if self.cfg.stop_at_eos else n)
 
     # -- the step's host read: masked positions per row and block -------------------------------------------
     def sync_request(self, canvas, st: "BlockState"):
@@ -142,7 +141,7 @@ class FillBlocks(Strategy):
         if st.committed is None:
             counts = host_rows(values, canvas.batch_size)
         else:
-            counts = counts_after(st.counts, st.committed_block, values)
+            counts = counts_after(st.counts, st.cursor.block, values)
         cur = st.cursor
         if delta is not None and cur.block < self.num_blocks and not any(row[cur.block] for row in counts):
             s, e = block_range(canvas, cur.block, self.block_length)   # the step just filled the block
