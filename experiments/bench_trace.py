@@ -272,7 +272,11 @@ R4K = ["model=tiny_random", "model.random.vocab_size=4096", "model.random.embedd
        "model.random.d_model=256", "model.random.n_layers=4", "model.random.mlp_hidden_size=512",
        "model.random.n_heads=4", "model.random.max_sequence_length=2048"]
 # (label, dlm overrides): real `dlm` runs whose trace.dlmt is measured (batch 1 unless said)
-REAL_RUNS = [  # the embedded model declares a 64-position context: gen 48 is its longest decode
+# The embedded model declares a 64-position context (gen 48 is its longest decode within it); its gen-128 runs
+# use model.max_length to run it past that (RoPE extrapolation: what it writes there is not meaningful text,
+# but the trace records a real decode of 128 positions).
+EMB128 = ["batch_size=1", "gen_length=128", "model.max_length=192"]
+REAL_RUNS = [
     ("embedded, gen 48, 1 prompt", ["batch_size=1", "gen_length=48", "task.n=1"]),
     ("embedded, gen 48, 8 prompts", ["batch_size=1", "gen_length=48", "task.n=8"]),
     ("embedded, gen 48, 50 prompts", ["batch_size=1", "gen_length=48"]),
@@ -280,8 +284,11 @@ REAL_RUNS = [  # the embedded model declares a 64-position context: gen 48 is it
     ("random V=4096, 8 prompts", ["batch_size=1", "gen_length=128", "task.n=8"] + R4K),
     ("random V=4096, gen 1024, 1 prompt", ["batch_size=1", "gen_length=1024", "task.n=1"] + R4K),
     ("embedded, gen 48, batch 8, 8 prompts", ["batch_size=8", "gen_length=48", "task.n=8"]),
+    ("embedded, gen 128, 1 prompt", EMB128 + ["task.n=1"]),
+    ("embedded, gen 128, 8 prompts", EMB128 + ["task.n=8"]),
+    ("embedded, gen 1024, 1 prompt", ["batch_size=1", "gen_length=1024", "model.max_length=1088", "task.n=1"]),
 ]
-QUICK_RUNS = (0, 1, 3)
+QUICK_RUNS = (0, 1, 3, 7)
 
 
 def trace_bytes(path):

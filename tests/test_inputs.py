@@ -73,11 +73,48 @@ def test_prompts_longer_than_the_context_fail_before_decoding(lm, tmp_path):
     f = tmp_path / "p.txt"
     f.write_text("12+34=\n" + "1" * 50 + "\n")
     with pytest.raises(UserError, match=r"^prompt 1 has 50 tokens: with gen_length=16 it needs 66 positions, more "
-                                        r"than model 'tiny' supports \(max_sequence_length=64\)$"):
+                                        r"than model 'tiny' supports \(max_sequence_length=64; "
+                                        r"model.max_length=N runs a RoPE model past it\)$"):
         load_inputs(_cfg(f"prompts_file={f}"), lm)
     # gen_length alone is checked against config.json before the model is loaded
-    with pytest.raises(ConfigError, match=r"^gen_length=128 is more than model 'tiny' supports"):
+    with pytest.raises(ConfigError, match=r"^gen_length=128 is more than model 'tiny' supports "
+                                          r"\(max_sequence_length=64; model.max_length=N runs a RoPE model past it\)$"):
         _cfg("gen_length=128")
+
+
+def test_model_max_length_replaces_the_declared_context(tmp_path):
+    """``model.max_length`` lets a RoPE model run past the context its config declares (the embedded model's
+    64 positions), and is then the limit every check names."""
+    from dlm_engine.app.api import load_model
+    from dlm_engine.app.run import load_inputs
+
+    cfg = _cfg("gen_length=128", "model.max_length=144", "task.n=2")
+    lm = load_model(cfg.model, "cpu", "float32")
+    assert lm.max_length == 144 and lm.config["max_sequence_length"] == 64
+    assert [len(x) for x in load_inputs(cfg, lm)["ids"]] == [8, 13]     # + 128 fits in 144
+    f = tmp_path / "p.txt"
+    f.write_text("12345678901234567890\n")
+    with pytest.raises(UserError, match=r"^prompt 0 has 20 tokens: with gen_length=128 it needs 148 positions, "
+                                        r"more than model 'tiny' supports \(model.max_length=144\)$"):
+        load_inputs(_cfg("gen_length=128", "model.max_length=144", f"prompts_file={f}"), lm)
+    with pytest.raises(ConfigError, match=r"^gen_length=128 is more than model 'tiny' supports "
+                                          r"\(model.max_length=100\)$"):
+        _cfg("gen_length=128", "model.max_length=100")
+    # a smaller limit than the declared one is honoured too
+    with pytest.raises(ConfigError, match=r"\(model.max_length=8\)$"):
+        _cfg("gen_length=16", "model.max_length=8")
+
+
+@pytest.mark.parametrize("value", ["0", "-4"])
+def test_model_max_length_must_be_positive(value):
+    from dlm_engine.app.api import load_model
+
+    with pytest.raises(ConfigError, match=rf"^model.max_length must be a positive integer or null \(got {value}\)$"):
+        _cfg(f"model.max_length={value}")
+    cfg = _cfg()
+    cfg.model.max_length = int(value)
+    with pytest.raises(ConfigError, match=r"^model.max_length must be a positive integer"):
+        load_model(cfg.model, "cpu", "float32")
 
 
 def test_out_of_vocabulary_constraint_ids_fail_before_decoding(lm):

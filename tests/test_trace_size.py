@@ -1,7 +1,7 @@
 """Trace bytes per generated position at batch 1 (issue 17): a real run (``dlm``'s own ``run``) of a random model
 with a 4,096-token vocabulary at gen 128, default capture, stays within 3.0 bytes per generated position for the
-file minus its preamble and header record; a 1,024-position decode within 2.5; the embedded model (64-position
-context) at gen 48 within 5.0.
+file minus its preamble and header record; a 1,024-position decode within 2.5; the embedded model at gen 128 (run past its
+64-position context with ``model.max_length``) within 3.0 and at gen 48 within 5.0.
 
 The step loop's clock is replaced by a deterministic one (7 ms steps, 8% jitter, an occasional 3x stall), so the
 byte counts are deterministic; the benchmark (experiments/bench_trace.py) measures real clocks."""
@@ -72,11 +72,20 @@ def test_a_batch_1_gen_128_run_takes_at_most_3_bytes_per_position(tmp_path, stea
 
 
 def test_the_embedded_model_at_its_longest_canvas(tmp_path, steady_clock):
-    """The embedded model declares a 64-position context, so gen 128 is refused on it; at gen 48 the batch's
-    fixed records (batch, batch-end: ~160 bytes) weigh 3.4 bytes per position on their own: 4.83 with this clock."""
+    """The embedded model declares a 64-position context; at gen 48 the batch's fixed records (batch,
+    batch-end: ~160 bytes) weigh 3.4 bytes per position on their own: 4.83 with this clock."""
     path = dlm_run(tmp_path, ["batch_size=1", "gen_length=48", "task.n=1"])
     body, positions = body_bytes(path)
     assert positions == 48 and body / positions <= 5.0, f"{body} bytes for {positions} generated positions"
+
+
+def test_the_embedded_model_at_gen_128_takes_at_most_3_bytes_per_position(tmp_path, steady_clock):
+    """Past its declared context (``model.max_length``): a real decode of 128 positions, whatever it writes."""
+    path = dlm_run(tmp_path, ["batch_size=1", "gen_length=128", "model.max_length=192", "task.n=1"])
+    body, positions = body_bytes(path)
+    assert positions == 128
+    assert body / positions <= 3.0, f"{body} bytes for {positions} generated positions"
+    assert len(open_trace(path)[0].steps) == 128
 
 
 def test_a_1024_position_decode_takes_at_most_2_5_bytes_per_position(tmp_path, steady_clock):

@@ -31,6 +31,7 @@ class LoadedModel:
     dtype: torch.dtype
     eot_id: Optional[int] = None          # end-of-turn id (instruct models), from the preset/config/tokenizer
     chat_template: bool = False           # encode() wraps prompts in the tokenizer's chat template
+    max_length: Optional[int] = None      # model.max_length: the context limit instead of the config's, if set
 
     def encode(self, text: str) -> List[int]:
         if self.tokenizer is None:
@@ -78,6 +79,9 @@ def load_model(model_cfg, device: str = "auto", dtype: str = "auto") -> LoadedMo
     from dlm_engine.models.loader import build_random, load_pretrained, resolve_device, resolve_dtype
     from dlm_engine.models.tokenizer import build_char_tokenizer
 
+    from dlm_engine.app.inputs import check_max_length
+
+    max_len = check_max_length(getattr(model_cfg, "max_length", None))
     dev = resolve_device(device)
     tdtype = resolve_dtype(dtype, dev)
     dname = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[tdtype]
@@ -104,7 +108,7 @@ def load_model(model_cfg, device: str = "auto", dtype: str = "auto") -> LoadedMo
     return LoadedModel(model=model, tokenizer=tok, name=str(model_cfg.name), config=raw, digest=digest,
                        tokenizer_digest=tok_digest, mask_id=int(cfg.mask_token_id), eos_id=eos,
                        pad_id=int(pad if pad is not None else (eos if eos is not None else 0)), device=dev, dtype=tdtype,
-                       eot_id=eot, chat_template=chat)
+                       eot_id=eot, chat_template=chat, max_length=max_len)
 
 
 @dataclass

@@ -24,6 +24,9 @@ class ModelConfig:
     model_type: Optional[str] = None         # expected config.json model_type (presets; checked before loading)
     hub_id: Optional[str] = None             # the official repository this preset expects a local copy of (hints only)
     eot_token_id: Optional[int] = None       # end-of-turn id; null = config.json's, else the tokenizer's EoT token
+    max_length: Optional[int] = None         # positions a canvas may use; null = config.json's max_sequence_length
+                                             # (or max_position_embeddings). Larger runs a RoPE model past the
+                                             # length it was trained on: extrapolation, quality not guaranteed
 
 
 @dataclass

@@ -170,8 +170,11 @@ def prepare(lm, prompts: Sequence[Any], gen_length: int, cfg=None) -> Tuple[List
     return items, ids, warning
 
 
-def max_length(model_config: Dict[str, Any]) -> Optional[int]:
-    """The longest canvas (prompt + generation) a model config declares, if it declares one."""
+def max_length(model_config: Dict[str, Any], override: Optional[int] = None) -> Optional[int]:
+    """The longest canvas (prompt + generation) a run may use: ``override`` (``model.max_length``) when set,
+    else what the model config declares, if it declares anything."""
+    if override is not None:
+        return int(override)
     for key in ("max_sequence_length", "max_position_embeddings"):
         v = model_config.get(key)
         if isinstance(v, int) and v > 0:
@@ -179,17 +182,33 @@ def max_length(model_config: Dict[str, Any]) -> Optional[int]:
     return None
 
 
-def check_gen_length(gen_length: int, model_config: Dict[str, Any], name: str) -> None:
-    limit = max_length(model_config)
+def _limit_text(model_config: Dict[str, Any], override: Optional[int]) -> str:
+    if override is not None:
+        return f"model.max_length={int(override)}"
+    return f"max_sequence_length={max_length(model_config)}; model.max_length=N runs a RoPE model past it"
+
+
+def check_max_length(override: Any) -> Optional[int]:
+    """``model.max_length`` is null or a positive integer."""
+    if override is None:
+        return None
+    if isinstance(override, bool) or not isinstance(override, int) or override <= 0:
+        raise ConfigError(f"model.max_length must be a positive integer or null (got {override!r})")
+    return override
+
+
+def check_gen_length(gen_length: int, model_config: Dict[str, Any], name: str, override: Optional[int] = None) -> None:
+    limit = max_length(model_config, override)
     if limit is not None and gen_length > limit:
         raise ConfigError(f"gen_length={gen_length} is more than model '{name}' supports "
-                          f"(max_sequence_length={limit})")
+                          f"({_limit_text(model_config, override)})")
 
 
 def check_lengths(lm, ids: Sequence[Sequence[int]], gen_length: int) -> None:
     """Every prompt plus ``gen_length`` fits the model's context: else one line naming the first prompt."""
-    check_gen_length(gen_length, lm.config, lm.name)
-    limit = max_length(lm.config)
+    override = getattr(lm, "max_length", None)
+    check_gen_length(gen_length, lm.config, lm.name, override)
+    limit = max_length(lm.config, override)
     if limit is None:
         return
     long = [i for i, x in enumerate(ids) if len(x) + gen_length > limit]
@@ -198,7 +217,7 @@ def check_lengths(lm, ids: Sequence[Sequence[int]], gen_length: int) -> None:
         more = f" (and {len(long) - 1} more prompts)" if len(long) > 1 else ""
         raise UserError(f"prompt {i} has {len(ids[i])} tokens: with gen_length={gen_length} it needs "
                         f"{len(ids[i]) + gen_length} positions, more than model '{lm.name}' supports "
-                        f"(max_sequence_length={limit}){more}")
+                        f"({_limit_text(lm.config, override)}){more}")
 
 
 def check_token_ids(cfg, lm) -> None:

@@ -89,8 +89,9 @@ def _check_declared_length(cfg: DictConfig, found) -> None:
     """gen_length against the context length the model's config.json declares (before loading weights)."""
     import json
 
-    from dlm_engine.app.inputs import check_gen_length
+    from dlm_engine.app.inputs import check_gen_length, check_max_length
 
+    override = check_max_length(cfg.model.get("max_length"))
     declared = None
     if found is not None and (Path(found) / "config.json").is_file():
         try:
@@ -100,7 +101,7 @@ def _check_declared_length(cfg: DictConfig, found) -> None:
     elif cfg.model.get("random") is not None:
         declared = OmegaConf.to_container(cfg.model.random)
     if isinstance(declared, dict):
-        check_gen_length(int(cfg.gen_length), declared, str(cfg.model.name))
+        check_gen_length(int(cfg.gen_length), declared, str(cfg.model.name), override)
 
 
 def load_inputs(cfg: DictConfig, lm) -> Dict[str, Any]:
