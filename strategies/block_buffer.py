@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dlm_engine.core.blockwise import block_counts
+from dlm_engine.core.blockwise import block_counts, fresh_block_counts
 from dlm_engine.core.canvas import BlockEvent
 from dlm_engine.core.devices import host_tensor
 from dlm_engine.core.capabilities import Cap, caps
@@ -48,7 +48,8 @@ class BlockBufferConfig(EosOptions):
 @dataclass(frozen=True)
 class BufferState:
     sizes: torch.Tensor                    # [num_blocks] positions per block (on the canvas device)
-    counts: torch.Tensor                   # [B, num_blocks] masked positions per block after the last select (device)
+    counts: Optional[torch.Tensor]         # [B, num_blocks] masked positions per block after the last select (device;
+                                           # None before the first step on a fresh canvas: known on the host)
     # host arrays (numpy, never written), as of the last host read: per row the buffer's first block (= the first
     # incomplete block) and its number of blocks; [B, num_blocks] masked positions per row and block
     host_first: Optional[np.ndarray] = None
@@ -126,7 +127,7 @@ class BlockBuffer(Strategy):
     def init_state(self, canvas):
         check_eos_options(self.cfg, canvas)
         sizes = host_tensor(list(self.sizes), torch.long, canvas.device)
-        return BufferState(sizes, block_counts(canvas, self.block_len))
+        return BufferState(sizes, None if canvas.is_fresh() else block_counts(canvas, self.block_len))
 
     def plan(self, canvas, st: BufferState):
         w = self.host_window(st.host_first, st.host_count)
@@ -192,7 +193,10 @@ class BlockBuffer(Strategy):
 
     # -- the step's host read: masked positions per row and block -----------------------------------------------
     def sync_request(self, canvas, st: BufferState):
-        return st.counts
+        return block_counts(canvas, self.block_len) if st.counts is None else st.counts
+
+    def fresh_values(self, canvas, st: BufferState):
+        return fresh_block_counts(canvas, self.block_len) if st.counts is None else None
 
     def synced(self, canvas, st: BufferState, values, delta):
         """The buffers once the host knows the masked positions per block, by the rules the device applied before:

@@ -206,6 +206,9 @@ class CadLLM(Strategy):
         # cat promotes every part to the widest dtype at once: float64 (exact for the ints) or int64
         return torch.cat(parts).to(torch.float64)
 
+    def fresh_values(self, canvas, st: CadState):
+        return [1.0] * self.gen_length if st.pending is None else None     # row 0's generation: all masked
+
     def synced(self, canvas, st: CadState, values, delta):
         G = self.gen_length
         masked = tuple(v != 0.0 for v in values[:G])

@@ -27,7 +27,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from dlm_engine.core.blockwise import block_counts, counts_after, host_rows
+from dlm_engine.core.blockwise import block_counts, counts_after, fresh_block_counts, host_rows
 from dlm_engine.core.canvas import FrameDelta
 from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.eos import stop_at_eos
@@ -206,6 +206,10 @@ class D2C(Strategy):
             return st.committed
         elig = self.eligible(canvas, canvas.step_of[:, canvas.gen_start:] < 0) & ~canvas.finished[:, None]
         return block_counts(canvas, self.block_len, elig)
+
+    def fresh_values(self, canvas, st: BlockState):
+        # every generated position is eligible on a fresh canvas (no EOS decoded, no row finished)
+        return None if self.reads_commits(canvas, st) else fresh_block_counts(canvas, self.block_len)
 
     def synced(self, canvas, st: BlockState, values, delta):
         if self.reads_commits(canvas, st):

@@ -20,7 +20,7 @@ from dlm_engine.core.canvas import FrameDelta
 from dlm_engine.core.devices import host_tensor
 from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.registry import register_strategy
-from dlm_engine.core.blockwise import block_counts, host_rows
+from dlm_engine.core.blockwise import block_counts, fresh_block_counts, host_rows
 from dlm_engine.core.selection import host_schedule, topk_commit
 from dlm_engine.core.strategy import (BlockCursor, CacheDirective, Remasking, StepPlan, Strategy, block_range,
                                       candidates)
@@ -123,6 +123,9 @@ class EarlyExit(Strategy):
 
     def sync_request(self, canvas, st: ExitState):
         return torch.cat([block_counts(canvas, self.block_length).reshape(-1), st.exited.reshape(-1)])
+
+    def fresh_values(self, canvas, st: ExitState):
+        return fresh_block_counts(canvas, self.block_length) + [0] * canvas.batch_size    # nothing exited yet
 
     def synced(self, canvas, st: ExitState, values, delta):
         B = canvas.batch_size

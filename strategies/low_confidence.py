@@ -24,7 +24,7 @@ from typing import Optional, Tuple
 from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.eos import EosOptions, check_eos_options, eos_confidence, eos_stop, eos_suppress
 from dlm_engine.core.registry import register_strategy
-from dlm_engine.core.blockwise import block_counts, counts_after, host_rows
+from dlm_engine.core.blockwise import block_counts, counts_after, fresh_block_counts, host_rows
 from dlm_engine.core.canvas import BlockEvent
 from dlm_engine.core.selection import host_schedule, topk_commit
 from dlm_engine.core.strategy import (BlockCursor, CacheDirective, Remasking, StepPlan, Strategy, block_range,
@@ -130,6 +130,9 @@ class LowConfidence(Strategy):
 
     def sync_request(self, canvas, st: Schedule):
         return block_counts(canvas, self.block_length) if st.committed is None else st.committed
+
+    def fresh_values(self, canvas, st: Schedule):
+        return fresh_block_counts(canvas, self.block_length) if st.committed is None else None
 
     def synced(self, canvas, st: Schedule, values, delta):
         if st.committed is None:

@@ -23,7 +23,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from dlm_engine.core.blockwise import block_counts, host_rows
+from dlm_engine.core.blockwise import block_counts, fresh_block_counts, host_rows
 from dlm_engine.core.canvas import FrameDelta
 from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.priors import certainty_density
@@ -172,6 +172,9 @@ class Wino(Strategy):
                       (canvas.masked()[:, g:] & inside[None, :]).sum(-1)]
             return torch.cat([x.to(torch.int64) for x in parts])
         return parts[0]
+
+    def fresh_values(self, canvas, st: WinoState):
+        return fresh_block_counts(canvas, self.block_len) if st.left is None and st.block_mask is None else None
 
     def synced(self, canvas, st: WinoState, values, delta):
         B, nb = canvas.batch_size, self.num_blocks

@@ -43,6 +43,13 @@ def block_counts(canvas, block_length: int, masked: Optional[torch.Tensor] = Non
     return m.view(B, nb, block_length).sum(-1)
 
 
+def fresh_block_counts(canvas, block_length: int) -> list:
+    """What ``block_counts(canvas, block_length).reshape(-1).tolist()`` reads from a fresh canvas (every
+    generated position masked), made on the host."""
+    G = canvas.gen_length
+    return [min(block_length, G - b) for b in range(0, G, block_length)] * canvas.batch_size
+
+
 def counts_after(counts: Tuple[Tuple[int, ...], ...], block: int, committed) -> Tuple[Tuple[int, ...], ...]:
     """The host counts (masked positions per row and block) once row ``r`` committed ``committed[r]`` masked
     positions of ``block`` and nothing else changed: the step's host read can be the commit counts a strategy
@@ -136,6 +143,9 @@ class FillBlocks(Strategy):
     # -- the step's host read: masked positions per row and block -------------------------------------------
     def sync_request(self, canvas, st: "BlockState"):
         return block_counts(canvas, self.block_length) if st.committed is None else st.committed
+
+    def fresh_values(self, canvas, st: "BlockState"):
+        return fresh_block_counts(canvas, self.block_length) if st.committed is None else None
 
     def synced(self, canvas, st: "BlockState", values, delta):
         if st.committed is None:

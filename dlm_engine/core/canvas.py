@@ -102,6 +102,7 @@ class Canvas:
         self.pads = tuple(int(n) for n in (~attention_mask.bool()).sum(-1).tolist())
         self.is_padded = any(self.pads)
         self.model_info = ModelInfo()
+        self._fresh: Optional[tuple] = None      # see is_fresh
 
     @classmethod
     def from_prompts(cls, prompts: Sequence[Sequence[int]], gen_length: int, mask_id: int, pad_id: int,
@@ -120,7 +121,27 @@ class Canvas:
         tokens[:, P:] = mask_id
         step_of = torch.zeros((B, L), dtype=torch.int32)
         step_of[:, P:] = -1
-        return cls(tokens.to(device), step_of.to(device), attn.to(device), P, mask_id, eos_id=eos_id, eot_id=eot_id)
+        canvas = cls(tokens.to(device), step_of.to(device), attn.to(device), P, mask_id, eos_id=eos_id, eot_id=eot_id)
+        canvas._fresh = canvas._tensor_versions()
+        return canvas
+
+    def _tensor_versions(self) -> Optional[tuple]:
+        # (the tensors, their in-place version counters); inference tensors keep no counter: then None
+        ts = (self.tokens, self.step_of, self.finished)
+        try:
+            return ts + tuple(t._version for t in ts)
+        except RuntimeError:
+            return None
+
+    def is_fresh(self) -> bool:
+        """True while nothing has changed the canvas :meth:`from_prompts` made (no step, no set-up delta, no
+        in-place edit or replaced tensor, tracked by torch's version counters): its masked positions are then
+        exactly the generation of every row and no row is finished, which the host knows without a read."""
+        f = self._fresh
+        if f is None or self.step or self.nfe:
+            return False
+        now = self._tensor_versions()
+        return now is not None and all(a is b for a, b in zip(now[:3], f[:3])) and now[3:] == f[3:]
 
     # -- views -------------------------------------------------------------------------------------
     @property

@@ -142,7 +142,7 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
     state = strategy.init_state(canvas)
     limit = max_steps if max_steps is not None else strategy.max_steps(canvas)
     active = ActiveRows(canvas, compact)
-    host, state = sync_round(canvas, strategy, state, None)
+    host, state = first_sync(canvas, strategy, state)
     t0 = time.perf_counter()
     with torch.inference_mode():
         while True:
@@ -213,6 +213,17 @@ def sync_round(canvas: Canvas, strategy: Strategy, state, delta: Optional[FrameD
     host = HostView([bool(v) for v in flat[:B]], flat[B + n_flag:], finite is not None and not flat[B])
     canvas.finished_host = tuple(host.finished)
     return host, strategy.synced(canvas, state, host.values, delta)
+
+
+def first_sync(canvas: Canvas, strategy: Strategy, state):
+    """The host read before the first step, made on the host when the canvas is fresh and the strategy knows
+    what a fresh canvas' read returns (:meth:`Strategy.fresh_values`)."""
+    values = strategy.fresh_values(canvas, state) if canvas.is_fresh() else None
+    if values is None:
+        return sync_round(canvas, strategy, state, None)
+    host = HostView([False] * canvas.batch_size, values, False)
+    canvas.finished_host = tuple(host.finished)
+    return host, strategy.synced(canvas, state, values, None)
 
 
 def delta_logits(proposal: Proposal, delta: FrameDelta, rows: Optional[torch.Tensor],

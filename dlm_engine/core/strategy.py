@@ -120,6 +120,12 @@ class Strategy:
         applied) and passes the values to :meth:`synced`. None = nothing."""
         return None
 
+    def fresh_values(self, canvas: Canvas, state: Any) -> Optional[list]:
+        """The values :meth:`sync_request` would read before the first step from a canvas that
+        :meth:`Canvas.is_fresh` (every generated position masked, no row finished), made on the host: the loop
+        then skips that read (its tensor ops and, on a GPU, its synchronisation). None = read them."""
+        return None
+
     def synced(self, canvas: Canvas, state: Any, values: List[float], delta: Optional[FrameDelta]) -> Any:
         """The state once the host knows ``values`` (the request's numbers, flattened). ``delta`` is the step's
         delta before the sinks see it (None for the read before the first step): a strategy may add block
