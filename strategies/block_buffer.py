@@ -15,6 +15,7 @@ block complete (its remaining blocks get ``completed`` events) and leaves the bu
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -69,6 +70,7 @@ def host_progress(masked: int, size: int) -> float:
     return f32(1.0 - f32(masked / size))
 
 
+@functools.lru_cache(maxsize=256)          # (per block size and threshold: every batch builds a strategy)
 def progress_max(size: int, threshold: float) -> int:
     """The largest ``m`` in ``[0, size]`` with ``host_progress(m, size) >= threshold`` (as a float32 tensor compares
     with a Python scalar: rounded to float32), or -1: ``m <= progress_max(size, t)`` is the device's test."""
