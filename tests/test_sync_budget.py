@@ -4,6 +4,7 @@ and the strategy's request (:meth:`Strategy.sync_request`). A decode may add at 
 and a strategy's set-up such as Dream's infilling check) -- none where the strategy makes the initial read on the
 host from a fresh canvas (:meth:`Strategy.fresh_values`) and has no set-up. Counted by wrapping the tensor methods that force a
 sync (``dlm_engine.core.instrument.SyncCounter``); runs on the CPU, where the same calls would stall a GPU."""
+import numpy as np
 import pytest
 import torch
 
@@ -11,6 +12,7 @@ from dlm_engine.core.canvas import Canvas, ModelInfo
 from dlm_engine.core.capabilities import incompatibility
 from dlm_engine.core.instrument import ModelTimer, SyncCounter
 from dlm_engine.core.loop import decode
+from dlm_engine.app.sinks import RecordingSink
 from dlm_engine.core.registry import strategy_class
 
 from conftest import batch_cache
@@ -234,7 +236,7 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 @pytest.mark.parametrize("device, dtype", [("cpu", "float32"), pytest.param("cuda", "float32", marks=CUDA),
                                            pytest.param("cuda", "bfloat16", marks=CUDA)])
-@pytest.mark.parametrize("capture", ["default", "topk"])
+@pytest.mark.parametrize("capture", ["default", "confidence", "topk"])
 @pytest.mark.parametrize("name, kw", [("threshold", {"block_length": 8}), ("wino", {"block_length": 8}),
                                       ("block_buffer", {"block_length": 4}), ("klass", {"block_length": 8,
                                                                                         "threshold": 0.5})])
@@ -257,13 +259,31 @@ def test_recorder_reads_back_the_decode(tmp_path, device, dtype, capture, name, 
         timer = ModelTimer(model)
         path = tmp_path / f"{record}.dlmt"
         rec = TraceRecorder(str(path), header, **({} if capture == "default" else {"capture": capture})) if record else None
+        log = RecordingSink()
         with SyncCounter(timer) as counter:
-            decode(timer, canvas, cls(cls.Config(**kw), GEN), sinks=[rec.sink(0, [0, 1, 2])] if rec else ())
+            decode(timer, canvas, cls(cls.Config(**kw), GEN), sinks=[rec.sink(0, [0, 1, 2]), log] if rec else ())
         counts[record] = (dict(counter.counts), canvas.step)
         if rec is not None:
             rec.close()
             tr = open_trace(str(path), recover=False)
             assert tr.ok and len(tr) == 3 and len(tr.batches[0].steps) == canvas.step
+            # the step table holds every delta's rows and per-row scalars (fetched from the device in runs)
+            tab, ds = tr.batches[0].steps, [d for d in log.deltas if d.step > 0]
+            for field in ("active", "finished"):
+                assert np.array_equal(getattr(tab, field), np.stack([getattr(d, field).cpu().numpy() for d in ds]))
+            rowwise = [k for k, v in ds[0].scalars.items() if isinstance(v, torch.Tensor) and v.shape == (3,)]
+            assert rowwise or name == "klass"
+            for k in rowwise:
+                want = np.stack([d.scalars[k].cpu().float().numpy() for d in ds]).astype(np.float64)
+                assert np.array_equal(np.asarray(tab.scalars[k], dtype=np.float64), want, equal_nan=True), k
+            if capture == "confidence":          # each position's confidence at the step that committed it
+                conf = np.full((3, canvas.length), np.nan, dtype=np.float32)
+                for d in ds:
+                    c, m = d.confidence.cpu().float().numpy(), d.commit.cpu().numpy()
+                    np.copyto(conf[:, d.start:d.start + m.shape[1]], c, where=m)
+                conf = conf.astype(np.float16).astype(np.float32)      # (stored as float16)
+                for i in range(3):
+                    assert np.array_equal(tr[i].confidence, conf[i, canvas.gen_start:], equal_nan=True)
             g = canvas.gen_start
             for i in range(3):
                 assert tr[i].tokens.tolist() == canvas.tokens[i, g:].tolist()
