@@ -23,13 +23,20 @@ SETTINGS = [(name, kw, gen) for name in STRATEGIES.names() for kw, gen in [({}, 
     ("early_exit", dict(block_length=8, constraints=[[2, 5]]), 16),       # a set-up delta: not fresh any more
     ("block_buffer", dict(block_length=6, buffer_size=2), 16),
     ("d2c", dict(block_length=4, stop_until_eos=True), 16),
+    ("d2c", dict(block_length=8, gamma=0.01), 16),                        # (EB's entropy budget)
+    ("d2c", dict(block_length=8, sigma=10.0, eos_fill=True), 16),         # (the certainty prior)
     ("klass", dict(block_length=8), 16),
     ("wino", dict(block_length=8, shrinking_window=True), 16),
     ("cadllm", dict(initial_block_length=8, min_block=4, max_block=8), 16),
 ]
-# the strategies that must make the read on the host (a strategy dropping out fails)
-OFFER = {"low_confidence", "threshold", "factor", "early_exit", "block_buffer", "d2c", "klass", "pc_sampler",
-         "eb_sampler", "certainty_prior", "ar", "wino", "cadllm"}
+# the strategies that must make the read on the host (a strategy dropping out fails; PC-Sampler, EB and the
+# certainty prior are d2c presets, covered by d2c's settings)
+OFFER = {"low_confidence", "threshold", "factor", "early_exit", "block_buffer", "d2c", "klass", "ar", "wino",
+         "cadllm"}
+
+
+def test_the_offering_strategies_are_registered():
+    assert OFFER <= set(STRATEGIES.names())
 
 
 def build(name, kw, gen):

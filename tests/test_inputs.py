@@ -158,3 +158,12 @@ def test_chat_messages_use_the_tokenizer_template(lm, tmp_path):
     with pytest.raises(UserError, match=r"prompt 0: chat messages need a tokenizer with a chat template; "
                                         r"model 'tiny' has none"):
         Session(model="tiny", device="cpu").generate([{"messages": chat}])
+
+
+def test_length_errors_name_the_key_the_config_declares():
+    from dlm_engine.app.inputs import check_gen_length
+
+    with pytest.raises(ConfigError, match=r"^gen_length=64 is more than model 'd' supports \(max_position_embeddings=32; "
+                                          r"model.max_length=N runs a RoPE model past it\)$"):
+        check_gen_length(64, {"max_position_embeddings": 32}, "d")
+    check_gen_length(64, {"max_position_embeddings": 32}, "d", 64)    # the override replaces it

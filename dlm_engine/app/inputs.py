@@ -185,7 +185,9 @@ def max_length(model_config: Dict[str, Any], override: Optional[int] = None) -> 
 def _limit_text(model_config: Dict[str, Any], override: Optional[int]) -> str:
     if override is not None:
         return f"model.max_length={int(override)}"
-    return f"max_sequence_length={max_length(model_config)}; model.max_length=N runs a RoPE model past it"
+    key = next(k for k in ("max_sequence_length", "max_position_embeddings")
+               if isinstance(model_config.get(k), int) and model_config[k] > 0)
+    return f"{key}={model_config[key]}; model.max_length=N runs a RoPE model past it"
 
 
 def check_max_length(override: Any) -> Optional[int]:

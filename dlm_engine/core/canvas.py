@@ -136,7 +136,9 @@ class Canvas:
     def is_fresh(self) -> bool:
         """True while nothing has changed the canvas :meth:`from_prompts` made (no step, no set-up delta, no
         in-place edit or replaced tensor, tracked by torch's version counters): its masked positions are then
-        exactly the generation of every row and no row is finished, which the host knows without a read."""
+        exactly the generation of every row and no row is finished, which the host knows without a read. Writes
+        that bypass torch's counters (through ``.data``, ``.numpy()`` or DLPack views) are not seen: change a
+        canvas with torch operations (``canvas_hook`` of ``decode_batch`` included)."""
         f = self._fresh
         if f is None or self.step or self.nfe:
             return False
