@@ -1,4 +1,5 @@
 """The shared sampler and selection rules, against the spec's formulas."""
+import pytest
 import torch
 
 from dlm_engine.core.sampler import confidence_of, propose
@@ -88,3 +89,27 @@ def test_factor_commit_rule_and_last_rank_quirk():
     assert factor_commit(conf, cand, 1.0).sum().item() == 1
     one = torch.tensor([[False, True, False, False]])
     assert factor_commit(conf, one, 1.0).tolist() == [[False, True, False, False]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("softmax_dtype", ["float64", "model"])
+def test_the_argmax_confidence_is_the_gathered_one_bit_for_bit(dtype, softmax_dtype):
+    """At T = 0 the proposal is the logits' argmax, whose probability is read as the softmax's maximum: the same
+    bits as gathering it, also with ties, tiny and huge gaps, -inf, +inf and NaN logits."""
+    from dlm_engine.core.sampler import confidence_of
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 40, 96, generator=g) * torch.tensor([0.01, 1.0, 8.0, 30.0, 1e-30, 200.0])[:, None, None]
+    x[0, 0, :] = 0.0                                  # every logit tied
+    x[1, 1, 5], x[1, 1, 9] = 3.0, 3.0                 # a tie at the maximum
+    x[1, 2, :] = float("-inf")                        # a row of -inf
+    x[1, 3, 7] = float("inf")
+    x[1, 4, 11] = float("nan")
+    x[1, 5, :50] = float("-inf")
+    x[4, 6, 3] = 1e-38                                # a subnormal gap to the rest
+    x = x.to(dtype)
+    x0 = x.argmax(-1)
+    want = confidence_of(x, x0, "prob", softmax_dtype)
+    got = confidence_of(x, x0, "prob", softmax_dtype, x0_is_argmax=True)
+    assert got.dtype == want.dtype and torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))

@@ -86,7 +86,8 @@ def softmax_in(logits: torch.Tensor, dtype: str) -> torch.Tensor:
 
 
 def confidence_of(logits: torch.Tensor, x0: torch.Tensor, kind: str, dtype: str = "model",
-                  call_len: Optional[int] = None, offset: int = 0, top_v: Optional[int] = None) -> torch.Tensor:
+                  call_len: Optional[int] = None, offset: int = 0, top_v: Optional[int] = None,
+                  x0_is_argmax: bool = False) -> torch.Tensor:
     """Confidence of the proposal ``x0``.
 
     * ``prob``: clean probability of ``x0`` (softmax in model dtype or float64). With ``top_v`` the
@@ -96,6 +97,10 @@ def confidence_of(logits: torch.Tensor, x0: torch.Tensor, kind: str, dtype: str 
     * ``inv_entropy``: CadLLM's ``1 / (1 + H)`` with ``H = -sum p log(p + 1e-12)`` over the softmax (model
       dtype) of the top-``top_v`` logits (all logits when ``top_v`` is None); independent of ``x0``.
     * ``random``: ``torch.rand((B, call_len))`` float32, sliced to the window (LLaDA's random remasking).
+
+    ``x0_is_argmax``: ``x0`` is ``logits.argmax(-1)``, so its ``prob`` is the softmax's maximum, read with one
+    reduction instead of a gather (the same element: the largest logit's exponent is ``exp(0) = 1``, every other
+    one at most that, and the softmax scales them all by the same sum).
     """
     if top_v is not None:
         top_v = min(int(top_v), logits.shape[-1])   # a vocabulary smaller than the requested top-V
@@ -109,6 +114,8 @@ def confidence_of(logits: torch.Tensor, x0: torch.Tensor, kind: str, dtype: str 
             p = torch.softmax(vals.to(torch.float64), dim=-1)
             hit = idx == x0[..., None]
             return torch.where(hit, p, 0.0).sum(-1)
+        if x0_is_argmax:
+            return softmax_in(logits, dtype).amax(-1)
         return torch.gather(softmax_in(logits, dtype), -1, x0[..., None]).squeeze(-1)
     if kind == "inv_entropy":
         vals = logits if top_v is None else torch.topk(logits, top_v, dim=-1).values
@@ -153,7 +160,8 @@ def propose(logits: torch.Tensor, start: int, *, temperature: float, confidence:
         x0, conf = scored_proposal(logits, x0, confidence, softmax_dtype, top_v, *scored)
     else:
         x0 = gumbel_argmax(logits, temperature, call_len, offset)
-        conf = confidence_of(logits, x0, confidence, softmax_dtype, call_len, offset, top_v)
+        conf = confidence_of(logits, x0, confidence, softmax_dtype, call_len, offset, top_v,
+                             x0_is_argmax=temperature == 0)
     if valid is not None:
         conf = conf.masked_fill(~valid, float("-inf"))
     return Proposal(start=start, x0=x0, confidence=conf, logits=logits, call_len=call_len, call_start=start - offset,
@@ -171,12 +179,13 @@ def scored_proposal(logits: torch.Tensor, x0: Optional[torch.Tensor], kind: str,
     B, W, V = logits.shape
     order = masked_order(mask, count)
     rows = logits.reshape(B * W, V).index_select(0, order)      # (a copy of the rows: faster than x[order])
-    if x0 is None:
+    argmax = x0 is None
+    if argmax:
         picked = rows.argmax(dim=-1)
         x0 = tokens.reshape(-1).to(torch.long, copy=True).index_copy_(0, order, picked).view(B, W)
     else:
         picked = x0.reshape(-1)[order]
-    conf = confidence_of(rows[None], picked[None], kind, dtype, top_v=top_v)[0]
+    conf = confidence_of(rows[None], picked[None], kind, dtype, top_v=top_v, x0_is_argmax=argmax)[0]
     return x0, placed(conf, order, (B, W), float("-inf"))
 
 
