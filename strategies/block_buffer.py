@@ -50,7 +50,7 @@ class BlockBufferConfig(EosOptions):
 class BufferState:
     sizes: torch.Tensor                    # [num_blocks] positions per block (on the canvas device)
     counts: Optional[torch.Tensor]         # [B, num_blocks] masked positions per block after the last select (device;
-                                           # None before the first step on a fresh canvas: known on the host)
+                                           # None before the first step: counted then, or known on the host)
     # host arrays (numpy, never written), as of the last host read: per row the buffer's first block (= the first
     # incomplete block) and its number of blocks; [B, num_blocks] masked positions per row and block
     host_first: Optional[np.ndarray] = None
@@ -129,7 +129,7 @@ class BlockBuffer(Strategy):
     def init_state(self, canvas):
         check_eos_options(self.cfg, canvas)
         sizes = host_tensor(list(self.sizes), torch.long, canvas.device)
-        return BufferState(sizes, None if canvas.is_fresh() else block_counts(canvas, self.block_len))
+        return BufferState(sizes, None)
 
     def plan(self, canvas, st: BufferState):
         w = self.host_window(st.host_first, st.host_count)
@@ -198,7 +198,7 @@ class BlockBuffer(Strategy):
         return block_counts(canvas, self.block_len) if st.counts is None else st.counts
 
     def fresh_values(self, canvas, st: BufferState):
-        return fresh_block_counts(canvas, self.block_len) if st.counts is None else None
+        return fresh_block_counts(canvas, self.block_len)
 
     def synced(self, canvas, st: BufferState, values, delta):
         """The buffers once the host knows the masked positions per block, by the rules the device applied before:

@@ -207,7 +207,7 @@ class CadLLM(Strategy):
         return torch.cat(parts).to(torch.float64)
 
     def fresh_values(self, canvas, st: CadState):
-        return [1.0] * self.gen_length if st.pending is None else None     # row 0's generation: all masked
+        return [1.0] * self.gen_length                  # row 0's generation: all masked
 
     def synced(self, canvas, st: CadState, values, delta):
         G = self.gen_length

@@ -209,7 +209,7 @@ class D2C(Strategy):
 
     def fresh_values(self, canvas, st: BlockState):
         # every generated position is eligible on a fresh canvas (no EOS decoded, no row finished)
-        return None if self.reads_commits(canvas, st) else fresh_block_counts(canvas, self.block_len)
+        return fresh_block_counts(canvas, self.block_len)
 
     def synced(self, canvas, st: BlockState, values, delta):
         if self.reads_commits(canvas, st):

@@ -132,7 +132,7 @@ class LowConfidence(Strategy):
         return block_counts(canvas, self.block_length) if st.committed is None else st.committed
 
     def fresh_values(self, canvas, st: Schedule):
-        return fresh_block_counts(canvas, self.block_length) if st.committed is None else None
+        return fresh_block_counts(canvas, self.block_length)
 
     def synced(self, canvas, st: Schedule, values, delta):
         if st.committed is None:

@@ -174,7 +174,7 @@ class Wino(Strategy):
         return parts[0]
 
     def fresh_values(self, canvas, st: WinoState):
-        return fresh_block_counts(canvas, self.block_len) if st.left is None and st.block_mask is None else None
+        return fresh_block_counts(canvas, self.block_len)
 
     def synced(self, canvas, st: WinoState, values, delta):
         B, nb = canvas.batch_size, self.num_blocks

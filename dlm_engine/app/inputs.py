@@ -170,24 +170,29 @@ def prepare(lm, prompts: Sequence[Any], gen_length: int, cfg=None) -> Tuple[List
     return items, ids, warning
 
 
+def _declared(model_config: Dict[str, Any]) -> Optional[Tuple[str, int]]:
+    """``(key, value)`` of the context length a model config declares, if it declares one."""
+    for key in ("max_sequence_length", "max_position_embeddings"):
+        v = model_config.get(key)
+        if isinstance(v, int) and v > 0:
+            return key, v
+    return None
+
+
 def max_length(model_config: Dict[str, Any], override: Optional[int] = None) -> Optional[int]:
     """The longest canvas (prompt + generation) a run may use: ``override`` (``model.max_length``) when set,
     else what the model config declares, if it declares anything."""
     if override is not None:
         return int(override)
-    for key in ("max_sequence_length", "max_position_embeddings"):
-        v = model_config.get(key)
-        if isinstance(v, int) and v > 0:
-            return v
-    return None
+    declared = _declared(model_config)
+    return None if declared is None else declared[1]
 
 
 def _limit_text(model_config: Dict[str, Any], override: Optional[int]) -> str:
     if override is not None:
         return f"model.max_length={int(override)}"
-    key = next(k for k in ("max_sequence_length", "max_position_embeddings")
-               if isinstance(model_config.get(k), int) and model_config[k] > 0)
-    return f"{key}={model_config[key]}; model.max_length=N runs a RoPE model past it"
+    key, v = _declared(model_config)
+    return f"{key}={v}; model.max_length=N runs a RoPE model past it"
 
 
 def check_max_length(override: Any) -> Optional[int]:

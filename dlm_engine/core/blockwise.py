@@ -145,7 +145,7 @@ class FillBlocks(Strategy):
         return block_counts(canvas, self.block_length) if st.committed is None else st.committed
 
     def fresh_values(self, canvas, st: "BlockState"):
-        return fresh_block_counts(canvas, self.block_length) if st.committed is None else None
+        return fresh_block_counts(canvas, self.block_length)
 
     def synced(self, canvas, st: "BlockState", values, delta):
         if st.committed is None:
