@@ -281,27 +281,14 @@ class TraceRecorder:
                 return t.to("cpu")
         return t
 
-    def _fetch(self, groups: Dict[str, list]) -> Dict[str, np.ndarray]:
-        """Each group of same-shaped tensors stacked into one host array. On CUDA every group's bytes travel in
-        one concatenation and one copy (two device calls a flush instead of a stack and a copy per group); the
-        groups are laid out by element size, largest first, so each one starts aligned for its dtype."""
-        out = {k: _np(torch.stack(g)) for k, g in groups.items()
-               if not (self._cuda and all(t.device.type == "cuda" for t in g))}
-        dev = [(k, g) for k, g in groups.items() if k not in out]
-        if not dev:
-            return out
-        dev.sort(key=lambda kg: -kg[1][0].element_size())
-        if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream(device=dev[0][1][0].device)
-        with torch.cuda.stream(self._side_stream):
-            host = torch.cat([t.reshape(-1).view(torch.uint8) for _, g in dev for t in g]).to("cpu")
-        off = 0
-        for k, g in dev:
-            t0 = g[0]
-            n = len(g) * t0.numel() * t0.element_size()
-            out[k] = _np(host[off:off + n].view(t0.dtype).reshape((len(g),) + tuple(t0.shape)))
-            off += n
-        return out
+    def _stack(self, tensors) -> np.ndarray:
+        """One host array from same-shaped tensors (one stack + one copy instead of one per step)."""
+        if self._cuda and tensors[0].device.type == "cuda":
+            if self._side_stream is None:
+                self._side_stream = torch.cuda.Stream(device=tensors[0].device)
+            with torch.cuda.stream(self._side_stream):
+                return _np(torch.stack(tensors).to("cpu"))
+        return _np(torch.stack(tensors))
 
     def _handle(self, item) -> None:
         kind = item[0]
@@ -336,22 +323,7 @@ class TraceRecorder:
                 self._on_delta(st, d)
             return
         s = int(ds[0].start)
-        # every same-shaped field of the run, fetched at once: commits, tokens, confidences, finished and active
-        # rows, tensor scalars
-        groups = {"commit": [d.commit for d in ds], "tokens": [d.tokens for d in ds],
-                  "finished": [d.finished for d in ds], "active": [d.active for d in ds]}
-        confs = [d.confidence for d in ds] if st.conf is not None else None
-        same_conf = confs is not None and all(c is not None and c.dtype == confs[0].dtype and c.shape == confs[0].shape
-                                              for c in confs)
-        if same_conf:
-            groups["confidence"] = confs
-        for k, v in ds[0].scalars.items():
-            vals = [d.scalars.get(k) for d in ds]
-            if isinstance(v, torch.Tensor) and all(isinstance(x, torch.Tensor) and x.shape == v.shape and x.dtype == v.dtype
-                                                   for x in vals):
-                groups["scalar:" + k] = vals
-        got = self._fetch(groups)
-        C = got["commit"]                                            # [n, B, W]
+        C = self._stack([d.commit for d in ds])                      # [n, B, W]
         W = C.shape[2]
         tok, so = st.tok[:, s:s + W], st.step[:, s:s + W]
         cnt = C.sum(0)
@@ -362,22 +334,29 @@ class TraceRecorder:
         steps = np.array([int(d.step) for d in ds], dtype=np.int64)
         hit = cnt > 0
         idx = C.argmax(0)[None]
-        tok[hit] = np.take_along_axis(got["tokens"], idx, 0)[0][hit]
+        tok[hit] = np.take_along_axis(self._stack([d.tokens for d in ds]), idx, 0)[0][hit]
         so[hit] = steps[idx[0]][hit]
-        if confs is not None:
-            if same_conf:
-                conf = got["confidence"].astype(np.float32)          # cast on the host
+        if st.conf is not None:
+            confs = [d.confidence for d in ds]
+            if all(c is not None and c.dtype == confs[0].dtype and c.shape == confs[0].shape for c in confs):
+                conf = self._stack(confs).astype(np.float32)     # stacked on the copy stream, cast on the host
                 st.conf[:, s:s + W][hit] = np.take_along_axis(conf, idx, 0)[0][hit]
             else:
                 for d, c in zip(ds, confs):
                     if c is not None:
                         m = _np(self._host(d.commit))
                         np.copyto(st.conf[:, s:s + W], _np(self._host(c)).astype(np.float32), where=m)
-        F, A = got["finished"], got["active"]
+        F = self._stack([d.finished for d in ds])
+        A = self._stack([d.active for d in ds])
         newly = F.any(0) & (st.finish_step < 0)
         if newly.any():
             st.finish_step[newly] = steps[F.argmax(0)][newly]
-        stacked = {k[7:]: v for k, v in got.items() if k.startswith("scalar:")}
+        stacked = {}
+        for k, v in ds[0].scalars.items():
+            vals = [d.scalars.get(k) for d in ds]
+            if isinstance(v, torch.Tensor) and all(isinstance(x, torch.Tensor) and x.shape == v.shape and x.dtype == v.dtype
+                                                   for x in vals):
+                stacked[k] = self._stack(vals)
         for i, d in enumerate(ds):
             scal = {k: (stacked[k][i] if k in stacked else (_np(self._host(v)).copy() if isinstance(v, torch.Tensor) else v))
                     for k, v in d.scalars.items()}
