@@ -406,19 +406,22 @@ def bitunpack(buf, n: int, width: int, offset: int = 0) -> np.ndarray:
 # stream methods
 M_PLANES, M_ZPLANES, M_BITS, M_RICE = 0, 1, 2, 3
 RICE_QMAX = 15          # a Rice quotient of 15 or more is an escape: the value is stored whole
+RICE_KMAX = 56          # the largest Rice parameter a reader accepts (so the writer tries Rice below 57 bits)
 
 
 def _rice_best(v: np.ndarray, width: int) -> Tuple[int, int]:
     """``(bytes, k)`` of the smallest Rice code of ``v`` (non-negative int64) for ``k`` next to the usual
-    optimum ``log2(mean)`` (three candidates, sized at once, none built)."""
-    k0 = max(int(np.log2(max(float(v.mean()), 1.0))), 0)
-    ks = np.arange(max(0, k0 - 1), min(k0 + 1, width) + 1, dtype=np.int64)
-    q = v[None, :] >> ks[:, None]
-    esc = (q >= RICE_QMAX).sum(1)
-    unary = np.minimum(q, RICE_QMAX).sum(1) + v.size
-    size = 1 + (unary + 7) // 8 + (v.size * ks + 7) // 8 + (esc * width + 7) // 8
-    i = int(size.argmin())
-    return int(size[i]), int(ks[i])
+    optimum ``log2(mean)`` (three candidates, sized at once, none built; the first smallest wins a tie)."""
+    n = v.size
+    k0 = max(int(np.log2(max(float(np.add.reduce(v, dtype=np.float64)) / n, 1.0))), 0)   # (== v.mean())
+    lo, hi = max(0, k0 - 1), min(k0 + 1, width)
+    q = np.minimum(v[None, :] >> np.arange(lo, hi + 1, dtype=np.int64)[:, None], RICE_QMAX)
+    best = None
+    for k, u, e in zip(range(lo, hi + 1), q.sum(1).tolist(), (q == RICE_QMAX).sum(1).tolist()):
+        size = 1 + (u + n + 7) // 8 + (n * k + 7) // 8 + (e * width + 7) // 8   # w:u8 unary rem exc
+        if best is None or size < best[0]:
+            best = (size, k)
+    return best
 
 
 def _rice(v: np.ndarray, k: int) -> bytes:
@@ -437,7 +440,7 @@ def _rice(v: np.ndarray, k: int) -> bytes:
 def _unrice(buf, pos: int, ln: int, n: int, k: int) -> np.ndarray:
     """Decode ``n`` Rice-coded values from ``buf[pos:pos + ln]``; the unary part is scanned in chunks, so
     nothing larger than the ``n`` values is allocated whatever the stream claims."""
-    if k > 56 or ln < 1:
+    if k > RICE_KMAX or ln < 1:
         raise TraceError("integer stream has a bad Rice parameter")
     end = pos + ln
     w = buf[pos]
@@ -473,9 +476,10 @@ def _unrice(buf, pos: int, ln: int, n: int, k: int) -> np.ndarray:
     return v
 
 
-def _ints_plan(v: np.ndarray) -> Tuple[int, int, int, np.ndarray]:
-    """``(data bytes, method, param, values)`` of the smallest of byte planes, bit packing and Rice coding of
-    ``v`` (non-negative), computed without building any (zstd is left to :func:`encode_ints`)."""
+def _ints_plan(v: np.ndarray) -> Tuple[int, int, int, np.ndarray, int]:
+    """``(data bytes, method, param, values, byte width)`` of the smallest of byte planes, bit packing and Rice
+    coding of ``v`` (non-negative), computed without building any (zstd is left to :func:`encode_ints`, which
+    takes the plan so that nothing is sized twice)."""
     v = np.asarray(v)
     v = v if v.dtype == np.uint64 else v.astype(np.int64, copy=False)
     n = v.size
@@ -485,25 +489,29 @@ def _ints_plan(v: np.ndarray) -> Tuple[int, int, int, np.ndarray]:
     best = (n * nb, M_PLANES, nb)
     if width <= 63:
         best = min(best, ((n * width + 7) // 8, M_BITS, width))
-    if n >= 8 and width < 63:
-        v = v.astype(np.int64, copy=False)       # (values below 2^63)
+    if n >= 8 and width <= RICE_KMAX:
+        v = v.astype(np.int64, copy=False)       # (values below 2^56)
         size, k = _rice_best(v, width)
         best = min(best, (size, M_RICE, k))
-    return best + (v,)
+    return best + (v, nb)
+
+
+def _plan_size(plan) -> int:
+    """About the bytes :func:`encode_ints` takes for a plan (exact unless zstd would win)."""
+    size = plan[0]
+    return size + 2 + (1 if size < 128 else 2 if size < 16384 else 4)
 
 
 def ints_size(v: np.ndarray) -> int:
     """About the bytes :func:`encode_ints` takes (exact unless zstd would win)."""
-    size = _ints_plan(v)[0]
-    return size + 2 + (1 if size < 128 else 2 if size < 16384 else 4)
+    return _plan_size(_ints_plan(v))
 
 
-def encode_ints(v: np.ndarray, level: int = ZSTD_LEVEL) -> bytes:
+def encode_ints(v: np.ndarray, level: int = ZSTD_LEVEL, plan=None) -> bytes:
     """Smallest of raw byte planes, zstd byte planes, bit packing and Rice coding:
     ``method:u8 param:u8 len:varint data``. Sizes are computed first and only the smallest is built; zstd is
-    tried when the others leave more than a frame's overhead to gain."""
-    size, m, param, v = _ints_plan(v)
-    nb = nbytes_for(int(v.max()) if v.size else 0)
+    tried when the others leave more than a frame's overhead to gain. ``plan``: ``_ints_plan(v)`` if known."""
+    size, m, param, v, nb = plan if plan is not None else _ints_plan(v)
     data = None
     if size > 32 and v.size * nb > 24:
         z = zc(planes(v, nb), level)
@@ -560,18 +568,19 @@ def get_zz(buf, pos: int) -> Tuple[int, int]:
 
 
 def _col_plan(v) -> Tuple[int, int, np.ndarray, Any]:
-    """``(about the bytes, method, values, extra)`` of the smallest column coding of ``v``, nothing built."""
+    """``(about the bytes, method, values, extra)`` of the smallest column coding of ``v``, nothing built;
+    ``extra`` carries what :func:`encode_col` needs (run starts, the integer streams' plans)."""
     v = np.asarray(v).astype(np.int64, copy=False).ravel()
     if v.size == 0 or not (v != v[0]).any():
         return 2, C_CONST, v, None
     starts = np.concatenate(([0], np.flatnonzero(v[1:] != v[:-1]) + 1))
     if starts.size <= FEW_RUNS:            # a few runs: (value, length - 1) pairs as varints
         return 2 + 3 * starts.size, C_FEW, v, starts
-    diffs = zigzag(v[1:] - v[:-1])
-    cands = [(ints_size(zigzag(v)), C_PLAIN, v, None), (ints_size(diffs) + 9, C_DELTA, v, diffs)]
+    plain, delta = _ints_plan(zigzag(v)), _ints_plan(zigzag(v[1:] - v[:-1]))
+    cands = [(_plan_size(plain), C_PLAIN, v, plain), (_plan_size(delta) + 9, C_DELTA, v, delta)]
     if starts.size < v.size // 2:
-        lens = np.diff(np.append(starts, v.size))
-        cands.append((ints_size(zigzag(v[starts])) + ints_size(lens - 1) + 3, C_RUNS, v, starts))
+        vals, lens = _ints_plan(zigzag(v[starts])), _ints_plan(np.diff(np.append(starts, v.size)) - 1)
+        cands.append((_plan_size(vals) + _plan_size(lens) + 3, C_RUNS, v, (starts, vals, lens)))
     return min(cands, key=lambda c: c[0])
 
 
@@ -580,9 +589,10 @@ def col_size(v) -> int:
     return _col_plan(v)[0]
 
 
-def encode_col(v, level: int = ZSTD_LEVEL) -> bytes:
-    """``method:u8`` and the data of a column of int64 values (the smallest method by computed size)."""
-    _, m, v, extra = _col_plan(v)
+def encode_col(v, level: int = ZSTD_LEVEL, plan=None) -> bytes:
+    """``method:u8`` and the data of a column of int64 values (the smallest method by computed size).
+    ``plan``: ``_col_plan(v)`` if known."""
+    _, m, v, extra = plan if plan is not None else _col_plan(v)
     out = bytearray((m,))
     if m == C_CONST:
         put_zz(out, int(v[0]) if v.size else 0)
@@ -593,13 +603,14 @@ def encode_col(v, level: int = ZSTD_LEVEL) -> bytes:
             put_zz(out, x)
             put_varint(out, ln - 1)
     elif m == C_PLAIN:
-        out += encode_ints(zigzag(v), level)
+        out += encode_ints(None, level, extra)
     elif m == C_DELTA:
         put_zz(out, int(v[0]))
-        out += encode_ints(extra, level)
+        out += encode_ints(None, level, extra)
     else:
-        put_varint(out, extra.size)
-        out += encode_ints(zigzag(v[extra]), level) + encode_ints(np.diff(np.append(extra, v.size)) - 1, level)
+        starts, vals, lens = extra
+        put_varint(out, starts.size)
+        out += encode_ints(None, level, vals) + encode_ints(None, level, lens)
     return bytes(out)
 
 
@@ -751,15 +762,16 @@ def _encode_tokens(tok: np.ndarray, level: int) -> bytes:
         return b"\x00" + encode_ints(tok, level)
     uniq, idx = np.unique(tok, return_inverse=True)
     idx = idx.ravel()
-    gaps = delta0(uniq)
-    head = ints_size(gaps) + 3
-    m = min((ints_size(tok), 0), (head + ints_size(idx), 1), (head + col_size(idx), 2))[1]
+    gaps = _ints_plan(delta0(uniq))
+    head = _plan_size(gaps) + 3
+    plain, ints_idx, col_idx = _ints_plan(tok), _ints_plan(idx), _col_plan(idx)
+    m = min((_plan_size(plain), 0), (head + _plan_size(ints_idx), 1), (head + col_idx[0], 2))[1]
     if m == 0:
-        return b"\x00" + encode_ints(tok, level)
+        return b"\x00" + encode_ints(tok, level, plain)
     out = bytearray((m,))
     put_varint(out, len(uniq))
-    out += encode_ints(gaps, level)
-    return bytes(out) + (encode_ints(idx, level) if m == 1 else encode_col(idx, level))
+    out += encode_ints(None, level, gaps)
+    return bytes(out) + (encode_ints(None, level, ints_idx) if m == 1 else encode_col(None, level, col_idx))
 
 
 def _decode_tokens(buf, pos: int, L: int) -> Tuple[np.ndarray, int]:
@@ -827,21 +839,23 @@ class _Remaining:
 def _encode_steps(step_of: np.ndarray, zs: np.ndarray, level: int) -> bytes:
     """``method:u8`` then: 0 ints(zigzag deltas); 1 a column; 2 / 3 the commit order (:func:`_commit_order`).
     The smallest by computed size is built."""
-    cands = [(ints_size(zs), 0), (col_size(step_of), 1)]
+    deltas, col = _ints_plan(zs), _col_plan(step_of)
+    cands = [(_plan_size(deltas), 0), (col[0], 1)]
     order = _commit_order(step_of, level)
     if order is not None:
         head, vals, radix = order
         bits = float(np.log2(np.asarray(radix, dtype=np.float64)).sum()) if radix else 0.0
+        ranks = _ints_plan(np.asarray(vals, dtype=np.int64))
         cands += [(len(head) + int(bits / 8) + 2 * (len(vals) // ORDER_CHUNK + 1), 2),
-                  (len(head) + ints_size(np.asarray(vals, dtype=np.int64)), 3)]
+                  (len(head) + _plan_size(ranks), 3)]
     m = min(cands)[1]
     if m == 0:
-        return b"\x00" + encode_ints(zs, level)
+        return b"\x00" + encode_ints(zs, level, deltas)
     if m == 1:
-        return b"\x01" + encode_col(step_of, level)
+        return b"\x01" + encode_col(step_of, level, col)
     if m == 2:
         return b"\x02" + head + _pack_radix(vals, radix)
-    return b"\x03" + head + encode_ints(np.asarray(vals, dtype=np.int64), level)
+    return b"\x03" + head + encode_ints(None, level, ranks)
 
 
 def _pack_radix(vals: List[int], radix: List[int]) -> bytes:
