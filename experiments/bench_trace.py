@@ -459,6 +459,9 @@ def main():
     ap.add_argument("--pairs", type=int, default=15)
     ap.add_argument("--gen-length", type=int, default=48)  # the embedded model: 64 positions
     ap.add_argument("--skip", default="", help="comma list of sections to skip: sizes,replay,real,overhead")
+    ap.add_argument("--overhead-runs", default="1:2,8:8",
+                    help="the recording-overhead runs, BATCH:PROMPTS each (e.g. 1:2 alone, with --pairs 150, to narrow "
+                         "the median's noise at batch 1)")
     a = ap.parse_args()
     skip = set(filter(None, a.skip.split(",")))
     import torch
@@ -471,7 +474,14 @@ def main():
     if "real" not in skip:
         bench_real(a.quick)
     if "overhead" not in skip:
-        bench_overhead(max(15, a.pairs) if not a.quick else 4, a.gen_length)
+        try:
+            runs = tuple(tuple(int(x) for x in r.split(":")) for r in a.overhead_runs.split(","))
+            if not runs or any(len(r) != 2 or min(r) < 1 for r in runs):
+                raise ValueError
+        except ValueError:
+            raise SystemExit(f"--overhead-runs={a.overhead_runs}: expected BATCH:PROMPTS[,BATCH:PROMPTS...], "
+                             "positive integers")
+        bench_overhead(max(15, a.pairs) if not a.quick else 4, a.gen_length, runs)
 
 
 if __name__ == "__main__":
