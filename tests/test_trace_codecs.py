@@ -59,7 +59,7 @@ def test_an_integer_stream_is_coded_the_smallest_way_it_sizes(seed):
         assert built[(m, param)] == smallest, (v[:20], m, param, built)
         # the first smallest in (size, method, param) order wins, and the size it planned is the size it built
         assert (m, param) == min((s, mm, p) for (mm, p), s in built.items())[1:]
-        assert fmt.ints_size(v) == len(enc)
+        assert fmt._plan_size(fmt._ints_plan(v)) == len(enc)
         assert fmt.encode_ints(None, plan=fmt._ints_plan(v)) == enc
 
 

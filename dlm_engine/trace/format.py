@@ -502,11 +502,6 @@ def _plan_size(plan) -> int:
     return size + 2 + (1 if size < 128 else 2 if size < 16384 else 4)
 
 
-def ints_size(v: np.ndarray) -> int:
-    """About the bytes :func:`encode_ints` takes (exact unless zstd would win)."""
-    return _plan_size(_ints_plan(v))
-
-
 def encode_ints(v: np.ndarray, level: int = ZSTD_LEVEL, plan=None) -> bytes:
     """Smallest of raw byte planes, zstd byte planes, bit packing and Rice coding:
     ``method:u8 param:u8 len:varint data``. Sizes are computed first and only the smallest is built; zstd is
@@ -582,11 +577,6 @@ def _col_plan(v) -> Tuple[int, int, np.ndarray, Any]:
         vals, lens = _ints_plan(zigzag(v[starts])), _ints_plan(np.diff(np.append(starts, v.size)) - 1)
         cands.append((_plan_size(vals) + _plan_size(lens) + 3, C_RUNS, v, (starts, vals, lens)))
     return min(cands, key=lambda c: c[0])
-
-
-def col_size(v) -> int:
-    """About the bytes :func:`encode_col` takes."""
-    return _col_plan(v)[0]
 
 
 def encode_col(v, level: int = ZSTD_LEVEL, plan=None) -> bytes:
@@ -767,7 +757,7 @@ def _encode_tokens(tok: np.ndarray, level: int) -> bytes:
     plain, ints_idx, col_idx = _ints_plan(tok), _ints_plan(idx), _col_plan(idx)
     m = min((_plan_size(plain), 0), (head + _plan_size(ints_idx), 1), (head + col_idx[0], 2))[1]
     if m == 0:
-        return b"\x00" + encode_ints(tok, level, plain)
+        return b"\x00" + encode_ints(None, level, plain)
     out = bytearray((m,))
     put_varint(out, len(uniq))
     out += encode_ints(None, level, gaps)
@@ -850,9 +840,9 @@ def _encode_steps(step_of: np.ndarray, zs: np.ndarray, level: int) -> bytes:
                   (len(head) + _plan_size(ranks), 3)]
     m = min(cands)[1]
     if m == 0:
-        return b"\x00" + encode_ints(zs, level, deltas)
+        return b"\x00" + encode_ints(None, level, deltas)
     if m == 1:
-        return b"\x01" + encode_col(step_of, level, col)
+        return b"\x01" + encode_col(None, level, col)
     if m == 2:
         return b"\x02" + head + _pack_radix(vals, radix)
     return b"\x03" + head + encode_ints(None, level, ranks)
