@@ -56,6 +56,38 @@ class Proposal:
         return self.start - self.call_start, self.call_len
 
 
+# On a CPU torch's max/argmax over the last axis (value and index) runs one element at a time, while ``amax`` is
+# vectorised (~10x faster): over a large vocabulary :func:`row_max` takes the maxima of ``MAX_CHUNK``-wide slices with
+# ``amax``, then the first slice holding the row's maximum and the first maximum inside it -- the very index and value
+# torch returns (its first maximum; the first NaN where a row has one). 2-4x faster from ~64k elements up.
+MAX_CHUNK = 64
+CHUNKED_MAX_MIN = 1 << 16          # elements: below this the extra calls cost more than they save
+CHUNKED_MAX_MIN_V = 2048           # vocabulary: below this the per-row gathers cost more than they save
+
+
+def row_max(x: torch.Tensor, values: bool = True):
+    """``x.max(dim=-1)`` -- ``(values, indices)``, or the indices alone with ``values=False`` (``x.argmax(-1)``)
+    -- computed by chunks on a CPU where that is faster (see ``MAX_CHUNK``); the same results bit for bit."""
+    V = x.shape[-1]
+    if (x.device.type != "cpu" or V % MAX_CHUNK or V < CHUNKED_MAX_MIN_V or x.numel() < CHUNKED_MAX_MIN
+            or not x.is_floating_point() or not x.is_contiguous()):
+        return x.max(dim=-1) if values else x.argmax(dim=-1)
+    return chunked_max(x, values)
+
+
+def chunked_max(x: torch.Tensor, values: bool = True):
+    """:func:`row_max` by ``MAX_CHUNK``-wide chunks (``x`` contiguous, its last axis a multiple of the chunk)."""
+    lead, C = x.shape[:-1], MAX_CHUNK
+    chunks = x.view(-1, x.shape[-1] // C, C)
+    N = chunks.shape[0]
+    first = chunks.amax(-1).argmax(-1)            # the first chunk whose maximum is the row's (NaN: the first NaN)
+    seg = chunks.gather(1, first.view(N, 1, 1).expand(N, 1, C)).view(N, C)
+    if values:
+        val, at = seg.max(dim=-1)
+        return val.view(lead), first.mul_(C).add_(at).view(lead)
+    return first.mul_(C).add_(seg.argmax(dim=-1)).view(lead)
+
+
 def suppress_(logits: torch.Tensor, ids) -> torch.Tensor:
     """``logits[..., i] = -inf`` for every token id ``i`` of ``ids``, in place: one column at a time (an index list
     would be a host-to-device copy)."""
@@ -71,12 +103,12 @@ def noise_draw(shape, device) -> torch.Tensor:
 def gumbel_argmax(logits: torch.Tensor, temperature: float, call_len: int, offset: int) -> torch.Tensor:
     """argmax of Gumbel-noised logits; at T == 0 plain argmax and no RNG use."""
     if temperature == 0:
-        return logits.argmax(dim=-1)
+        return row_max(logits, values=False)
     B, W, V = logits.shape
     u = noise_draw((B, call_len, V), logits.device)[:, offset:offset + W]
     l64 = logits.to(torch.float64)
     gumbel = (-torch.log(u)) ** temperature
-    return (l64.exp() / gumbel).argmax(dim=-1)
+    return row_max(l64.exp() / gumbel, values=False)
 
 
 def softmax_in(logits: torch.Tensor, dtype: str) -> torch.Tensor:
@@ -181,7 +213,7 @@ def scored_proposal(logits: torch.Tensor, x0: Optional[torch.Tensor], kind: str,
     rows = logits.reshape(B * W, V).index_select(0, order)      # (a copy of the rows: faster than x[order])
     argmax = x0 is None
     if argmax:
-        picked = rows.argmax(dim=-1)
+        picked = row_max(rows, values=False)
         x0 = tokens.reshape(-1).to(torch.long, copy=True).index_copy_(0, order, picked).view(B, W)
     else:
         picked = x0.reshape(-1)[order]
@@ -251,7 +283,7 @@ def draw_tokens(probs: torch.Tensor, temperature: float):
         x0 = categorical_draw(probs)
         if x0 is not None:
             return torch.gather(probs, -1, x0[:, None]).squeeze(-1), x0
-    conf, x0 = probs.max(dim=-1)
+    conf, x0 = row_max(probs)
     return conf, x0
 
 
