@@ -47,6 +47,18 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
+def count_chunked(monkeypatch, chunk=None) -> list:
+    """The calls of ``sampler.chunked_max`` from now on (one entry a call); with ``chunk``, the chunked path forced for
+    every size (its limits lowered, ``chunk``-wide chunks)."""
+    calls = []
+    orig = sampler.chunked_max
+    monkeypatch.setattr(sampler, "chunked_max", lambda *a, **k: calls.append(a[0].shape) or orig(*a, **k))
+    if chunk is not None:
+        for key, value in (("MAX_CHUNK", chunk), ("CHUNKED_MAX_MIN", 0), ("CHUNKED_MAX_MIN_V", 0)):
+            monkeypatch.setattr(sampler, key, value)
+    return calls
+
+
 @pytest.mark.parametrize("chunk", [64, 16])
 def test_chunked_max_is_torch_max_bit_for_bit(monkeypatch, chunk):
     monkeypatch.setattr(sampler, "MAX_CHUNK", chunk)
@@ -65,9 +77,7 @@ def test_chunked_max_is_torch_max_bit_for_bit(monkeypatch, chunk):
 
 
 def test_row_max_takes_chunks_where_they_pay_and_torch_elsewhere(monkeypatch):
-    calls = []
-    orig = sampler.chunked_max
-    monkeypatch.setattr(sampler, "chunked_max", lambda *a, **k: calls.append(a[0].shape) or orig(*a, **k))
+    calls = count_chunked(monkeypatch)
     big = torch.randn(32, 4096)
     for x, chunked in [(big, True), (big.view(2, 16, 4096), True), (big[:, :4032], False),   # not contiguous
                        (torch.randn(4, 4096), False),                      # too few elements
@@ -115,12 +125,7 @@ def test_decodes_by_chunks_make_the_same_tokens(tiny_llada, monkeypatch, name, k
     """The embedded model's vocabulary (128) is below the chunked path's size limits: lowered here, every
     vocabulary-wide maximum of the decode goes by 16-wide chunks."""
     plain = run(tiny_llada, name, kw)
-    calls = []
-    orig = sampler.chunked_max
-    monkeypatch.setattr(sampler, "chunked_max", lambda *a, **k: calls.append(1) or orig(*a, **k))
-    monkeypatch.setattr(sampler, "MAX_CHUNK", 16)
-    monkeypatch.setattr(sampler, "CHUNKED_MAX_MIN", 0)
-    monkeypatch.setattr(sampler, "CHUNKED_MAX_MIN_V", 0)
+    calls = count_chunked(monkeypatch, 16)
     assert run(tiny_llada, name, kw) == plain
     assert calls, "the decode never took the chunked path"
 
@@ -135,10 +140,6 @@ def test_dream_decodes_by_chunks_make_the_same_tokens(tiny_dream_model, monkeypa
         return canvas.tokens.tolist(), canvas.step_of.tolist(), sink.seen
 
     plain = dream_run()
-    calls = []
-    orig = sampler.chunked_max
-    monkeypatch.setattr(sampler, "chunked_max", lambda *a, **k: calls.append(1) or orig(*a, **k))
-    for key, value in (("MAX_CHUNK", 8), ("CHUNKED_MAX_MIN", 0), ("CHUNKED_MAX_MIN_V", 0)):
-        monkeypatch.setattr(sampler, key, value)
+    calls = count_chunked(monkeypatch, 8)
     assert dream_run() == plain
     assert calls, "the decode never took the chunked path"
