@@ -12,9 +12,14 @@ from __future__ import annotations
 
 from typing import Sequence, Union
 
+import numpy as np
 import torch
 
 _staging = 0          # > 0 while host_tensor builds its tensor (read by the sync counter)
+
+
+_NUMPY = {torch.bool: np.bool_, torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32,
+          torch.float64: np.float64}
 
 
 def host_tensor(values: Union[Sequence, int, float, bool], dtype: torch.dtype,
@@ -22,9 +27,14 @@ def host_tensor(values: Union[Sequence, int, float, bool], dtype: torch.dtype,
     """``values`` (host numbers, nested sequences allowed) as a tensor of ``dtype`` on ``device``; on CUDA the
     copy is asynchronous (pinned staging buffer, kept alive by PyTorch's host allocator until the copy ran)."""
     global _staging
+    np_dtype = _NUMPY.get(dtype)
     _staging += 1
     try:
-        t = torch.tensor(values, dtype=dtype)
+        if isinstance(values, np.ndarray) and np_dtype is not None and np.can_cast(values.dtype, np_dtype, "safe"):
+            # a host array: a copy in the wanted dtype, wrapped without torch.tensor's per-element walk (~1 us, not 3)
+            t = torch.from_numpy(np.array(values, dtype=np_dtype, order="C", copy=True))
+        else:
+            t = torch.tensor(values, dtype=dtype)
     finally:
         _staging -= 1
     dev = torch.device(device)

@@ -6,8 +6,9 @@ from typing import Iterable, Optional, Tuple
 
 import torch
 
-from dlm_engine.core.canvas import Canvas, FrameDelta, ModelInfo
+from dlm_engine.core.canvas import NO_MODEL_INFO, Canvas, FrameDelta, ModelInfo
 from dlm_engine.core.protocol import CallRequest, ForwardCall
+from dlm_engine.core.registry import cache_class
 from dlm_engine.core.rows import ActiveRows, call_rows, expand_proposal, full_batch, idle_proposal, recomputed_rows
 from dlm_engine.core import sampler
 from dlm_engine.core.sampler import Proposal, propose
@@ -121,11 +122,9 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
     whatever the strategy asks for (:meth:`Strategy.sync_request`) in a single transfer and hands the values
     to :meth:`Strategy.synced` before the sinks see the delta. Plans decide on those host values alone.
     """
-    from dlm_engine.core.registry import cache_class
-
     if cache is None:
         cache = cache_class("none")()
-    if canvas.model_info == ModelInfo():
+    if canvas.model_info is NO_MODEL_INFO or canvas.model_info == NO_MODEL_INFO:
         canvas.model_info = ModelInfo.of(model)
     sinks = list(sinks)
     want_logits = any(getattr(s, "wants_logits", False) for s in sinks)  # e.g. trace capture=topk|logits

@@ -80,24 +80,31 @@ def top1(conf: torch.Tensor, cand: torch.Tensor, span: Optional[Tuple[int, int]]
     """The most confident candidate of every row that has one: the first of ``torch.topk(row, |cand|)`` (the
     Fast-dLLM reference's ``order[0]``; among exact ties that is not always the lowest index). ``counts``: the
     candidates per row, known on the host; without them the argmax (first index) is taken, with no host read."""
+    return _top1_columns(conf, cand, span, counts) & cand
+
+
+def _top1_columns(conf: torch.Tensor, cand: torch.Tensor, span: Optional[Tuple[int, int]] = None,
+                  counts: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """:func:`top1` before its ``& cand`` (a row whose candidates all score ``-inf`` may pick another column): for
+    callers that intersect with ``cand`` anyway."""
     W = conf.shape[1]
     row, off = ranked_row(conf, cand, span)
     if counts is None:
         commit = torch.zeros_like(row, dtype=torch.bool).scatter_(1, row.argmax(-1, keepdim=True), True)
-        return commit[:, off:off + W] & cand
+        return commit[:, off:off + W]
     lead = row_lead(span)
     if lead is None and all(m == counts[0] for m in counts):     # one call for every row
         if counts[0] <= 0:
             return torch.zeros_like(cand)
         first = torch.topk(row, int(counts[0]), dim=-1).indices[:, :1]
-        return torch.zeros_like(row, dtype=torch.bool).scatter_(1, first, True)[:, off:off + W] & cand
+        return torch.zeros_like(row, dtype=torch.bool).scatter_(1, first, True)[:, off:off + W]
     commit = torch.zeros_like(row, dtype=torch.bool)
     for (m, a), rows in _groups(_keys(counts, lead), row.device):
         if m <= 0:
             continue
         first = torch.topk(row[rows, a:], int(m), dim=-1).indices[:, :1] + a
         commit[rows] = commit[rows].scatter(1, first, True)
-    return commit[:, off:off + W] & cand
+    return commit[:, off:off + W]
 
 
 def _keys(values: Sequence[int], lead: Optional[Sequence[int]]) -> List[Tuple[int, int]]:
@@ -125,7 +132,7 @@ def threshold_commit(conf: torch.Tensor, cand: torch.Tensor, tau, span: Optional
         above = conf >= tau
     else:
         above = conf >= tau.to(conf.dtype)[:, None]
-    return (above & cand) | top1(conf, cand, span, counts)
+    return above.logical_or_(_top1_columns(conf, cand, span, counts)).logical_and_(cand)   # (one & for both)
 
 
 def factor_commit(conf: torch.Tensor, cand: torch.Tensor, factor: float,
