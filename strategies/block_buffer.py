@@ -56,6 +56,7 @@ class BufferState:
     host_first: Optional[np.ndarray] = None
     host_count: Optional[np.ndarray] = None
     host_masked: Optional[np.ndarray] = None
+    host_win: Optional[Tuple[int, int]] = None  # host_window(host_first, host_count): the next step's window
     in_buf: Optional[torch.Tensor] = None  # [B, n_win] bool for the next window: the block is in the row's buffer
     may_force: Optional[torch.Tensor] = None   # ... the block may force its top-1 (None: True everywhere)
     events: Tuple[BlockEvent, ...] = ()    # waiting for the next delta
@@ -76,6 +77,13 @@ def progress_max(size: int, threshold: float) -> int:
     with a Python scalar: rounded to float32), or -1: ``m <= progress_max(size, t)`` is the device's test."""
     t = f32(float(threshold))
     return max([m for m in range(size + 1) if host_progress(m, size) >= t], default=-1)
+
+
+@functools.lru_cache(maxsize=64)
+def _sizes_tensor(sizes: Tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``[num_blocks]`` positions per block on ``device``, made once per layout (read only; every batch builds a
+    strategy, and a tensor from a host list costs more than the rest of the set-up)."""
+    return host_tensor(list(sizes), torch.long, device)
 
 
 @register_strategy("block_buffer", BlockBufferConfig)
@@ -99,6 +107,12 @@ class BlockBuffer(Strategy):
         # none), as the device compared them (progress falls as the masked positions grow)
         self.semi_max = np.array([progress_max(n, c.semi_complete_threshold) for n in self.sizes], dtype=np.int64)
         self.add_max = np.array([progress_max(n, c.add_block_threshold) for n in self.sizes], dtype=np.int64)
+        # host constants of synced / gates (per block): its index, its predecessor (block 0: itself), and the most
+        # masked positions that predecessor may hold for the block to force its top-1 (block 0 always may)
+        self.cols = np.arange(self.num_blocks)
+        self.prev = np.maximum(self.cols - 1, 0)
+        self.force_max = self.semi_max[self.prev]
+        self.force_max[0] = np.iinfo(np.int64).max
 
     # -- block views -------------------------------------------------------------------------------------------
     def span(self, b: int, g: int) -> Tuple[int, int]:
@@ -128,11 +142,10 @@ class BlockBuffer(Strategy):
     # of its window each row may commit in and which may force a top-1 (None: all of them).
     def init_state(self, canvas):
         check_eos_options(self.cfg, canvas)
-        sizes = host_tensor(list(self.sizes), torch.long, canvas.device)
-        return BufferState(sizes, None)
+        return BufferState(_sizes_tensor(self.sizes, canvas.device), None)
 
     def plan(self, canvas, st: BufferState):
-        w = self.host_window(st.host_first, st.host_count)
+        w = st.host_win
         if w is None:
             return None, st
         g = canvas.gen_start
@@ -189,7 +202,7 @@ class BlockBuffer(Strategy):
             events.append(BlockEvent("stored", (s0 - g) // bl, s0, e0))
         delta.block_events = events            # + completed / admitted, once the host knows (synced)
         # the buffers after this step are decided on the host (synced fills the placeholders, keeping this order)
-        delta.scalars.update({"committed": commit.sum(-1), "block_progress": 1.0 - counts / st.sizes,
+        delta.scalars.update({"committed": commit.sum(-1), "block_progress": torch.rsub(counts / st.sizes, 1.0),
                               "buffer_first": None, "buffer_count": None})
         return delta, evolve(st, counts=counts, in_buf=None, may_force=None, events=())
 
@@ -207,45 +220,42 @@ class BlockBuffer(Strategy):
         block events. Host arrays, every row at once: this runs every step."""
         B, g, nb = canvas.batch_size, canvas.gen_start, self.num_blocks
         masked = np.asarray(values, dtype=np.int64).reshape(B, nb)
-        rows = np.arange(B)
-        inc = masked > 0
-        first = np.where(inc.any(1), inc.argmax(1), nb)                 # the first incomplete block
+        first = np.where(masked > 0, self.cols, nb).min(1)             # the first incomplete block (nb: none)
         if delta is None:                                               # before the first step: the initial buffers
             count = (first < nb).astype(np.int64)
-            new = rows[count > 0]
+            new = np.flatnonzero(count)
             events = tuple(self.event_list("admitted", list(zip(new.tolist(), first[new].tolist())), B, g))
         else:
             old_first = st.host_first
-            old_end = old_first + st.host_count
-            count = np.maximum(old_end - first, 0)
-            newest = np.clip(first + count - 1, 0, nb - 1)
-            room = (count < self.cfg.buffer_size) & (first + count < nb)
-            count = count + (room & ((count == 0) | (masked[rows, newest] <= self.add_max[newest])))
-            col = np.arange(nb)
-            done = (col >= old_first[:, None]) & (col < first[:, None])      # row-major: rows, then blocks
+            end = np.maximum(old_first + st.host_count, first)          # complete blocks left from the front
+            count = end - first
+            newest = np.minimum(np.maximum(end - 1, 0), nb - 1)          # (np.clip costs 3x as much)
+            room = (count < self.cfg.buffer_size) & (end < nb)
+            admit = room & ((count == 0) | (masked[np.arange(B), newest] <= self.add_max[newest]))
+            count = count + admit                                       # an admitted block is block ``end``
+            done = (self.cols >= old_first[:, None]) & (self.cols < first[:, None])   # row-major: rows, then blocks
             if done.any():
                 delta.block_events += self.event_list("completed", list(zip(*(a.tolist() for a in np.nonzero(done)))), B, g)
-            new = rows[first + count > np.maximum(old_end, first)]
+            new = np.flatnonzero(admit)
             if new.size:
-                delta.block_events += self.event_list("admitted", list(zip(new.tolist(), (first + count - 1)[new].tolist())),
-                                                      B, g)
+                delta.block_events += self.event_list("admitted", list(zip(new.tolist(), end[new].tolist())), B, g)
             delta.scalars["buffer_first"], delta.scalars["buffer_count"] = \
                 host_tensor(np.stack([first, count]), torch.long, st.sizes.device).unbind(0)
             events = st.events
-        in_buf, may_force = self.gates(first, count, masked, st.sizes.device)
-        return evolve(st, host_first=first, host_count=count, host_masked=masked, in_buf=in_buf, may_force=may_force,
-                      events=events)
-
-    def gates(self, first, count, masked, device) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """``[B, n_win]`` bool for the next window's blocks (None = True everywhere): in the row's buffer; may force
-        its top-1 (the buffer's first block, or its predecessor is semi-complete)."""
         w = self.host_window(first, count)
+        in_buf, may_force = self.gates(w, first, count, masked, st.sizes.device)
+        return evolve(st, host_first=first, host_count=count, host_masked=masked, host_win=w, in_buf=in_buf,
+                      may_force=may_force, events=events)
+
+    def gates(self, w, first, count, masked, device) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """``[B, n_win]`` bool for the blocks of the next window ``w`` (None = True everywhere): in the row's buffer;
+        may force its top-1 (the buffer's first block, or its predecessor is semi-complete)."""
         if w is None:
             return None, None
-        b = np.arange(w[0] // self.block_len, -(-w[1] // self.block_len))
-        prev = np.maximum(b - 1, 0)
+        blocks = slice(w[0] // self.block_len, -(-w[1] // self.block_len))
+        b = self.cols[blocks]
         in_buf = (b >= first[:, None]) & (b < (first + count)[:, None])
-        may = (b == first[:, None]) | (b == 0) | (masked[:, prev] <= self.semi_max[prev])
+        may = (b == first[:, None]) | (masked[:, self.prev[blocks]] <= self.force_max[blocks])
         need_buf, need_may = not in_buf.all(), not may.all()
         if need_buf and need_may:
             return host_tensor(np.stack([in_buf, may]), torch.bool, device).unbind(0)
