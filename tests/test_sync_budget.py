@@ -168,6 +168,29 @@ def test_host_numbers_reach_the_device_without_a_counted_sync():
     assert c.counts == {"host-tensor": 1}
 
 
+def test_host_tensor_from_numpy_arrays_is_a_copy_with_torch_tensors_values():
+    """A numpy array takes ``from_numpy`` on a copy (no per-element walk): the values, dtype and shape of
+    ``torch.tensor``, not counted as a sync, never sharing memory with the array; a cast that could change values
+    (int to bool, float to int) goes through ``torch.tensor``, which decides it as before."""
+    from dlm_engine.core.devices import host_tensor
+
+    cases = [(np.array([[1, 2], [3, 4]]), torch.long), (np.array([True, False]), torch.bool),
+             (np.array([True, False]), torch.long), (np.array([1, 2], dtype=np.int32), torch.long),
+             (np.array([[0.5, -1.25]]), torch.float64), (np.array([0.5], dtype=np.float32), torch.float64),
+             (np.array([3, 0, -2]), torch.bool), (np.array([1.75, -2.5]), torch.long),
+             (np.stack([np.arange(3), np.arange(3)])[:, ::2], torch.long), (np.zeros((0, 3), np.int64), torch.long)]
+    for arr, dtype in cases:
+        with torch.inference_mode(), SyncCounter() as c:
+            t = host_tensor(arr, dtype, "cpu")
+        assert c.total == 0
+        ref = torch.tensor(arr, dtype=dtype)
+        assert t.dtype == ref.dtype and t.shape == ref.shape and torch.equal(t, ref), (arr, dtype)
+        if arr.size:
+            before = t.clone()
+            arr.flat[0] = 7                          # (writes to the array do not reach the tensor)
+            assert torch.equal(t, before)
+
+
 @pytest.mark.parametrize("capture", ["default", "confidence"])
 def test_recording_adds_no_host_sync_on_the_step_loop(tiny_llada, tmp_path, capture):
     """Issue 17, item 4: the recorder's sink only hands references to its writer thread; the writer's own host
@@ -295,3 +318,32 @@ def test_recorder_reads_back_the_decode(tmp_path, device, dtype, capture, name, 
                     if device == "cpu":             # (exact ties may break differently on a GPU)
                         assert ids[:, 0].tolist() == canvas.tokens[i, g:].cpu()[committed].tolist()
     assert counts[True] == counts[False]
+
+
+def test_model_info_is_read_once_per_model_and_decode_sets_it(tiny_llada):
+    """``ModelInfo.of`` remembers each model's info (every decode asks; a config read costs microseconds): the
+    same values as reading the config, per model object; objects that cannot be weakly referenced are read each
+    time; a decode gives the canvas its model's info."""
+    import types
+
+    from dlm_engine.core.canvas import NO_MODEL_INFO
+
+    info = ModelInfo.of(tiny_llada)
+    assert info == ModelInfo(tiny_llada.config.model_type, 0) and ModelInfo.of(tiny_llada) is info
+
+    class Slotted:
+        __slots__ = ("config", "logits_shift")
+
+    for i, shift in enumerate((1, 0)):
+        m = Slotted()
+        m.config, m.logits_shift = types.SimpleNamespace(model_type=f"kind{i}"), shift
+        assert ModelInfo.of(m) == ModelInfo(f"kind{i}", shift)
+    other = ModelTimer(tiny_llada)
+    other.config = types.SimpleNamespace(model_type="Dream")          # a wrapper is a model object of its own
+    other.logits_shift = 1
+    assert ModelInfo.of(other) == ModelInfo("Dream", 1) and ModelInfo.of(tiny_llada) is info
+    canvas = Canvas.from_prompts(PROMPTS[1], GEN, int(tiny_llada.config.mask_token_id), 0)
+    assert canvas.model_info is NO_MODEL_INFO
+    cls = strategy_class("threshold")
+    decode(tiny_llada, canvas, cls(cls.Config(block_length=8), GEN))
+    assert canvas.model_info is info
