@@ -10,7 +10,6 @@ forward that commits the plain argmax at every masked position (a separate step 
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from enum import Enum
 from typing import Optional, Tuple
@@ -21,7 +20,7 @@ from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.registry import register_strategy
 from dlm_engine.core.sampler import confidence_of, gumbel_argmax
 from dlm_engine.core.selection import factor_commit, host_schedule, masked_order, threshold_commit, topk_commit
-from dlm_engine.core.strategy import BlockCursor, CacheDirective, Remasking, StepPlan, Strategy, candidates
+from dlm_engine.core.strategy import BlockCursor, CacheDirective, Remasking, StepPlan, Strategy, candidates, evolve
 from dlm_engine.errors import ConfigError
 from dlm_engine.strategies import _cadllm_rules as rules
 
@@ -72,7 +71,9 @@ class CadState:
     confs: Tuple[float, ...] = ()             # Prophet check: mean confidence per step (after the first)
     open: bool = False
     all_in: bool = False                      # the next step commits the argmax everywhere (Prophet)
-    pending: Optional[Tuple[torch.Tensor, ...]] = None   # this step's device numbers for the host read
+    # this step's device numbers for the host read: (flags, mean, gap), each None when not read. ``flags``: the
+    # Prophet decision, after "candidates left uncommitted" when the host cannot tell that from the masks it reads
+    pending: Optional[Tuple[Optional[torch.Tensor], ...]] = None
 
 
 @register_strategy("cadllm", CadLLMConfig)
@@ -120,7 +121,7 @@ class CadLLM(Strategy):
             s, e = st.next_start, st.next_start + size
             g = canvas.gen_start
             left = sum(st.masked[s - g:e - g])
-            st = dataclasses.replace(
+            st = evolve(
                 st, start=s, end=e, budget=budget, open=True, left=left,
                 progress=(G - remaining) / G, counts=host_schedule([left], budget)[0], gaps=(), confs=())
         i = st.cursor.step
@@ -141,7 +142,7 @@ class CadLLM(Strategy):
         if plan.info.get("allin"):               # Prophet-style commit: plain argmax everywhere
             nxt, events = st.cursor.advance(bounds, done=True)
             return (self.delta(canvas, proposal, cand, events=events, scalars=scalars, masked_left=[sum(st.masked)]),
-                    dataclasses.replace(st, cursor=nxt, all_in=False, open=False, next_start=st.end, pending=None))
+                    evolve(st, cursor=nxt, all_in=False, open=False, next_start=st.end, pending=None))
         i = st.cursor.step
         tau, v_t = plan.info["threshold"], plan.info["vocab_size"]
         scalars["vocab_size"] = v_t
@@ -176,9 +177,13 @@ class CadLLM(Strategy):
                 commit = commit & ~stable
                 scalars["prophet_commit"] = stable
         delta = self.delta(canvas, proposal, commit, scalars=scalars, masked_left=[sum(st.masked)])  # commit <= cand
-        tokens = torch.where(commit, proposal.x0, -1)
-        flags = torch.stack([(cand & ~commit).any(), stable if stable is not None else cand.new_zeros(())])
-        return delta, dataclasses.replace(st, pending=(tokens, flags, mean, gap))
+        if n is not None:
+            # the candidates are the block's masked columns: the masks read after the step tell whether any is left
+            # (and which were committed: their tokens are read from the canvas), so only Prophet's flag is sent
+            flags = None if stable is None else stable.reshape(1)
+        else:
+            flags = torch.stack([(cand & ~commit).any(), stable if stable is not None else cand.new_zeros(())])
+        return delta, evolve(st, pending=(flags, mean, gap))
 
     def _stable_now(self, st: CadState, gap: torch.Tensor, mean: Optional[torch.Tensor], n: int) -> torch.Tensor:
         """The Prophet check with this step's gap and mean confidence still on the device: the earlier values
@@ -198,28 +203,46 @@ class CadLLM(Strategy):
 
     # -- the step's host read ---------------------------------------------------------------------------
     def sync_request(self, canvas, st: CadState):
-        parts = [canvas.masked()[0, canvas.gen_start:]]
+        """Row 0's generated ``step_of`` (masked: < 0), then after a step: the block's tokens (repetition detection:
+        the committed ones are the columns masked before the step and not after it), the flags, mean and gap. Views
+        where possible: ``cat`` promotes to int64, or to float64 when a float part is read (exact for these ints)."""
+        parts = [canvas.step_of[0, canvas.gen_start:]]
         if st.pending is not None:
-            tokens, flags, mean, gap = st.pending
-            parts += [tokens.reshape(-1), flags]
-            parts += [x.reshape(1).to(torch.float64) for x in (mean, gap) if x is not None]
-        # cat promotes every part to the widest dtype at once: float64 (exact for the ints) or int64
-        return torch.cat(parts).to(torch.float64)
+            flags, mean, gap = st.pending
+            if self.cfg.repetition_detection:
+                parts.append(canvas.tokens[0, st.start:st.end])
+            if flags is not None:
+                parts.append(flags)
+            parts += [x.reshape(1) if x.dtype == torch.float64 else x.reshape(1).to(torch.float64)
+                      for x in (mean, gap) if x is not None]
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def fresh_values(self, canvas, st: CadState):
-        return [1.0] * self.gen_length                  # row 0's generation: all masked
+        return [-1] * self.gen_length                   # row 0's generation: all masked
 
     def synced(self, canvas, st: CadState, values, delta):
-        G = self.gen_length
-        masked = tuple(v != 0.0 for v in values[:G])
-        st = dataclasses.replace(st, masked=masked)
+        G, g = self.gen_length, canvas.gen_start
+        before = st.masked
+        masked = tuple(v < 0 for v in values[:G])
+        st = evolve(st, masked=masked)
         if st.pending is None:                       # before the first step, or after an all-in step
             return st
         c = self.cfg
-        tokens, _, mean, gap = st.pending
-        W = tokens.shape[-1]
+        flags, mean, gap = st.pending
         rest = values[G:]
-        committed, (open_left, stable), rest = rest[:W], rest[W:W + 2], rest[W + 2:]
+        s, e = st.start - g, st.end - g
+        tokens = ()
+        if c.repetition_detection:
+            tokens, rest = rest[:e - s], rest[e - s:]
+        left = sum(masked[s:e])
+        stable = False
+        if flags is None:                            # no flag read: Prophet off or not checked
+            open_left = left > 0
+        elif flags.shape[0] == 1:                    # Prophet's flag alone
+            open_left, stable = left > 0, rest[0]
+            rest = rest[1:]
+        else:
+            (open_left, stable), rest = rest[:2], rest[2:]
         i = st.cursor.step
         history, confs, gaps = st.history, st.confs, st.gaps
         if mean is not None:
@@ -230,19 +253,18 @@ class CadLLM(Strategy):
                     confs = confs + (m,)
         if gap is not None:
             gaps = gaps + (rest.pop(0),)
-        g = canvas.gen_start
-        st = dataclasses.replace(st, history=history, confs=confs, gaps=gaps, pending=None,
-                                 left=sum(masked[st.start - g:st.end - g]))
+        st = evolve(st, history=history, confs=confs, gaps=gaps, pending=None, left=left)
         if stable:
-            return dataclasses.replace(st, all_in=True)
-        if c.repetition_detection:
-            st = dataclasses.replace(st, recent=(st.recent + tuple(int(t) for t in committed if t >= 0))[-50:])
+            return evolve(st, all_in=True)
+        if c.repetition_detection:                   # the block's columns committed by this step, in order
+            new = tuple(int(t) for t, was, now in zip(tokens, before[s:e], masked[s:e]) if was and not now)
+            st = evolve(st, recent=(st.recent + new)[-50:])
         done = not open_left
         nxt, events = st.cursor.advance((st.start, st.end), done)
         delta.block_events += events
-        st = dataclasses.replace(st, cursor=nxt)
+        st = evolve(st, cursor=nxt)
         if done:
-            st = dataclasses.replace(st, open=False, next_start=st.end)
+            st = evolve(st, open=False, next_start=st.end)
         return st
 
 
@@ -253,4 +275,6 @@ def candidate_mean(values: torch.Tensor, cand: torch.Tensor, n: Optional[int]) -
         return values[cand].mean() if bool(cand.any()) else values.new_full((), float("nan"))
     if n == 0:
         return values.new_full((), float("nan"))
+    if n == values.numel() and values.is_contiguous():   # every position (a block's first step): no gather
+        return values.reshape(-1).mean()
     return values.reshape(-1)[masked_order(cand, n)].mean()
