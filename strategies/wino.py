@@ -18,8 +18,9 @@ shifts within the shadow block only).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -30,7 +31,8 @@ from dlm_engine.core.priors import certainty_density
 from dlm_engine.core.protocol import AuxColumns
 from dlm_engine.core.registry import register_strategy
 from dlm_engine.core.sampler import sample_tokens
-from dlm_engine.core.selection import d2c_commit, f32, topk_rows
+from dlm_engine.core.devices import host_tensor
+from dlm_engine.core.selection import f32, topk_rows
 from dlm_engine.core.strategy import StepPlan, Strategy, evolve, masked_after
 from dlm_engine.errors import ConfigError, UserError
 from dlm_engine.strategies.d2c import Alg
@@ -66,6 +68,7 @@ class WinoState:
     left: Optional[torch.Tensor] = None         # [B, G] masked generated positions after the last select
 
 
+@functools.lru_cache(maxsize=1024)
 def wide_cap(n: int, ntt: int) -> int:
     """WINO's most commits for a window with ``n`` masked positions: ``max(clamp(int(0.7 n), 5, 20), ntt)`` with
     ``0.7 n`` a float32 product as the reference computes it (``int(float32(n) * float32(0.7))``, rounded to
@@ -192,7 +195,8 @@ class Wino(Strategy):
         bs, be = st.window
         rows = proposal.rows
         if rows is None:                                   # every row: slices instead of row gathers
-            masked_w = canvas.step_of[:, g + bs:g + be] < 0
+            # the masks the last select left (the canvas' since: ``WinoState.left``), else the canvas'
+            masked_w = st.left[:, bs:be] if st.left is not None else canvas.step_of[:, g + bs:g + be] < 0
             current = canvas.tokens[:, g + bs:g + be]
         else:
             masked_w = canvas.step_of[rows, g + bs:g + be] < 0
@@ -201,28 +205,31 @@ class Wino(Strategy):
         s = sample_tokens(combined, c.temperature, c.top_p, c.top_k, alg=c.alg.value)
         in_place = torch.gather(s.probs, -1, current[..., None]).squeeze(-1)
         conf = torch.where(masked_w, s.confidence, in_place)
-        scores = conf               # d2c_commit ranks masked slots only (-inf elsewhere)
+        scores = conf               # the wide-in rule ranks masked slots only (-inf elsewhere)
         if c.sigma:
             m = canvas.step_of[:, g:] >= 0 if rows is None else canvas.step_of[rows, g:] >= 0
             dens = certainty_density(m, c.sigma)[:, bs:be].to(conf.dtype)
             scores = conf * dens
         ntt = c.num_transfer_tokens
-        wide = d2c_commit(scores, masked_w, ntt, plan.info["cap"], counts=plan.info["counts"],
-                          threshold=c.wide_in_thres)
-        k = torch.clamp(wide.sum(-1) - ntt, min=0)
-        decoded = ~masked_w
-        low = decoded & (conf < c.narrow_out_thres)
-        too_many = low.sum(-1) > k
-        lowest = topk_rows(torch.where(decoded, conf, float("inf")), k, largest=False)
-        out = torch.where(too_many[:, None], lowest & decoded, low)
-        return self.frame(canvas, rows, (g + bs, g + be), wide, out, s.x0, conf, st)
+        wide, n_wide = wide_in(scores, masked_w, ntt, plan.info["cap"], plan.info["counts"], c.wide_in_thres)
+        k = (n_wide - ntt).clamp_min(0)
+        # narrow out: the k least confident decoded slots, but only those scoring below the threshold. Ranked with
+        # the masked slots last (inf), the slots below the threshold take the first ranks (NaN sorts last, and
+        # fails the test), so when more than k are below it the first k ranks are all below it, and when at most
+        # k are, all of them lie in the first k ranks: either way the re-masks are the first k ranks & below
+        ranked = torch.where(masked_w, float("inf"), conf)
+        low = ranked < c.narrow_out_thres
+        out = topk_rows(ranked, k, largest=False) & low
+        return self.frame(canvas, rows, (g + bs, g + be), wide, out, s.x0, conf, st, current, n_wide)
 
-    def frame(self, canvas, rows, window, wide_a, out_a, x0_a, conf_a, st: WinoState):
+    def frame(self, canvas, rows, window, wide_a, out_a, x0_a, conf_a, st: WinoState, current=None, n_wide=None):
+        """The delta (``current``: the window's tokens of the call rows, ``n_wide``: ``wide_a.sum(-1)``, when the
+        caller has them) and the state holding the masks left after it."""
         s, e = window
         B, W = canvas.batch_size, e - s
         if rows is None:                                   # every row took part: the call's tensors are the delta's
             commit, remask = wide_a, out_a
-            tokens = torch.where(wide_a, x0_a, canvas.tokens[:, s:e])
+            tokens = torch.where(wide_a, x0_a, canvas.tokens[:, s:e] if current is None else current)
             conf = conf_a.float()
             active = canvas.every_row()
         else:
@@ -239,13 +246,52 @@ class Wino(Strategy):
         left = masked_after(canvas, s, commit, remask)
         lo = st.block * self.block_len
         if st.block_mask is None:                          # ~(masks left in the block or after it) & ~finished
-            finished = left[:, lo:].any(-1).logical_or_(canvas.finished).logical_not_()
+            finished = left[:, lo:].any(-1)
+            if any(canvas.finished_host):                  # (the loop's host copy of canvas.finished)
+                finished.logical_or_(canvas.finished)
+            finished.logical_not_()
         else:                                              # the reference: only what its block mask still holds
             hi = lo + self.block_len
             now = left[:, lo:hi] & st.block_mask[:, lo:hi]
             finished = ~(now.any(-1) | left[:, hi:].any(-1)) & ~canvas.finished
         delta = FrameDelta(step=canvas.step + 1, nfe=1, start=s, commit=commit, tokens=tokens, active=active,
                            finished=finished, confidence=conf, remask=remask,
-                           scalars={"block": st.block, "committed": commit.sum(-1), "remasked": remask.sum(-1),
+                           scalars={"block": st.block, "remasked": remask.sum(-1),
+                                    "committed": n_wide if rows is None and n_wide is not None else commit.sum(-1),
                                     "window_start": s - g, "window_end": e - g})
         return delta, evolve(st, left=left)
+
+
+def _per_row(values: Sequence[int], device):
+    """Per-row host numbers as one Python int when every row has the same (a batch of one: no copy), else a
+    ``[B, 1]`` device tensor."""
+    if all(v == values[0] for v in values):
+        return values[0]
+    return host_tensor([[v] for v in values], torch.long, device)
+
+
+def wide_in(scores: torch.Tensor, cand: torch.Tensor, ntt: int, cap: Sequence[int], counts: Sequence[int],
+            threshold: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(commit, commit.sum(-1))``: ``d2c_commit(scores, cand, ntt, cap, counts=counts, threshold=threshold)`` --
+    every candidate scoring ``>= threshold``; the top ``min(|cand|, cap)`` when more than ``cap`` pass, the top
+    ``min(|cand|, ntt, cap)`` when fewer than ``min(ntt, cap)`` do -- with the same ``topk_rows`` picks (ties
+    included), in about half its operations: the counts (``counts``: ``|cand|`` per row, ``cap``, both on the
+    host) are compared as host numbers and the committed number is a clamp of the passing one. ``threshold`` is in
+    ``(0, 1]`` and every ``cap`` is at least 5 (:func:`wide_cap`)."""
+    c = torch.where(cand, scores, float("-inf"))
+    picked = c >= threshold                            # (-inf outside cand never passes)
+    n = picked.sum(-1)
+    base = [min(m, ntt) for m in cap]
+    k_over = [min(k, m) for k, m in zip(counts, cap)]
+    k_base = [min(k, b) for k, b in zip(counts, base)]
+    top_over = topk_rows(c, k_over)
+    top_base = top_over if k_base == k_over else topk_rows(c, k_base)
+    n1 = n[:, None]
+    commit = torch.where(n1 > _per_row(cap, c.device), top_over,
+                         torch.where(n1 < _per_row(base, c.device), top_base, picked))
+    if all(k == k_base[0] for k in k_base) and all(k == k_over[0] for k in k_over):
+        count = n.clamp(k_base[0], k_over[0])
+    else:
+        count = torch.minimum(torch.maximum(n, host_tensor(k_base, torch.long, c.device)),
+                              host_tensor(k_over, torch.long, c.device))
+    return commit, count
