@@ -36,9 +36,11 @@ class KlassConfig(D2CConfig):
 @dataclass(frozen=True)
 class KlassState(BlockState):
     # the current block's columns only (``of_block``): divergences are read for candidates, which lie in the block
-    history: Optional[torch.Tensor] = None        # [B, Lb, H] float64: the last H divergences per position
+    # [B, Lb] int64: per position, how many of its latest divergences in a row are below ``kl_threshold`` (the
+    # reference keeps the last H divergences and tests them all: the same as this count reaching H)
+    run: Optional[torch.Tensor] = None
     previous_log: Optional[torch.Tensor] = None   # [B, Lb, V] float64: log(last step's distributions + 1e-12)
-    of_block: int = -1                            # the block ``history`` and ``previous_log`` describe
+    of_block: int = -1                            # the block ``run`` and ``previous_log`` describe
     # the later blocks' distributions of each row's last H steps, oldest first ([B, G - ring_from, V], model
     # dtype; None: zeros, the reference's state before a row's first step): a block's divergence history is
     # computed from them when it becomes current, not every step for every later position
@@ -85,31 +87,37 @@ class Klass(D2C):
         off = getattr(sampled, "first", 0)                             # sampled.probs covers columns [off, G)
         if st.of_block != st.block:
             st = self.enter_block(st, a, b, sampled.probs)
-        p64 = sampled.probs[:, a - off:b - off].to(torch.float64)      # [B_a, Lb, V]
+        p = sampled.probs
+        if a - off or b - off != p.shape[1]:
+            p = p[:, a - off:b - off]
+        p64 = p.to(torch.float64)                                      # [B_a, Lb, V]
         # kept for the next step: the same values as its log(prev + 1e-12). In place on a fresh temporary
         log_p = (p64 + 1e-12).log_()
-        kl = torch.sub(log_p, st.previous_log[mine]).mul_(p64).sum(-1)      # [B_a, Lb]: sum p (log p - log prev)
-        h = torch.roll(st.history[mine], -1, dims=-1)
-        h[:, :, -1] = kl
-        stable = (h < c.kl_threshold).all(-1)
-        pool = torch.zeros_like(block_cand)
-        pool[:, a:b] = block_cand[:, a:b] & stable
-        if c.threshold is None and c.factor is None and c.klass_commit_stable:
-            chosen = pool
+        prev_log, run = (st.previous_log, st.run) if every else (st.previous_log[rows], st.run[rows])
+        kl = torch.sub(log_p, prev_log).mul_(p64).sum(-1)               # [B_a, Lb]: sum p (log p - log prev)
+        run = torch.where(kl < c.kl_threshold, run + 1, 0)              # (NaN: not below)
+        stable = run >= c.kl_history_length
+        if c.threshold is not None:
+            # d2c_commit(scores, pool, 0, threshold=t) is pool & (scores >= t), pool the block's stable candidates
+            chosen = block_cand & (scores >= c.threshold)
+            chosen[:, a:b] &= stable
         else:
-            chosen = d2c_commit(scores, pool, 0, threshold=c.threshold, factor=c.factor)
+            pool = torch.zeros_like(block_cand)
+            pool[:, a:b] = block_cand[:, a:b] & stable
+            if c.factor is None and c.klass_commit_stable:
+                chosen = pool
+            else:
+                chosen = d2c_commit(scores, pool, 0, threshold=c.threshold, factor=c.factor)
         fallback = d2c_commit(scores, block_cand, c.num_transfer_tokens, counts=counts)
         commit = torch.where(chosen.any(-1, keepdim=True), chosen, fallback)
-        if every:
-            hist, prev_log = h, log_p
-        else:
-            hist, prev_log = st.history.index_copy(0, rows, h), st.previous_log.index_copy(0, rows, log_p)
-        return commit, evolve(st, history=hist, previous_log=prev_log, ring=self.pushed(st, sampled.probs, b, rows, off),
+        if not every:
+            run, log_p = st.run.index_copy(0, rows, run), st.previous_log.index_copy(0, rows, log_p)
+        return commit, evolve(st, run=run, previous_log=log_p, ring=self.pushed(st, sampled.probs, b, rows, off),
                               ring_from=b)
 
     def enter_block(self, st: KlassState, a: int, b: int, like: torch.Tensor) -> KlassState:
         """The state describing block ``[a, b)`` (``like``: this step's distributions, for the batch size, dtype
-        and vocabulary): its columns' divergence history and last logs, from the ring."""
+        and vocabulary): its columns' run of divergences below the threshold and last logs, from the ring."""
         H = len(st.ring)
         zeros = None
         ring = []
@@ -121,15 +129,18 @@ class Klass(D2C):
             else:
                 r = r[:, a - st.ring_from:b - st.ring_from]
             ring.append(r)
-        hist = torch.zeros((st.batch, b - a, H), dtype=torch.float64, device=like.device)
-        if all(r is None for r in st.ring):     # no step yet: the zeros' logs, and a history of zeros
-            return evolve(st, history=hist, previous_log=(zeros.to(torch.float64) + 1e-12).log_(), of_block=st.block)
+        if all(r is None for r in st.ring):     # no step yet: the zeros' logs, and a history of zeros (all below)
+            run = torch.full((st.batch, b - a), H - 1, dtype=torch.long, device=like.device)
+            return evolve(st, run=run, previous_log=(zeros.to(torch.float64) + 1e-12).log_(), of_block=st.block)
         logs = [(r.to(torch.float64) + 1e-12).log_() for r in ring]
-        for j in range(1, H):           # slot j: the divergence of the ring's entry j from entry j - 1
-            hist[:, :, j] = torch.sub(logs[j], logs[j - 1]).mul_(ring[j].to(torch.float64)).sum(-1)
-        # slot 0 is rolled out at this step; a pair of zero entries (steps before the row's first) gives 0, the
-        # reference's initial history, and its first step's divergence from zeros is huge as there
-        return evolve(st, history=hist, previous_log=logs[-1], of_block=st.block)
+        # the history's slots 1..H-1 (slot 0 is rolled out at this step): the divergence of the ring's entry j from
+        # entry j - 1; a pair of zero entries (steps before the row's first) gives 0, the reference's initial
+        # history, and its first step's divergence from zeros is huge as there. The run counts them oldest first
+        run = torch.zeros((st.batch, b - a), dtype=torch.long, device=like.device)
+        for j in range(1, H):
+            kl = torch.sub(logs[j], logs[j - 1]).mul_(ring[j].to(torch.float64)).sum(-1)
+            run = torch.where(kl < self.cfg.kl_threshold, run + 1, 0)
+        return evolve(st, run=run, previous_log=logs[-1], of_block=st.block)
 
     def pushed(self, st: KlassState, probs: torch.Tensor, b: int, rows, off: int = 0) -> Tuple[Optional[torch.Tensor], ...]:
         """The ring once the call's rows (``rows``; None: every row) took this step's distributions ``probs``
