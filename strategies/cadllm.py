@@ -150,15 +150,17 @@ class CadLLM(Strategy):
             scalars["threshold"] = tau
         conf = proposal.confidence
         # ranked in the reference's row, as its torch.topk ranks (exact ties: the zero confidences at T > 0)
-        span, n = proposal.row_span, (st.left if proposal.valid is None else None)
+        # n: the candidates' number when the host knows it -- the block's masked positions of row 0 (the host reads
+        # row 0: CadLLM adapts per sequence, max_batch 1), unknown when a cache leaves block columns out or a batch
+        # is decoded directly past max_batch
+        span = proposal.row_span
+        n = st.left if proposal.valid is None and canvas.batch_size == 1 else None
         if c.factor is not None:
             commit = factor_commit(conf, cand, float(c.factor), span)
         elif tau is not None:
             commit = threshold_commit(conf, cand, tau, span, None if n is None else [n])
         else:
             commit = topk_commit(conf, cand, [st.counts[i] if i < st.budget else 1], span)
-        # n: the candidates are the block's masked positions; a cache that leaves block columns out makes
-        # their number unknown on the host (one more host read for the mean, below)
         mean = gap = None
         if c.remasking == Remasking.low_confidence:     # confidence tracking, with a second Gumbel draw at T > 0
             if c.temperature > 0:
