@@ -87,6 +87,21 @@ def batch_cache(name: str):
     return cls(cls.Config(**BATCH_CACHE_OPTIONS.get(name, {})))
 
 
+def decode_in_batches(model, prompts, gen, strategy, make_cache, mask_id=1000, pad_id=1001):
+    """Decode ``prompts`` as the API does: in batches of at most ``strategy.max_batch`` rows (all at once when the
+    strategy has no cap), a fresh cache each; returns the canvases."""
+    from dlm_engine.core.canvas import Canvas
+    from dlm_engine.core.loop import decode
+
+    n = strategy.max_batch or len(prompts)
+    out = []
+    for i in range(0, len(prompts), n):
+        canvas = Canvas.from_prompts(prompts[i:i + n], gen, mask_id, pad_id)
+        decode(model, canvas, strategy, make_cache())
+        out.append(canvas)
+    return out
+
+
 def small_strategies(gen: int = 16):
     """``(name, strategy)`` of every registered strategy with small blocks (8) that fit ``gen``."""
     from dlm_engine.core.registry import STRATEGIES, load_plugins

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from conftest import FIXTURES, small_strategies, watch_calls
+from conftest import FIXTURES, decode_in_batches, small_strategies, watch_calls
 from dlm_engine.core.canvas import Canvas
 from dlm_engine.core.capabilities import incompatibility
 from dlm_engine.core.loop import decode
@@ -252,7 +252,7 @@ def test_cli_runs_the_adaptive_caches_with_the_trace_option(tmp_path):
 
 def test_every_strategy_decodes_a_llada_batch_with_the_adaptive_caches(models):
     """Every registered strategy that pairs with dllm / d2cache decodes a left-padded LLaDA batch to the end (CFG's
-    doubled batch included); dllm with rou=0 reuses every cached output between refreshes (layers with no query)."""
+    doubled batch included; in batches of the strategy's ``max_batch``, as the API feeds it); dllm with rou=0 reuses every cached output between refreshes (layers with no query)."""
     model = models["tiny_llada"]
     ran = []
     for sname, strategy in small_strategies(16):
@@ -261,9 +261,8 @@ def test_every_strategy_decodes_a_llada_batch_with_the_adaptive_caches(models):
             cache = ccls(ccls.Config(**ckw))
             if incompatibility(strategy, cache) is not None:
                 continue
-            canvas = Canvas.from_prompts(PROMPTS, 16, 1000, 1001)
-            decode(model, canvas, strategy, cache)
-            assert not canvas.masked()[:, canvas.gen_start:].any(), (sname, cname)
+            for canvas in decode_in_batches(model, PROMPTS, 16, strategy, lambda: ccls(ccls.Config(**ckw))):
+                assert not canvas.masked()[:, canvas.gen_start:].any(), (sname, cname)
             ran.append((sname, cname))
     assert {("threshold", "d2cache"), ("low_confidence", "dllm"), ("d2c", "d2cache"), ("factor", "dllm")} <= set(ran)
     lc = strategy_class("low_confidence")

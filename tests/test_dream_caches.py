@@ -43,12 +43,11 @@ def test_cached_call_on_unchanged_canvas_equals_full_call(model, name):
 
 
 def test_every_strategy_and_cache_pair_decodes_a_dream_batch(model):
-    """Every registered strategy with every compatible cache runs on a left-padded Dream batch."""
-    from dlm_engine.core.canvas import Canvas
+    """Every registered strategy with every compatible cache runs on a left-padded Dream batch (in batches of its
+    ``max_batch``, as the API feeds it)."""
     from dlm_engine.core.capabilities import incompatibility
-    from dlm_engine.core.loop import decode
 
-    from conftest import batch_cache, small_strategies
+    from conftest import batch_cache, decode_in_batches, small_strategies
 
     load_plugins()
     ran = []
@@ -56,8 +55,8 @@ def test_every_strategy_and_cache_pair_decodes_a_dream_batch(model):
         for cname, ccls in CACHES.items():
             if incompatibility(strategy, ccls()) is not None:
                 continue
-            canvas = Canvas.from_prompts([[406, 710, 869, 657, 230, 402], [432, 865, 699]], 16, 1000, 1001)
-            decode(model, canvas, strategy, batch_cache(cname))
-            assert not canvas.masked()[:, canvas.gen_start:].any(), (sname, cname)
+            for canvas in decode_in_batches(model, [[406, 710, 869, 657, 230, 402], [432, 865, 699]], 16, strategy,
+                                            lambda: batch_cache(cname)):
+                assert not canvas.masked()[:, canvas.gen_start:].any(), (sname, cname)
             ran.append((sname, cname))
     assert ("low_confidence", "dual") in ran and ("dream", "prefix") in ran

@@ -347,3 +347,16 @@ def test_model_info_is_read_once_per_model_and_decode_sets_it(tiny_llada):
     cls = strategy_class("threshold")
     decode(tiny_llada, canvas, cls(cls.Config(block_length=8), GEN))
     assert canvas.model_info is info
+
+
+def test_decode_refuses_a_batch_larger_than_the_strategys_max_batch(tiny_llada):
+    """CadLLM adapts its blocks per sequence (``max_batch = 1``; the API splits batches): a wider canvas handed to the
+    loop directly is a clear error, not a decode whose host decisions follow row 0 only."""
+    cls = strategy_class("cadllm")
+    canvas = Canvas.from_prompts(PROMPTS[3], GEN, int(tiny_llada.config.mask_token_id), 0)
+    with pytest.raises(ValueError, match=r"strategy 'cadllm' decodes at most 1 row\(s\) at a time \(max_batch\)"):
+        decode(tiny_llada, canvas, cls(cls.Config(initial_block_length=8, min_block=4, max_block=8), GEN))
+    assert canvas.step == 0
+    one = Canvas.from_prompts(PROMPTS[1], GEN, int(tiny_llada.config.mask_token_id), 0)
+    decode(tiny_llada, one, cls(cls.Config(initial_block_length=8, min_block=4, max_block=8), GEN))
+    assert not one.masked()[:, one.gen_start:].any()

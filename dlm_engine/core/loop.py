@@ -122,6 +122,9 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
     whatever the strategy asks for (:meth:`Strategy.sync_request`) in a single transfer and hands the values
     to :meth:`Strategy.synced` before the sinks see the delta. Plans decide on those host values alone.
     """
+    if strategy.max_batch is not None and canvas.batch_size > strategy.max_batch:
+        raise ValueError(f"strategy '{strategy.name}' decodes at most {strategy.max_batch} row(s) at a time "
+                         f"(max_batch); this canvas has {canvas.batch_size}: split the batch (decode_batch does)")
     if cache is None:
         cache = cache_class("none")()
     if canvas.model_info is NO_MODEL_INFO or canvas.model_info == NO_MODEL_INFO:
