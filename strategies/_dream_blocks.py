@@ -7,7 +7,6 @@ helpers (``_propose``, ``_k``, ``_pick``, ``_delta``, ``_scatter``).
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Tuple
 
 import numpy as np
@@ -15,7 +14,7 @@ import torch
 
 from dlm_engine.core.canvas import BlockEvent
 from dlm_engine.core.selection import masked_order
-from dlm_engine.core.strategy import masked_after
+from dlm_engine.core.strategy import evolve, masked_after
 
 
 class DreamBlockLoop:
@@ -35,7 +34,7 @@ class DreamBlockLoop:
         rows = proposal.active                                    # the rows whose block has masks
         commit &= rows[:, None]
         return self._delta(canvas, lo, commit, x0, cval.float(), events=ev, active=rows), \
-            dataclasses.replace(st, block_start=False, i=1)
+            evolve(st, block_start=False, i=1)
 
     def _window_masks(self, canvas, plan, proposal, st, block_only: bool):
         """The window's masks of the rows that take part (only the block's with ``block_only``), their flat
@@ -69,7 +68,7 @@ class DreamBlockLoop:
             commit.scatter_(1, idx, keep)
             commit &= mask
         return self._cached_delta(canvas, st, lo, commit, tokens, scores.float(), None, proposal), \
-            dataclasses.replace(st, check=True)
+            evolve(st, check=True)
 
     def _cached_delta(self, canvas, st, lo, commit, tokens, conf, remask, proposal):
         """A cached step's delta. Whether it completed the block is decided on the host (``synced``); every row
@@ -87,7 +86,7 @@ class DreamBlockLoop:
         B = canvas.batch_size
         S = self.steps_per_block
         if st.i == S:                                             # the reference's wasted call
-            nxt = dataclasses.replace(st, block=st.block + 1, block_start=True, i=0)
+            nxt = evolve(st, block=st.block + 1, block_start=True, i=0)
             ev = [BlockEvent("completed", st.block, bs, be)]
             empty = torch.zeros((B, hi - lo), dtype=torch.bool, device=canvas.device)
             return self._delta(canvas, lo, empty, proposal.x0, None, done=nxt.block >= self.num_blocks,
@@ -112,4 +111,4 @@ class DreamBlockLoop:
                 remask = chosen & ~mask & ~canvas.masked()[:, lo:hi] & proposal.active[:, None]
         conf = scores[:, lo - bs:].float()
         return self._cached_delta(canvas, st, lo, commit, tokens, conf, remask, proposal), \
-            dataclasses.replace(st, check=True)
+            evolve(st, check=True)

@@ -30,7 +30,6 @@ and the block loop run per row on batches (the reference supports batch size 1 t
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from enum import Enum
 from typing import Optional, Tuple
@@ -45,7 +44,7 @@ from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.registry import register_strategy
 from dlm_engine.core.sampler import sample_positions, sample_tokens
 from dlm_engine.core.selection import masked_order
-from dlm_engine.core.strategy import CacheDirective, StepPlan, Strategy
+from dlm_engine.core.strategy import CacheDirective, StepPlan, Strategy, evolve
 from dlm_engine.errors import ConfigError
 from dlm_engine.strategies._dream_blocks import DreamBlockLoop
 
@@ -175,18 +174,18 @@ class Dream(DreamBlockLoop, Strategy):
         if self.cfg.block_length is not None:
             nb = self.num_blocks
             blocks = host_rows(ints[:B * nb], B)
-            st = dataclasses.replace(st, blocks=blocks, win=tuple(ints[B * nb:B * nb + B]),
+            st = evolve(st, blocks=blocks, win=tuple(ints[B * nb:B * nb + B]),
                                      inner=tuple(ints[B * nb + B:]))
             if not st.check:
                 return st
             bs, be = self._block(canvas, st.block)
             if any(row[st.block] for row in blocks):
-                return dataclasses.replace(st, i=st.i + 1, check=False)
+                return evolve(st, i=st.i + 1, check=False)
             delta.block_events.append(BlockEvent("completed", st.block, bs, be))
-            return dataclasses.replace(st, block=st.block + 1, block_start=True, i=0, check=False)
+            return evolve(st, block=st.block + 1, block_start=True, i=0, check=False)
         if st.lo is None:
             lo, masks = ints[0], tuple(ints[1:])
-            st = dataclasses.replace(st, lo=lo, masks=masks)
+            st = evolve(st, lo=lo, masks=masks)
             if self.cfg.alg != Alg.confidence_threshold:
                 return st
             if any(n % self.steps for n in masks):
@@ -194,12 +193,12 @@ class Dream(DreamBlockLoop, Strategy):
                                   f"({list(masks)}) must be divisible by strategy.steps={self.steps}")
             dev = canvas.device
             quota = host_tensor([n // self.steps for n in masks], torch.long, dev)
-            return dataclasses.replace(st, steps_row=torch.full((B,), self.steps, dtype=torch.long, device=dev),
+            return evolve(st, steps_row=torch.full((B,), self.steps, dtype=torch.long, device=dev),
                                        quota=quota, carry=torch.zeros_like(quota),
                                        kmax=max(n // self.steps for n in masks), steps_max=self.steps)
-        st = dataclasses.replace(st, masks=tuple(ints[:B]))
+        st = evolve(st, masks=tuple(ints[:B]))
         if st.steps_row is not None:
-            st = dataclasses.replace(st, kmax=ints[B], steps_max=ints[B + 1])
+            st = evolve(st, kmax=ints[B], steps_max=ints[B + 1])
         return st
 
     # -- plan ------------------------------------------------------------------------------------------
@@ -290,7 +289,7 @@ class Dream(DreamBlockLoop, Strategy):
         order = masked_order(mask, M)
         mask_logits = proposal.logits.reshape(B * W, -1).index_select(0, order)   # [M, V] row-major, as logits[mask_index]
         i, mid = st.i, canvas.mask_id
-        nxt = dataclasses.replace(st, i=st.i + 1)
+        nxt = evolve(st, i=st.i + 1)
         done = nxt.i >= self.steps
         if c.alg == Alg.origin:
             p_transfer = float(1 - self.ts[i + 1] / self.ts[i]) if i < self.steps - 1 else 1
@@ -363,7 +362,7 @@ class Dream(DreamBlockLoop, Strategy):
         grow = last & (rejected > 0)
         # the reference tests ``i == steps - 1`` per rejected position after growing steps by one, so
         # only the first rejection of a last step extends the budget (one more step, then test again)
-        nxt = dataclasses.replace(st, i=st.i + 1, carry=torch.where(active, rejected, st.carry),
+        nxt = evolve(st, i=st.i + 1, carry=torch.where(active, rejected, st.carry),
                                   quota=torch.where(grow, torch.zeros_like(st.quota), st.quota),
                                   steps_row=st.steps_row + grow.long())
         done_rows = nxt.i >= nxt.steps_row

@@ -15,7 +15,6 @@ decoded (the rest of the row becomes EOS) and stops decoding when every row has 
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from enum import Enum
 from typing import Optional, Tuple
@@ -28,7 +27,7 @@ from dlm_engine.core.blockwise import block_counts, counts_after, fresh_block_co
 from dlm_engine.core.canvas import BlockEvent
 from dlm_engine.core.selection import host_schedule, topk_commit
 from dlm_engine.core.strategy import (BlockCursor, CacheDirective, Remasking, StepPlan, Strategy, block_range,
-                                      candidates)
+                                      candidates, evolve)
 
 
 class Confidence(str, Enum):
@@ -96,7 +95,7 @@ class LowConfidence(Strategy):
         s, e = block_range(canvas, cur.block, self.block_length)
         left = [row[cur.block] for row in st.counts]
         if cur.step == 0:
-            st = dataclasses.replace(st, schedule=host_schedule(left, self.steps_per_block))
+            st = evolve(st, schedule=host_schedule(left, self.steps_per_block))
         rows = None
         if c.loop == Loop.fastdllm and not all(left):   # rows whose block is full sit the step out
             rows = [n > 0 for n in left]
@@ -125,7 +124,7 @@ class LowConfidence(Strategy):
         # commits are masked positions of the block and nothing else changes the canvas unless an EOS stop
         # widens the delta: then the canvas is recounted
         done_n = None if c.stop_at_eos else n
-        return eos_stop(c, canvas, delta), dataclasses.replace(st, cursor=nxt, committed=done_n,
+        return eos_stop(c, canvas, delta), evolve(st, cursor=nxt, committed=done_n,
                                                                committed_block=cur.block)
 
     def sync_request(self, canvas, st: Schedule):
@@ -139,11 +138,11 @@ class LowConfidence(Strategy):
             counts = host_rows(values, canvas.batch_size)
         else:
             counts = counts_after(st.counts, st.committed_block, values)
-        st = dataclasses.replace(st, counts=counts, all_finished=all(canvas.finished_host), committed=None)
+        st = evolve(st, counts=counts, all_finished=all(canvas.finished_host), committed=None)
         cur = st.cursor
         if (delta is not None and self.cfg.loop == Loop.fastdllm and cur.block < self.num_blocks
                 and not any(row[cur.block] for row in counts)):
             s, e = block_range(canvas, cur.block, self.block_length)
             delta.block_events.append(BlockEvent("completed", cur.block, s, e))
-            st = dataclasses.replace(st, cursor=BlockCursor(cur.block + 1, 0))
+            st = evolve(st, cursor=BlockCursor(cur.block + 1, 0))
         return st
