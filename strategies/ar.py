@@ -41,12 +41,11 @@ class AR(D2C):
         run = block_cand & ((after > block_cand).cumsum(-1) == 0)
         if c.threshold is None and not c.ar_respect_ntt:
             return run, st                                    # the whole run (quirk 9)
-        n = run.sum(-1)
+        # the run's first ``count`` positions, count = min(max(lead, ntt), |run|) with a threshold (lead: the
+        # leading run positions scoring >= threshold), else min(ntt, |run|). Rank r in the run is taken when r <= ntt
+        # or r <= lead -- which is the position coming before the first one (from the first candidate on) below
+        # threshold: no count is summed
+        take = run.cumsum(-1) <= c.num_transfer_tokens
         if c.threshold is not None:
-            # the leading run positions before the first one (from the first candidate on) scoring below threshold
-            fail = after > (scores >= c.threshold)
-            lead = (run & (fail.cumsum(-1) == 0)).sum(-1)
-            count = torch.minimum(torch.clamp(lead, min=c.num_transfer_tokens), n)
-        else:
-            count = torch.clamp(n, max=c.num_transfer_tokens)
-        return run & (run.cumsum(-1) <= count[:, None]), st     # the run's first ``count`` positions
+            take |= (after > (scores >= c.threshold)).cumsum(-1) == 0
+        return run & take, st

@@ -293,18 +293,27 @@ class D2C(Strategy):
         AR); ``counts``: the
         block's candidates per call row when known on the host (None when a cache may have left some out)."""
         c = self.cfg
-        # the block's own samples as the scores are -inf outside ``block_cand`` already (no masking op)
-        ranked = isinstance(sampled, BlockSampled) and scores is sampled.confidence
         commit = d2c_commit(scores, block_cand, c.num_transfer_tokens, counts=counts, threshold=c.threshold,
                             factor=c.factor, gamma=c.gamma, probs=sampled.probs, eb_over_ranks=c.eb_cummax_over_ranks,
-                            ranked=ranked)
+                            ranked=self.ranked(scores, cand, block_cand, sampled))
         return commit, st
 
+    @staticmethod
+    def ranked(scores, cand, block_cand, sampled: Sampled) -> bool:
+        """Whether ``scores`` is ``-inf`` outside ``block_cand`` already, so that a rule ranks it as it is (no
+        masking op): they are the step's confidences (:meth:`select` leaves them ``-inf`` outside ``cand``, no
+        certainty prior applied) and either the block's own samples or the block spans every candidate
+        (``block_cand is cand``)."""
+        return scores is sampled.confidence and (isinstance(sampled, BlockSampled) or block_cand is cand)
+
     def block_mask(self, st: BlockState, G: int, device) -> BlockState:
-        """The state holding the ``[G]`` columns of its block (made once per block)."""
-        if st.blk_of == st.block and st.blk is not None:
+        """The state holding the ``[G]`` columns of its block (made once per block); None when the block is the
+        whole generation (one block: the candidates need no masking)."""
+        if st.blk_of == st.block:
             return st
         a, b = self.block_cols(st.block)
+        if a == 0 and b >= G:
+            return evolve(st, blk=None, blk_of=st.block)
         blk = torch.zeros(G, dtype=torch.bool, device=device)
         blk[a:b].fill_(True)
         return evolve(st, blk=blk, blk_of=st.block)
@@ -318,10 +327,10 @@ class D2C(Strategy):
         cand = masked if (proposal.valid is None or not c.restrict_to_computed_logits) else masked & proposal.valid
         B_a, G, V = proposal.logits.shape
         st = self.block_mask(self.frequencies(canvas, st, V), G, cand.device)
-        block_cand = cand & st.blk
+        block_cand = cand if st.blk is None else cand & st.blk      # (not in place below: it may be ``cand``)
         if c.stop_until_eos:
             elig = self.eligible(canvas, masked_all)
-            block_cand &= elig if every else elig[rows]
+            block_cand = block_cand & (elig if every else elig[rows])
         counts = plan.info["counts"] if cand is masked else None
         n = None if counts is None else sum(counts)
         if n is not None and (B_a * G - n) * V >= sampler.SCORED_MIN_SAVING and self.block_scores_suffice(proposal):
@@ -330,20 +339,22 @@ class D2C(Strategy):
         else:
             sampled = self.sample(proposal.logits, cand, st, self.sample_from(st, proposal))
             conf = torch.where(cand, sampled.confidence, float("-inf"))
+            sampled.confidence = conf                    # (this step's own result) what pick ranks: see ranked
         scores = conf * certainty_density(~masked, c.sigma) if c.sigma else conf
         commit_a, st = self.pick(scores, cand, block_cand, sampled, st, rows, counts)
-        delta, after = self.frame(canvas, rows, commit_a, sampled.x0, conf, masked_all)
-        committed = delta.commit.sum(-1)
+        delta, committed, only_commits = self.frame(canvas, rows, commit_a, sampled.x0, conf, masked_all, st.counts)
         delta.scalars.update(block=st.block, committed=committed)
-        # the block ends in synced, on the host read; ``after`` (the fast path) says the commits were all that
-        # changed the eligible positions
-        return delta, evolve(st, step=st.step + 1, committed=committed if after is not None else None,
+        # the block ends in synced, on the host read; ``only_commits`` (the fast path) says the commits were all
+        # that changed the eligible positions
+        return delta, evolve(st, step=st.step + 1, committed=committed if only_commits else None,
                              committed_step=delta.step)
 
-    def frame(self, canvas, rows, commit_a, x0_a, conf_a, masked: Optional[torch.Tensor] = None):
-        """``(delta, after)``: the full-batch delta over the generation from the call rows' commits, tokens and
-        confidences (``rows`` None: the call ran every row), and the eligible positions once it is applied when
-        they come cheaply (``masked``: the generation's masked positions before it; else None)."""
+    def frame(self, canvas, rows, commit_a, x0_a, conf_a, masked: Optional[torch.Tensor] = None, counts=()):
+        """``(delta, committed, only_commits)``: the full-batch delta over the generation from the call rows'
+        commits, tokens and confidences (``rows`` None: the call ran every row), its commits per row, and whether
+        they were all that changed the eligible positions (``masked``: the generation's masked positions before
+        it, given when the fast path may apply; ``counts``: the host's masked positions per row and block then,
+        which can tell the finished rows without a reduction)."""
         g, B, dev = canvas.gen_start, canvas.batch_size, canvas.device
         conf_a = conf_a if conf_a.dtype == torch.float32 else conf_a.float()
         if rows is None:
@@ -360,12 +371,18 @@ class D2C(Strategy):
         c = self.cfg
         if masked is None or c.eos_fill or c.stop_until_eos or any(canvas.finished_host):
             delta.finished = torch.zeros(B, dtype=torch.bool, device=dev)
-            return self.finish(canvas, delta), None
+            delta = self.finish(canvas, delta)
+            return delta, delta.commit.sum(-1), False
         # no row was finished before this step, and nothing but the commits changes what is left (no EOS rule):
-        # a row finishes when no masked position remains
-        after = masked & ~commit
-        delta.finished = ~after.any(-1)
-        return delta, after
+        # a row finishes when no masked position remains. The commits are masked positions, so with the same
+        # number left in every row (on the host: the eligible ones are the masked ones here) that is a count
+        committed = commit.sum(-1)
+        left = [sum(row) for row in counts]
+        if len(left) == B and all(n == left[0] for n in left):
+            delta.finished = committed == left[0]
+        else:
+            delta.finished = ~(masked > commit).any(-1)          # (masked > commit: masked and not committed)
+        return delta, committed, True
 
     def finish(self, canvas, delta: FrameDelta) -> FrameDelta:
         """Mark rows with nothing left to decode finished (with ``eos_fill``, fill what follows an EOS)."""

@@ -97,10 +97,16 @@ class Klass(D2C):
         kl = torch.sub(log_p, prev_log).mul_(p64).sum(-1)               # [B_a, Lb]: sum p (log p - log prev)
         run = torch.where(kl < c.kl_threshold, run + 1, 0)              # (NaN: not below)
         stable = run >= c.kl_history_length
+        ranked = self.ranked(scores, cand, block_cand, sampled)       # scores -inf outside block_cand already
         if c.threshold is not None:
             # d2c_commit(scores, pool, 0, threshold=t) is pool & (scores >= t), pool the block's stable candidates
-            chosen = block_cand & (scores >= c.threshold)
-            chosen[:, a:b] &= stable
+            # (a threshold in [0, 1]: -inf never passes)
+            chosen = scores >= c.threshold if ranked else block_cand & (scores >= c.threshold)
+            if a == 0 and b == chosen.shape[1]:
+                chosen &= stable
+            else:
+                blk = chosen[:, a:b]                                   # (a view: and-ed in place, no copy back)
+                blk &= stable
         else:
             pool = torch.zeros_like(block_cand)
             pool[:, a:b] = block_cand[:, a:b] & stable
@@ -108,7 +114,7 @@ class Klass(D2C):
                 chosen = pool
             else:
                 chosen = d2c_commit(scores, pool, 0, threshold=c.threshold, factor=c.factor)
-        fallback = d2c_commit(scores, block_cand, c.num_transfer_tokens, counts=counts)
+        fallback = d2c_commit(scores, block_cand, c.num_transfer_tokens, counts=counts, ranked=ranked)
         commit = torch.where(chosen.any(-1, keepdim=True), chosen, fallback)
         if not every:
             run, log_p = st.run.index_copy(0, rows, run), st.previous_log.index_copy(0, rows, log_p)
