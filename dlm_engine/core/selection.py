@@ -272,30 +272,58 @@ def d2c_commit(scores: torch.Tensor, cand: torch.Tensor, min_tt: int, max_tt=Non
         picked = c >= threshold if isinstance(threshold, (int, float)) and threshold > NEG_INF else cand & (c >= threshold)
         top = topk_rows(c, base)
         return torch.where(_fewer(picked, base), top, picked)
+    if threshold is not None and host:
+        return _capped_threshold(c, cand, threshold, M, mx, base)
     if threshold is not None:
         picked = cand & (c >= threshold)
         n = picked.sum(-1)
-        mx_t = _ints(mx, c.device)                      # (one copy of the host numbers for both uses)
-        over = n > mx_t
-        if host:   # the count is max when too many pass, else min(min_tt, max): both known, pick per row
-            k_over, k_base = lo(M, mx), lo(M, base)
-            num = torch.where(over, mx_t, _ints(base, c.device))
-            top = torch.where(over[:, None], topk_rows(c, k_over), topk_rows(c, k_base))
-        else:
-            num = torch.where(over, mx, base)
-            top = topk_rows(c, torch.minimum(M, num))
+        over = n > mx
+        num = torch.where(over, mx, base)
+        top = topk_rows(c, torch.minimum(M, num))
         picked = picked & ~over[:, None]
         return torch.where((picked.sum(-1) < num)[:, None], top, picked)
     if factor is not None:
-        n1 = (_factor_count(c, cand, factor) - 1).clamp_min(0)
-        picked = topk_rows(c, torch.minimum(n1, _ints(mx, c.device)))
+        picked = topk_rows(c, _clamped(_factor_count(c, cand, factor) - 1, 0, mx))
         top = topk_rows(c, lo(M, base))
         return torch.where(_fewer(picked, base), top, picked)
     if gamma is not None:
-        k = torch.minimum(eb_count(c, probs, gamma, eb_over_ranks).clamp_min(min_tt), _ints(mx, c.device))
-        return topk_rows(c, k if max_tt is None else torch.minimum(_ints(M, c.device), k))   # (mx is M without max_tt)
+        hi = mx if max_tt is None else lo(M, mx)        # (mx is M without max_tt)
+        return topk_rows(c, _clamped(eb_count(c, probs, gamma, eb_over_ranks), min_tt, hi))
     # the fixed rate: min(min_tt, max) top candidates (without max_tt, base is that already)
     return topk_rows(c, base if max_tt is None else lo(M, base))
+
+
+def _capped_threshold(c: torch.Tensor, cand: torch.Tensor, threshold, M: Sequence[int], mx: Sequence[int],
+                      base: Sequence[int]) -> torch.Tensor:
+    """:func:`d2c_commit`'s threshold rule with a cap and the counts on the host (``M``: candidates, ``mx``: the
+    cap, ``base``: ``min(min_tt, mx)``, per row; ``c`` is ``-inf`` outside ``cand``): the top ``min(M, mx)`` when
+    more than ``mx`` pass, the top ``min(M, base)`` when fewer than ``base`` do, else the passing ones. The counts
+    are compared with the number passing as host numbers (one Python int when every row has the same: no
+    host-made tensor at batch 1) and one top-k serves both cases when their sizes agree -- the general form's
+    picks (ties included) in about half its tensor ops."""
+    picked = c >= threshold if isinstance(threshold, (int, float)) and threshold > NEG_INF else cand & (c >= threshold)
+    n = picked.sum(-1, keepdim=True)
+    k_over, k_base = [min(a, b) for a, b in zip(M, mx)], [min(a, b) for a, b in zip(M, base)]
+    top_over = topk_rows(c, k_over)
+    top_base = top_over if k_base == k_over else topk_rows(c, k_base)
+    return torch.where(n > _per_row(mx, c.device), top_over,
+                       torch.where(n < _per_row(base, c.device), top_base, picked))
+
+
+def _per_row(values: Sequence[int], device):
+    """Per-row host numbers as one Python int when every row has the same (a batch of one: no copy), else a
+    ``[B, 1]`` device tensor."""
+    if all(v == values[0] for v in values):
+        return values[0]
+    return host_tensor([[v] for v in values], torch.long, device)
+
+
+def _clamped(x: torch.Tensor, low: int, high) -> torch.Tensor:
+    """``minimum(x.clamp_min(low), high)`` (``high``: per-row counts on the host or the device): one clamp when
+    every row has the same host number (a clamp whose min exceeds its max gives the max, as the minimum does)."""
+    if not torch.is_tensor(high) and all(v == high[0] for v in high):
+        return x.clamp(low, high[0])
+    return torch.minimum(x.clamp_min(low), _ints(high, x.device))
 
 
 def _ints(values, device) -> torch.Tensor:
