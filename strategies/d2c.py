@@ -88,6 +88,8 @@ class BlockState:
     blk_of: int = -1
     committed: Optional[torch.Tensor] = None
     committed_step: int = -1
+    # views of the canvas' generated columns: (tokens, step_of, tokens[:, g:], step_of[:, g:]), see gen_views
+    views: Tuple[torch.Tensor, ...] = ()
 
 
 class BlockSampled(Sampled):
@@ -318,11 +320,23 @@ class D2C(Strategy):
         blk[a:b].fill_(True)
         return evolve(st, blk=blk, blk_of=st.block)
 
+    @staticmethod
+    def gen_views(canvas, st: BlockState) -> BlockState:
+        """The state holding views of the canvas' generated token and step_of columns (``st.views[2:]``), made
+        once per canvas tensor: :meth:`Canvas.apply` writes those tensors in place, so the views stay current
+        and a step slices neither."""
+        v = st.views
+        if v and v[0] is canvas.tokens and v[1] is canvas.step_of:
+            return st
+        g = canvas.gen_start
+        return evolve(st, views=(canvas.tokens, canvas.step_of, canvas.tokens[:, g:], canvas.step_of[:, g:]))
+
     def select(self, canvas, plan, proposal, st: BlockState):
-        c, g = self.cfg, canvas.gen_start
+        c = self.cfg
         rows = proposal.rows                             # None: the call ran every row (no gathers and scatters)
         every = rows is None
-        masked_all = canvas.step_of[:, g:] < 0           # canvas.masked() of the generation
+        st = self.gen_views(canvas, st)
+        masked_all = st.views[3] < 0                     # canvas.masked() of the generation
         masked = masked_all if every else masked_all[rows]
         cand = masked if (proposal.valid is None or not c.restrict_to_computed_logits) else masked & proposal.valid
         B_a, G, V = proposal.logits.shape
@@ -342,24 +356,27 @@ class D2C(Strategy):
             sampled.confidence = conf                    # (this step's own result) what pick ranks: see ranked
         scores = conf * certainty_density(~masked, c.sigma) if c.sigma else conf
         commit_a, st = self.pick(scores, cand, block_cand, sampled, st, rows, counts)
-        delta, committed, only_commits = self.frame(canvas, rows, commit_a, sampled.x0, conf, masked_all, st.counts)
+        delta, committed, only_commits = self.frame(canvas, rows, commit_a, sampled.x0, conf, masked_all, st)
         delta.scalars.update(block=st.block, committed=committed)
         # the block ends in synced, on the host read; ``only_commits`` (the fast path) says the commits were all
         # that changed the eligible positions
         return delta, evolve(st, step=st.step + 1, committed=committed if only_commits else None,
                              committed_step=delta.step)
 
-    def frame(self, canvas, rows, commit_a, x0_a, conf_a, masked: Optional[torch.Tensor] = None, counts=()):
+    def frame(self, canvas, rows, commit_a, x0_a, conf_a, masked: Optional[torch.Tensor] = None,
+              st: Optional[BlockState] = None):
         """``(delta, committed, only_commits)``: the full-batch delta over the generation from the call rows'
         commits, tokens and confidences (``rows`` None: the call ran every row), its commits per row, and whether
         they were all that changed the eligible positions (``masked``: the generation's masked positions before
-        it, given when the fast path may apply; ``counts``: the host's masked positions per row and block then,
-        which can tell the finished rows without a reduction)."""
+        it, given when the fast path may apply; ``st``: the step's state, whose host counts (masked positions per
+        row and block then) can tell the finished rows without a reduction, and whose views (:meth:`gen_views`)
+        give the generation's tokens)."""
         g, B, dev = canvas.gen_start, canvas.batch_size, canvas.device
         conf_a = conf_a if conf_a.dtype == torch.float32 else conf_a.float()
         if rows is None:
             commit, active = commit_a, canvas.every_row()
-            tokens, conf = torch.where(commit_a, x0_a, canvas.tokens[:, g:]), conf_a
+            gen = st.views[2] if st is not None and st.views else canvas.tokens[:, g:]
+            tokens, conf = torch.where(commit_a, x0_a, gen), conf_a
         else:
             commit = full_batch(commit_a, rows, B, False)
             tokens = canvas.tokens[:, g:].clone()
@@ -377,7 +394,7 @@ class D2C(Strategy):
         # a row finishes when no masked position remains. The commits are masked positions, so with the same
         # number left in every row (on the host: the eligible ones are the masked ones here) that is a count
         committed = commit.sum(-1)
-        left = [sum(row) for row in counts]
+        left = [sum(row) for row in st.counts] if st is not None else []
         if len(left) == B and all(n == left[0] for n in left):
             delta.finished = committed == left[0]
         else:
