@@ -7,6 +7,7 @@ more tokens per step. Block loop as ``threshold``.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from dlm_engine.core.blockwise import FillBlocks, FillBlocksConfig
@@ -29,5 +30,12 @@ class Factor(FillBlocks):
         if f is None or not float(f) > 0:
             raise ConfigError(f"strategy.factor={f} must be > 0")
 
+    def select(self, canvas, plan, proposal, st):
+        """The block's masked positions per row are its candidates' number only when the call computed every
+        column (no ``valid``): otherwise the rule counts the candidates on the device."""
+        if proposal.valid is not None:
+            plan = dataclasses.replace(plan, info={**plan.info, "counts": None})
+        return super().select(canvas, plan, proposal, st)
+
     def rule(self, conf, cand, cur, span=None, counts=None):
-        return factor_commit(conf, cand, float(self.cfg.factor), span)
+        return factor_commit(conf, cand, float(self.cfg.factor), span, counts)

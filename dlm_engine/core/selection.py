@@ -136,22 +136,30 @@ def threshold_commit(conf: torch.Tensor, cand: torch.Tensor, tau, span: Optional
 
 
 def factor_commit(conf: torch.Tensor, cand: torch.Tensor, factor: float,
-                  span: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+                  span: Optional[Tuple[int, int]] = None, counts: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Fast-dLLM factor rule: the longest ranking prefix with ``c_(n) >= 1 - f/(n+1)`` for ranks n >= 2.
 
     Reproduces the reference's off-by-one: when the first failing rank is the last candidate, every
-    candidate is committed.
+    candidate is committed. The ranking is the stable descending sort of the reference's row (``span``, see
+    :func:`ranked_row`; exact ties break towards the lower position, as :func:`topk_commit` with a device count
+    picks): one sort gives both the sorted scores and the order, and rank ``j`` is committed iff no rank up to
+    ``j`` fails, the last candidate's rank exempt (the same set as the reference's top ``k``, ``k`` the first
+    failing rank or every candidate; a rank past the candidates holds ``-inf`` and fails). ``counts``: the
+    candidates per row, known on the host; when every row has the same number the exempt rank is in the cached
+    thresholds, otherwise it is found on the device.
     """
-    B, W = conf.shape
-    M = cand.sum(dim=-1)                                             # [B]
-    sorted_conf = torch.sort(masked_conf(conf, cand), dim=-1, descending=True).values
-    ranks, thresh = _factor_thresholds(W, float(factor), conf.dtype, conf.device)
-    fails = (sorted_conf < thresh) & (ranks <= M[:, None])
-    has_fail = fails.any(dim=-1)
-    first = torch.where(has_fail, fails.float().argmax(dim=-1) + 1, 0)  # 1-based rank
-    k = torch.where(has_fail & (first <= M - 1), first - 1, M)
-    k = torch.where(M == 1, 1, k)
-    return topk_commit(conf, cand, k, span)
+    W = conf.shape[1]
+    row, off = ranked_row(conf, cand, span)
+    scores, order = torch.sort(row, dim=-1, descending=True, stable=True)
+    if counts is not None and all(m == counts[0] for m in counts):
+        _, thresh = _factor_thresholds(row.shape[1], float(factor), conf.dtype, conf.device, int(counts[0]) - 1)
+        fails = scores < thresh
+    else:
+        ranks, thresh = _factor_thresholds(row.shape[1], float(factor), conf.dtype, conf.device)
+        fails = (scores < thresh).logical_and_(ranks != cand.sum(-1, keepdim=True))     # rank M (1-based) exempt
+    take = fails.cumsum(-1) == 0                       # no failing rank up to this one
+    commit = torch.zeros_like(row, dtype=torch.bool).scatter_(1, order, take)
+    return (commit if row.shape[1] == W else commit[:, off:off + W]) & cand
 
 
 @functools.lru_cache(maxsize=64)
@@ -160,15 +168,20 @@ def column_indices(W: int, device: torch.device) -> torch.Tensor:
     return torch.arange(W, device=device)[None, :]
 
 
-@functools.lru_cache(maxsize=64)
-def _factor_thresholds(W: int, factor: float, dtype: torch.dtype, device: torch.device):
+@functools.lru_cache(maxsize=1024)
+def _factor_thresholds(W: int, factor: float, dtype: torch.dtype, device: torch.device, exempt: int = -1):
     """``(ranks [1, W] float64, thresholds [1, W] in dtype)`` of the factor rule: ``1 - f / (n + 1)`` for rank
     ``n``, ``-1`` for the first (it always passes). Compared in the confidences' dtype, as torch compares them
-    with the reference's Python-float thresholds. The same for every step of a decode, so made once (read only)."""
+    with the reference's Python-float thresholds. ``exempt`` (a 0-based rank, the last candidate's when the host
+    knows it; -1: none): its threshold is ``-inf``, which no score fails (NaN included). The same for every step
+    of a decode with that many candidates, so made once (read only)."""
     ranks = torch.arange(1, W + 1, device=device, dtype=torch.float64)
     thresh = 1.0 - (factor / (ranks + 1.0))
     thresh[0] = -1.0
-    return ranks[None, :], thresh.to(dtype)[None, :]
+    thresh = thresh.to(dtype)
+    if exempt >= 0:
+        thresh[exempt] = NEG_INF
+    return ranks[None, :], thresh[None, :]
 
 
 # -- the d2Cache framework's rules (docs/specs/d2cache.md §6): per row, at least ``min_tt`` commits -------------
