@@ -10,7 +10,6 @@ at generation positions before decoding (they count as given: never candidates, 
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -20,10 +19,10 @@ from dlm_engine.core.canvas import FrameDelta
 from dlm_engine.core.devices import host_tensor
 from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.registry import register_strategy
-from dlm_engine.core.blockwise import block_counts, fresh_block_counts, host_rows
+from dlm_engine.core.blockwise import block_counts, counts_after, fresh_block_counts, host_rows
 from dlm_engine.core.selection import host_schedule, topk_commit
 from dlm_engine.core.strategy import (BlockCursor, CacheDirective, Remasking, StepPlan, Strategy, block_range,
-                                      candidates)
+                                      candidates, evolve)
 from dlm_engine.errors import ConfigError
 
 PHASES = ((0.33, "early"), (0.67, "mid"), (float("inf"), "late"))
@@ -52,6 +51,11 @@ class ExitState:
     schedule: Tuple[Tuple[int, ...], ...] = ()    # the current block's transfer schedule per row (host)
     counts: Tuple[Tuple[int, ...], ...] = ()      # last host read: masked positions per row and block
     all_exited: bool = False                      # last host read: every row went all-in
+    any_exited: bool = False                      # last host read: some row went all-in
+    # the last step's (block, commits per row [B] on the device) when they were all masked positions of that block
+    # (or, for a row that went all-in, all of its masked positions): the next host read takes them instead of
+    # recounting the canvas (None: recount)
+    committed: Optional[Tuple[int, torch.Tensor]] = None
 
 
 @register_strategy("early_exit", EarlyExitConfig)
@@ -107,8 +111,7 @@ class EarlyExit(Strategy):
             return None, st
         s, e = block_range(canvas, cur.block, self.block_length)
         if cur.step == 0:
-            st = dataclasses.replace(st, schedule=host_schedule([row[cur.block] for row in st.counts],
-                                                                self.steps_per_block))
+            st = evolve(st, schedule=host_schedule([row[cur.block] for row in st.counts], self.steps_per_block))
         c = self.cfg
         if self.answer_window is None:      # LLaDA's loop: the block is all a step needs
             window, masked = (s, e), [row[cur.block] for row in st.counts]
@@ -122,6 +125,8 @@ class EarlyExit(Strategy):
                         masked=masked, info={"k": [sch[cur.step] for sch in st.schedule]}), st
 
     def sync_request(self, canvas, st: ExitState):
+        if st.committed is not None:          # the step's commits and the exit flags: one cat (cat promotes)
+            return torch.cat([st.committed[1], st.exited])
         return torch.cat([block_counts(canvas, self.block_length).reshape(-1), st.exited.reshape(-1)])
 
     def fresh_values(self, canvas, st: ExitState):
@@ -129,7 +134,14 @@ class EarlyExit(Strategy):
 
     def synced(self, canvas, st: ExitState, values, delta):
         B = canvas.batch_size
-        return dataclasses.replace(st, counts=host_rows(values[:-B], B), all_exited=all(values[-B:]))
+        exited = values[-B:]
+        if st.committed is None:
+            counts = host_rows(values[:-B], B)
+        else:                                 # a row that went all-in has no masked position left
+            block, _ = st.committed
+            counts = tuple((0,) * len(row) if x else row for row, x in
+                           zip(counts_after(st.counts, block, values[:B]), exited))
+        return evolve(st, counts=counts, all_exited=all(exited), any_exited=any(exited), committed=None)
 
     def phase_threshold(self, global_step: int) -> float:
         q = global_step / self.steps
@@ -137,13 +149,13 @@ class EarlyExit(Strategy):
         return float(getattr(self.cfg, f"{name}_threshold"))
 
     def answer_gap(self, logits: torch.Tensor) -> torch.Tensor:
-        """Mean top-1 minus top-2 raw logit over the answer window ([B], float64, summed in order)."""
+        """Mean top-1 minus top-2 raw logit over the answer window ([B], float64, summed in order from 0.0)."""
         lo, hi = self.answer_window
-        top2 = torch.topk(logits[:, lo:hi], 2, dim=-1).values
-        diff = (top2[..., 0] - top2[..., 1]).to(torch.float64)       # differences in model dtype
-        total = torch.zeros_like(diff[:, 0])
-        for j in range(hi - lo):                                     # <= answer_length, sequential as the reference
-            total = total + diff[:, j]
+        first, second = torch.topk(logits[:, lo:hi], 2, dim=-1).values.unbind(-1)
+        diffs = (first - second).to(torch.float64).unbind(-1)        # differences in model dtype
+        total = diffs[0] + 0.0                   # 0.0 + d, as the reference's sum starts (-0.0 becomes 0.0)
+        for d in diffs[1:]:                      # <= answer_length, sequential as the reference
+            total = total + d
         return total / (hi - lo)
 
     def select(self, canvas, plan, proposal, st: ExitState):
@@ -151,18 +163,29 @@ class EarlyExit(Strategy):
         s, e = block_range(canvas, cur.block, self.block_length)
         cand = candidates(canvas, proposal, e)
         commit = topk_commit(proposal.confidence, cand, plan.info["k"], proposal.row_span)
-        scalars = {"block": cur.block, "committed": commit.sum(-1)}
         exited = st.exited
-        if self.answer_window is not None:
+        if self.answer_window is None:
+            scalars = {"block": cur.block, "committed": commit.sum(-1)}
+        else:
             gap = self.answer_gap(proposal.logits)
             thr = self.phase_threshold(canvas.step + 1)
-            fire = (gap >= thr) & ~exited
-            all_in = canvas.masked()[:, canvas.gen_start:] & fire[:, None]
-            commit = torch.where(fire[:, None], all_in, commit)
-            exited = exited | fire
-            scalars.update(gap=gap, exit_threshold=thr, exit=fire, committed=commit.sum(-1))
+            if st.any_exited:
+                fire = (gap >= thr) & ~exited
+                exited = exited | fire
+            else:                               # no row went all-in before (the last host read): no flag to mask
+                fire = exited = gap >= thr
+            # the window is the generation: in the last block, without left-out columns, its candidates are all
+            # of its masked positions
+            last = e >= canvas.length and proposal.valid is None
+            masked = cand if last else canvas.masked()[:, canvas.gen_start:]
+            commit = torch.where(fire[:, None], masked, commit)     # all-in: every masked position
+            scalars = {"block": cur.block, "committed": commit.sum(-1), "gap": gap, "exit_threshold": thr,
+                       "exit": fire}
         done = cur.step + 1 >= self.steps_per_block
         nxt, events = cur.advance((s, e), done)
         delta = self.delta(canvas, proposal, commit, events=events, scalars=scalars, committed=scalars["committed"],
                            masked_left=[sum(row) for row in st.counts])      # commits are masked positions only
-        return delta, dataclasses.replace(st, cursor=nxt, exited=exited)
+        # with every column computed, the commits are masked positions of the block (earlier blocks are full:
+        # each of their steps committed its scheduled number), or every masked position of a row that went all-in
+        committed = (cur.block, scalars["committed"]) if proposal.valid is None else None
+        return delta, evolve(st, cursor=nxt, exited=exited, committed=committed)
