@@ -10,6 +10,7 @@ at generation positions before decoding (they count as given: never candidates, 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -26,6 +27,13 @@ from dlm_engine.core.strategy import (BlockCursor, CacheDirective, Remasking, St
 from dlm_engine.errors import ConfigError
 
 PHASES = ((0.33, "early"), (0.67, "mid"), (float("inf"), "late"))
+
+
+@functools.lru_cache(maxsize=64)
+def _first_columns(width: int, n: int, device: torch.device) -> torch.Tensor:
+    """``[1, width]`` bool, True on the first ``n`` columns: the generation's columns before a block's end (made
+    once per block and device; read only)."""
+    return torch.arange(width, device=device)[None, :] < n
 
 
 @dataclass
@@ -161,7 +169,17 @@ class EarlyExit(Strategy):
     def select(self, canvas, plan, proposal, st: ExitState):
         cur = st.cursor
         s, e = block_range(canvas, cur.block, self.block_length)
-        cand = candidates(canvas, proposal, e)
+        if self.answer_window is None:
+            cand = candidates(canvas, proposal, e)
+        else:
+            # the window is the generation: its masked positions are the all-in commit, those before the block's
+            # end (and computed) the candidates
+            masked = canvas.step_of[:, canvas.gen_start:] < 0
+            cand = masked
+            if e < canvas.length:
+                cand = masked & _first_columns(masked.shape[1], e - canvas.gen_start, masked.device)
+            if proposal.valid is not None:
+                cand = cand & proposal.valid
         commit = topk_commit(proposal.confidence, cand, plan.info["k"], proposal.row_span)
         exited = st.exited
         if self.answer_window is None:
@@ -174,10 +192,6 @@ class EarlyExit(Strategy):
                 exited = exited | fire
             else:                               # no row went all-in before (the last host read): no flag to mask
                 fire = exited = gap >= thr
-            # the window is the generation: in the last block, without left-out columns, its candidates are all
-            # of its masked positions
-            last = e >= canvas.length and proposal.valid is None
-            masked = cand if last else canvas.masked()[:, canvas.gen_start:]
             commit = torch.where(fire[:, None], masked, commit)     # all-in: every masked position
             scalars = {"block": cur.block, "committed": commit.sum(-1), "gap": gap, "exit_threshold": thr,
                        "exit": fire}
