@@ -23,8 +23,14 @@ def fuzzed(rng: random.Random, B: int, W: int):
     return scores, cand
 
 
-@pytest.mark.parametrize("seed", range(300))
-def test_wide_in_is_d2c_commit(seed):
+@pytest.mark.parametrize("chunk", range(4))
+def test_wide_in_is_d2c_commit(chunk):
+    """300 fuzzed seeds, a quarter per case (see ``_wide_in_is_d2c_commit``)."""
+    for seed in range(chunk * 75, (chunk + 1) * 75):
+        _wide_in_is_d2c_commit(seed)
+
+
+def _wide_in_is_d2c_commit(seed):
     rng = random.Random(seed)
     B, W = rng.choice([1, 1, 2, 3, 4]), rng.choice([1, 3, 8, 16, 33])
     scores, cand = fuzzed(rng, B, W)
@@ -38,8 +44,14 @@ def test_wide_in_is_d2c_commit(seed):
     assert n.dtype == want.sum(-1).dtype and torch.equal(n, want.sum(-1))
 
 
-@pytest.mark.parametrize("seed", range(300))
-def test_narrow_out_shortcut(seed):
+@pytest.mark.parametrize("chunk", range(4))
+def test_narrow_out_shortcut(chunk):
+    """300 fuzzed seeds, a quarter per case (see ``_narrow_out_shortcut``)."""
+    for seed in range(chunk * 75, (chunk + 1) * 75):
+        _narrow_out_shortcut(seed)
+
+
+def _narrow_out_shortcut(seed):
     rng = random.Random(seed)
     B, W = rng.choice([1, 2, 3]), rng.choice([1, 4, 16, 33])
     conf, masked = fuzzed(rng, B, W)
