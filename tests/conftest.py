@@ -87,6 +87,21 @@ def batch_cache(name: str):
     return cls(cls.Config(**BATCH_CACHE_OPTIONS.get(name, {})))
 
 
+def fuzz_cases(n: int, chunks: int = 4):
+    """Decorator: run ``test(seed)`` over seeds ``0..n-1`` as ``chunks`` test cases (fuzzed checks: a case per seed
+    would add hundreds of test ids that say nothing more)."""
+    def deco(check):
+        @pytest.mark.parametrize("chunk", range(chunks))
+        def test(chunk):
+            for seed in range(chunk * n // chunks, (chunk + 1) * n // chunks):
+                check(seed)
+
+        test.__name__, test.__doc__ = check.__name__, check.__doc__
+        return test
+
+    return deco
+
+
 def decode_in_batches(model, prompts, gen, strategy, make_cache, mask_id=1000, pad_id=1001):
     """Decode ``prompts`` as the API does: in batches of at most ``strategy.max_batch`` rows (all at once when the
     strategy has no cap), a fresh cache each; returns the canvases."""

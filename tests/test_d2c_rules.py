@@ -3,9 +3,9 @@ infinities: ``d2c_commit`` with the counts on the host (threshold with a cap, EB
 against the device-count path and the earlier general host form, and AR's run rule against the count form."""
 import random
 
-import pytest
 import torch
 
+from conftest import fuzz_cases
 from dlm_engine.core.selection import d2c_commit, eb_count, factor_count, masked_conf, topk_rows
 from dlm_engine.strategies.ar import AR, ARConfig
 
@@ -42,14 +42,8 @@ def general_capped_threshold(scores, cand, min_tt, max_tt, counts, threshold):
     return torch.where((picked.sum(-1) < num)[:, None], top, picked)
 
 
-@pytest.mark.parametrize("chunk", range(4))
-def test_capped_threshold_on_the_host_is_the_general_form(chunk):
-    """200 fuzzed seeds, a quarter per case (see ``_capped_threshold_on_the_host_is_the_general_form``)."""
-    for seed in range(chunk * 50, (chunk + 1) * 50):
-        _capped_threshold_on_the_host_is_the_general_form(seed)
-
-
-def _capped_threshold_on_the_host_is_the_general_form(seed):
+@fuzz_cases(200)
+def test_capped_threshold_on_the_host_is_the_general_form(seed):
     rng = random.Random(seed)
     B, W = rng.choice([1, 1, 3]), rng.choice([4, 8, 16])
     scores, cand = fuzz(rng, B, W)
@@ -84,14 +78,8 @@ def general_eb_factor(scores, cand, min_tt, max_tt, counts, gamma=None, probs=No
     return torch.where((picked.sum(-1) < torch.tensor(base))[:, None], top, picked)
 
 
-@pytest.mark.parametrize("chunk", range(4))
-def test_eb_and_factor_clamps_on_the_host_are_the_general_form(chunk):
-    """200 fuzzed seeds, a quarter per case (see ``_eb_and_factor_clamps_on_the_host_are_the_general_form``)."""
-    for seed in range(chunk * 50, (chunk + 1) * 50):
-        _eb_and_factor_clamps_on_the_host_are_the_general_form(seed)
-
-
-def _eb_and_factor_clamps_on_the_host_are_the_general_form(seed):
+@fuzz_cases(200)
+def test_eb_and_factor_clamps_on_the_host_are_the_general_form(seed):
     """The host counts clamp EB's and the factor rule's device counts with one clamp when every row has the same
     bound; without ties the device-count path (stable sorts only) picks the same."""
     rng = random.Random(seed)
@@ -128,14 +116,8 @@ def ar_count_form(scores, block_cand, ntt, threshold, respect_ntt):
     return run & (run.cumsum(-1) <= count[:, None])
 
 
-@pytest.mark.parametrize("chunk", range(4))
-def test_ar_run_rule_is_the_count_form(chunk):
-    """200 fuzzed seeds, a quarter per case (see ``_ar_run_rule_is_the_count_form``)."""
-    for seed in range(chunk * 50, (chunk + 1) * 50):
-        _ar_run_rule_is_the_count_form(seed)
-
-
-def _ar_run_rule_is_the_count_form(seed):
+@fuzz_cases(200)
+def test_ar_run_rule_is_the_count_form(seed):
     rng = random.Random(seed)
     B, W = rng.choice([1, 1, 3]), rng.choice([4, 8, 16])
     scores, cand = fuzz(rng, B, W)

@@ -3,9 +3,9 @@ against ``d2c_commit`` with a threshold and a cap, and the narrow-out shortcut a
 ``where(too_many, lowest & decoded, low)`` -- on fuzzed scores with exact ties, NaN and infinities."""
 import random
 
-import pytest
 import torch
 
+from conftest import fuzz_cases
 from dlm_engine.core.selection import d2c_commit, topk_rows
 from dlm_engine.strategies.wino import wide_cap, wide_in
 
@@ -23,14 +23,8 @@ def fuzzed(rng: random.Random, B: int, W: int):
     return scores, cand
 
 
-@pytest.mark.parametrize("chunk", range(4))
-def test_wide_in_is_d2c_commit(chunk):
-    """300 fuzzed seeds, a quarter per case (see ``_wide_in_is_d2c_commit``)."""
-    for seed in range(chunk * 75, (chunk + 1) * 75):
-        _wide_in_is_d2c_commit(seed)
-
-
-def _wide_in_is_d2c_commit(seed):
+@fuzz_cases(300)
+def test_wide_in_is_d2c_commit(seed):
     rng = random.Random(seed)
     B, W = rng.choice([1, 1, 2, 3, 4]), rng.choice([1, 3, 8, 16, 33])
     scores, cand = fuzzed(rng, B, W)
@@ -44,14 +38,8 @@ def _wide_in_is_d2c_commit(seed):
     assert n.dtype == want.sum(-1).dtype and torch.equal(n, want.sum(-1))
 
 
-@pytest.mark.parametrize("chunk", range(4))
-def test_narrow_out_shortcut(chunk):
-    """300 fuzzed seeds, a quarter per case (see ``_narrow_out_shortcut``)."""
-    for seed in range(chunk * 75, (chunk + 1) * 75):
-        _narrow_out_shortcut(seed)
-
-
-def _narrow_out_shortcut(seed):
+@fuzz_cases(300)
+def test_narrow_out_shortcut(seed):
     rng = random.Random(seed)
     B, W = rng.choice([1, 2, 3]), rng.choice([1, 4, 16, 33])
     conf, masked = fuzzed(rng, B, W)
