@@ -32,7 +32,7 @@ from dlm_engine.core.protocol import AuxColumns
 from dlm_engine.core.registry import register_strategy
 from dlm_engine.core.sampler import sample_tokens
 from dlm_engine.core.devices import host_tensor
-from dlm_engine.core.selection import f32, topk_rows
+from dlm_engine.core.selection import capped_threshold, f32, topk_rows
 from dlm_engine.core.strategy import StepPlan, Strategy, evolve, masked_after
 from dlm_engine.errors import ConfigError, UserError
 from dlm_engine.strategies.d2c import Alg
@@ -262,33 +262,18 @@ class Wino(Strategy):
         return delta, evolve(st, left=left)
 
 
-def _per_row(values: Sequence[int], device):
-    """Per-row host numbers as one Python int when every row has the same (a batch of one: no copy), else a
-    ``[B, 1]`` device tensor."""
-    if all(v == values[0] for v in values):
-        return values[0]
-    return host_tensor([[v] for v in values], torch.long, device)
-
-
 def wide_in(scores: torch.Tensor, cand: torch.Tensor, ntt: int, cap: Sequence[int], counts: Sequence[int],
             threshold: float) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(commit, commit.sum(-1))``: ``d2c_commit(scores, cand, ntt, cap, counts=counts, threshold=threshold)`` --
-    every candidate scoring ``>= threshold``; the top ``min(|cand|, cap)`` when more than ``cap`` pass, the top
-    ``min(|cand|, ntt, cap)`` when fewer than ``min(ntt, cap)`` do -- with the same ``topk_rows`` picks (ties
-    included), in about half its operations: the counts (``counts``: ``|cand|`` per row, ``cap``, both on the
-    host) are compared as host numbers and the committed number is a clamp of the passing one. ``threshold`` is in
-    ``(0, 1]`` and every ``cap`` is at least 5 (:func:`wide_cap`)."""
+    :func:`dlm_engine.core.selection.capped_threshold`, its host-count form -- with the committed number as a clamp
+    of the passing one (the counts, ``counts``: ``|cand|`` per row, and ``cap``, are on the host). ``threshold`` is
+    in ``(0, 1]`` and every ``cap`` is at least 5 (:func:`wide_cap`)."""
     c = torch.where(cand, scores, float("-inf"))
-    picked = c >= threshold                            # (-inf outside cand never passes)
-    n = picked.sum(-1)
     base = [min(m, ntt) for m in cap]
     k_over = [min(k, m) for k, m in zip(counts, cap)]
     k_base = [min(k, b) for k, b in zip(counts, base)]
-    top_over = topk_rows(c, k_over)
-    top_base = top_over if k_base == k_over else topk_rows(c, k_base)
-    n1 = n[:, None]
-    commit = torch.where(n1 > _per_row(cap, c.device), top_over,
-                         torch.where(n1 < _per_row(base, c.device), top_base, picked))
+    commit, n = capped_threshold(c, cand, threshold, counts, cap, base)
+    n = n.view(-1)
     if all(k == k_base[0] for k in k_base) and all(k == k_over[0] for k in k_over):
         count = n.clamp(k_base[0], k_over[0])
     else:

@@ -286,7 +286,7 @@ def d2c_commit(scores: torch.Tensor, cand: torch.Tensor, min_tt: int, max_tt=Non
         top = topk_rows(c, base)
         return torch.where(_fewer(picked, base), top, picked)
     if threshold is not None and host:
-        return _capped_threshold(c, cand, threshold, M, mx, base)
+        return capped_threshold(c, cand, threshold, M, mx, base)[0]
     if threshold is not None:
         picked = cand & (c >= threshold)
         n = picked.sum(-1)
@@ -306,9 +306,9 @@ def d2c_commit(scores: torch.Tensor, cand: torch.Tensor, min_tt: int, max_tt=Non
     return topk_rows(c, base if max_tt is None else lo(M, base))
 
 
-def _capped_threshold(c: torch.Tensor, cand: torch.Tensor, threshold, M: Sequence[int], mx: Sequence[int],
-                      base: Sequence[int]) -> torch.Tensor:
-    """:func:`d2c_commit`'s threshold rule with a cap and the counts on the host (``M``: candidates, ``mx``: the
+def capped_threshold(c: torch.Tensor, cand: torch.Tensor, threshold, M: Sequence[int], mx: Sequence[int],
+                      base: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(commit, passing [B, 1])``: :func:`d2c_commit`'s threshold rule with a cap and the counts on the host (``M``: candidates, ``mx``: the
     cap, ``base``: ``min(min_tt, mx)``, per row; ``c`` is ``-inf`` outside ``cand``): the top ``min(M, mx)`` when
     more than ``mx`` pass, the top ``min(M, base)`` when fewer than ``base`` do, else the passing ones. The counts
     are compared with the number passing as host numbers (one Python int when every row has the same: no
@@ -319,11 +319,11 @@ def _capped_threshold(c: torch.Tensor, cand: torch.Tensor, threshold, M: Sequenc
     k_over, k_base = [min(a, b) for a, b in zip(M, mx)], [min(a, b) for a, b in zip(M, base)]
     top_over = topk_rows(c, k_over)
     top_base = top_over if k_base == k_over else topk_rows(c, k_base)
-    return torch.where(n > _per_row(mx, c.device), top_over,
-                       torch.where(n < _per_row(base, c.device), top_base, picked))
+    return torch.where(n > per_row(mx, c.device), top_over,
+                       torch.where(n < per_row(base, c.device), top_base, picked)), n
 
 
-def _per_row(values: Sequence[int], device):
+def per_row(values: Sequence[int], device):
     """Per-row host numbers as one Python int when every row has the same (a batch of one: no copy), else a
     ``[B, 1]`` device tensor."""
     if all(v == values[0] for v in values):
