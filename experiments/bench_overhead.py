@@ -25,7 +25,9 @@ import argparse
 import dataclasses
 import contextlib
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -73,13 +75,29 @@ def models(which, device="cpu", dtype="float32"):
     return out
 
 
-def one(model, prompts, gen, name, kw, cache, batch, instrument=("sections", "syncs")):
+def open_recorder(model, prompts, gen, batch):
+    """A trace recorder for one ``one`` call (a file in a fresh temporary directory), as ``dlm`` records a run:
+    default capture, its header's shape facts from the model and the prompts."""
+    from dlm_engine.trace.recorder import TraceRecorder
+
+    cfg = model.config
+    V = int(getattr(cfg, "embedding_size", None) or cfg.vocab_size)
+    header = {"model": {"name": "bench", "eos_id": int(cfg.eos_token_id), "mask_id": int(cfg.mask_token_id),
+                        "vocab_size": V},
+              "shape": {"vocab_size": V, "batch_size": batch, "gen_length": gen,
+                        "prompt_length": max(len(p) for p in prompts)}}
+    return TraceRecorder(os.path.join(tempfile.mkdtemp(prefix="bench-overhead-"), "run.dlmt"), header)
+
+
+def one(model, prompts, gen, name, kw, cache, batch, instrument=("sections", "syncs"), record=False):
     """Decode ``prompts`` in batches; returns (decode cpu, model cpu, steps, syncs, sections, decodes, ops).
 
     ``instrument``: which of the section timers and the sync counter to run (both cost CPU of their own -- the
     counter sees every tensor op -- so the overhead figure comes from plain runs, and sections and syncs
-    from one run each)."""
+    from one run each). ``record``: every batch's deltas also go to a trace recorder's sink, as in a ``dlm`` run
+    (its hand-over is on the step loop's thread and counted; the writer thread's encoding is not)."""
     cls = strategy_class(name)
+    rec = open_recorder(model, prompts, gen, batch) if record else None
     timer = ModelTimer(model)
     dev = next(model.parameters()).device
     cpu = wall = 0.0
@@ -93,11 +111,12 @@ def one(model, prompts, gen, name, kw, cache, batch, instrument=("sections", "sy
         strategy = cls(cls.Config(**kw), gen)
         canvas = Canvas.from_prompts(chunk, gen, int(model.config.mask_token_id), 0, device=dev)
         counter = SyncCounter(timer)
+        sinks = [rec.sink(decodes, list(range(i, i + len(chunk))))] if rec is not None else []
         with torch.inference_mode(), \
-                (sections.around(strategy) if "sections" in instrument else contextlib.nullcontext()), \
+                (sections.around(strategy, sinks) if "sections" in instrument else contextlib.nullcontext()), \
                 (counter if "syncs" in instrument else contextlib.nullcontext()):
             w0, t0 = time.perf_counter(), time.thread_time()
-            decode(timer, canvas, strategy, cache_class(cache)())
+            decode(timer, canvas, strategy, cache_class(cache)(), sinks=sinks)
             cpu += time.thread_time() - t0
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
@@ -107,6 +126,9 @@ def one(model, prompts, gen, name, kw, cache, batch, instrument=("sections", "sy
         syncs += counter.total
         ops += counter.ops
         decodes += 1
+    if rec is not None:
+        rec.close()
+        shutil.rmtree(os.path.dirname(rec.path), ignore_errors=True)
     one.wall = wall                    # (wall seconds of the last call, the device's queue drained)
     one.tokens = tokens                # (the last call's final tokens, per decode)
     return cpu, timer.cpu, steps, syncs, sections.cpu, decodes, ops
@@ -165,6 +187,9 @@ def main(argv=None) -> int:
     ap.add_argument("--replayed", action="store_true",
                     help="also print 'loop us/st': CPU outside the model per step with the model's forwards replayed "
                          "(ReplayedForwards; cache none only), the loop's own cost without the model's noise")
+    ap.add_argument("--record", action="store_true",
+                    help="record every decode with a trace recorder (default capture), as a `dlm` run does: the "
+                         "'sinks' column is the step loop's hand-over to it; the writer thread's CPU is not counted")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     load_plugins()
@@ -175,7 +200,7 @@ def main(argv=None) -> int:
               f"<= 1 sync/step (syncs/st: every host read of the decodes, a set-up read before the first step "
               f"included where one is made; the check allows two of those a decode)")
         head = (f"{'strategy':<13}{'cache':<6}{'B':>3}{'steps':>7}{'decode s':>9}{'model s':>9}{'ovh':>7}{'':>3}"
-                f"{'syncs/st':>9}{'':>3}{'ops/st':>7}{'plan':>8}{'sample':>8}{'select':>8}{'apply':>8}  (CPU ms/step)"
+                f"{'syncs/st':>9}{'':>3}{'ops/st':>7}{'plan':>8}{'sample':>8}{'select':>8}{'apply':>8}{'sinks':>8}  (CPU ms/step)"
                 f"{'wall ms':>9}" + (f"{'loop us/st':>12}" if args.replayed else ""))
         print(head + "\n" + "-" * len(head))
         for label, name, kw, caches in SETTINGS:
@@ -195,14 +220,16 @@ def main(argv=None) -> int:
                         continue
                     runs, walls = [], []
                     for _ in range(args.repeats):
-                        runs.append(one(model, prompts, gen, name, kw, cache, batch, instrument=()))
+                        runs.append(one(model, prompts, gen, name, kw, cache, batch, instrument=(),
+                                        record=args.record))
                         walls.append(one.wall)
                     # the least disturbed runs: the smallest outside-the-model and model times (VM noise)
                     ovh_cpu, mcpu = min(r[0] - r[1] for r in runs), min(r[1] for r in runs)
                     cpu = ovh_cpu + mcpu
-                    sec = one(model, prompts, gen, name, kw, cache, batch, instrument=("sections",))[4]
+                    sec = one(model, prompts, gen, name, kw, cache, batch, instrument=("sections",),
+                              record=args.record)[4]
                     steps, syncs, _, decodes, ops = one(model, prompts, gen, name, kw, cache, batch,
-                                                        instrument=("syncs",))[2:]
+                                                        instrument=("syncs",), record=args.record)[2:]
                     ovh = max(0.0, cpu - mcpu) / cpu
                     ok = "ok" if (batch > 1 or ovh * 100 <= budget) else "!!"
                     # the budget: one read per step plus the decode's one-time setup read(s) (as the sync test)
@@ -210,7 +237,7 @@ def main(argv=None) -> int:
                     per = {k: 1000 * v / steps for k, v in sec.items()}
                     print(f"{label:<13}{cache:<6}{batch:>3}{steps:>7}{cpu:>9.3f}{mcpu:>9.3f}{ovh:>7.1%} {ok}"
                           f"{syncs / steps:>9.2f} {sok}{ops / steps:>7.1f}{per.get('plan', 0):>8.3f}{per.get('sample', 0):>8.3f}"
-                          f"{per.get('select', 0):>8.3f}{per.get('apply', 0):>8.3f}{'':>15}"
+                          f"{per.get('select', 0):>8.3f}{per.get('apply', 0):>8.3f}{per.get('sinks', 0):>8.3f}{'':>15}"
                           f"{1000 * min(walls) / steps:>9.3f}", end="")
                     if args.replayed and cache == "none":
                         us, same = replayed_loop_us(model, prompts, gen, name, kw, batch, args.repeats)

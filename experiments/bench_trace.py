@@ -462,11 +462,14 @@ def main():
     ap.add_argument("--overhead-runs", default="1:2,8:8",
                     help="the recording-overhead runs, BATCH:PROMPTS each (e.g. 1:2 alone, with --pairs 150, to narrow "
                          "the median's noise at batch 1)")
+    ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1),
+                    help="torch intra-op threads (default: 2, torch's default on this VM). With 1 the writer thread "
+                         "has the second core to itself, as the recorder is designed to run")
     a = ap.parse_args()
     skip = set(filter(None, a.skip.split(",")))
     import torch
 
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    torch.set_num_threads(a.threads)
     if "sizes" not in skip:
         bench_sizes(a.quick)
     if "replay" not in skip:

@@ -1,0 +1,81 @@
+"""experiments/bench_overhead.py's measuring harness: what it counts is what a decode does, recorder included.
+
+The benchmark's numbers are not tested (they are machine-dependent); its bookkeeping is: a ``--record`` run hands
+every delta to a trace recorder (a complete, readable trace with the decode's tokens), times that hand-over as
+the ``sinks`` section, adds no host read, and leaves no file behind.
+"""
+import importlib.util
+import os
+
+import pytest
+
+from conftest import ROOT
+from dlm_engine.trace import format as fmt
+
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_overhead", ROOT / "experiments" / "bench_overhead.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def tiny(bench):
+    label, model, gen, block, prompts, budget = bench.models("tiny")[0]
+    return model, gen, block, prompts[:3]
+
+
+def test_record_times_the_hand_over_and_adds_no_host_read(bench, tiny, monkeypatch):
+    model, gen, block, prompts = tiny
+    kw = {"block_length": block}
+    plain = bench.one(model, prompts, gen, "threshold", kw, "none", 1)
+    plain_tokens = bench.one.tokens
+    made = []
+    opened = bench.open_recorder
+
+    def spy(*args):
+        rec = opened(*args)
+        made.append(rec)
+        return rec
+
+    monkeypatch.setattr(bench, "open_recorder", spy)
+    rec_run = bench.one(model, prompts, gen, "threshold", kw, "none", 1, record=True)
+    cpu, mcpu, steps, syncs, sections, decodes, ops = rec_run
+    assert bench.one.tokens == plain_tokens                    # recording changes no decision
+    assert steps == plain[2] and decodes == plain[5] == len(prompts)
+    assert syncs == plain[3]                                   # the hand-over reads nothing from the device
+    assert "sinks" not in plain[4] and sections.get("sinks", 0.0) > 0.0
+    (rec,) = made
+    assert rec.status == "complete" and rec.records[fmt.BATCH] == len(prompts)   # one batch record per decode
+    assert not os.path.exists(os.path.dirname(rec.path))         # the temporary trace is gone
+
+
+def test_recorded_trace_holds_the_decodes(bench, tiny, monkeypatch):
+    from dlm_engine.trace.reader import open_trace
+
+    model, gen, block, prompts = tiny
+    kept = {}
+    opened = bench.open_recorder
+
+    def keep(*args):
+        rec = opened(*args)
+        close = rec.close
+
+        def close_and_read(*a, **k):
+            digest = close(*a, **k)
+            kept["trace"] = open_trace(rec.path, recover=False)
+            return digest
+
+        rec.close = close_and_read
+        return rec
+
+    monkeypatch.setattr(bench, "open_recorder", keep)
+    bench.one(model, prompts, gen, "low_confidence", {"block_length": block}, "none", 1, instrument=(), record=True)
+    tr = kept["trace"]
+    finals = [t[0] for t in bench.one.tokens]                  # one row per decode
+    assert len(tr) == len(prompts)
+    for seq, row in zip(sorted(tr, key=lambda s: s.row), finals):
+        assert seq.tokens.tolist() == row[len(row) - gen:]
