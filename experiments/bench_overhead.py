@@ -18,6 +18,10 @@ wrapping the tensor operations that force a host-device synchronisation (``dlm_e
 are replayed from a first recording run (:class:`ReplayedForwards`; the replayed decodes are checked to make the
 same tokens). Without the model's work between steps the loop runs with warm CPU caches, so this is lower than the
 plain figure, but it varies far less from run to run: use it to compare changes to the loop itself.
+``--evict-mb N`` (with ``--replayed``) adds ``evicted us/st``: the same replayed loop with N MB streamed through the
+caches before every forward, as the model's weights are (how much of the plain figure is the loop running on caches
+the forward emptied). ``--record`` attaches a trace recorder to every decode, as a ``dlm`` run does; the ``sinks``
+column is the step loop's hand-over to it.
 """
 from __future__ import annotations
 
@@ -141,13 +145,19 @@ class ReplayedForwards:
     warm, a lower bound) and with far less run-to-run noise, so that small changes to the loop can be compared.
     Cache ``none`` only: a cache's hooks run inside the forward and keep state."""
 
-    def __init__(self, model):
+    def __init__(self, model, evict_mb: int = 0):
         self.model, self.store = model, {}
+        # ``evict_mb``: stream a buffer this large through the caches before every replayed forward (timed as the
+        # model, like the forward it stands for), as the model's weights and activations do: the loop then runs
+        # after its code and data were evicted, and its CPU a step shows how much of the plain figure is that
+        self.evict = torch.zeros(evict_mb * (1 << 18)) if evict_mb > 0 else None
 
     def __getattr__(self, name):
         return getattr(self.model, name)
 
     def __call__(self, ids, **kw):
+        if self.evict is not None:
+            self.evict.add_(1.0)
         request = kw.get("request")
         if request is not None and request.aux is not None:      # extra query columns: not keyed, run them
             return self.model(ids, **kw)
@@ -160,11 +170,11 @@ class ReplayedForwards:
         return dataclasses.replace(call, logits=call.logits.clone(), memo={})
 
 
-def replayed_loop_us(model, prompts, gen, name, kw, batch, repeats):
+def replayed_loop_us(model, prompts, gen, name, kw, batch, repeats, evict_mb: int = 0):
     """``(loop us/step, same tokens)``: CPU outside the model per step with the forwards replayed (the smallest of
     ``repeats`` runs after one run that records them with the real model), and whether every replayed decode made
-    the recording run's tokens."""
-    rep = ReplayedForwards(model)
+    the recording run's tokens. ``evict_mb``: see :class:`ReplayedForwards`."""
+    rep = ReplayedForwards(model, evict_mb)
     steps0 = one(rep, prompts, gen, name, kw, "none", batch, instrument=())[2]
     tokens0, best, same = one.tokens, None, True
     for _ in range(repeats):
@@ -187,6 +197,11 @@ def main(argv=None) -> int:
     ap.add_argument("--replayed", action="store_true",
                     help="also print 'loop us/st': CPU outside the model per step with the model's forwards replayed "
                          "(ReplayedForwards; cache none only), the loop's own cost without the model's noise")
+    ap.add_argument("--evict-mb", type=int, default=0,
+                    help="with --replayed: also print 'evicted us/st', the replayed loop's CPU a step when a buffer of "
+                         "this many MB is streamed through the caches before every forward (as the model does): "
+                         "between 'loop us/st' and the plain figure, it shows how much of the overhead is the loop "
+                         "running on caches the forward emptied")
     ap.add_argument("--record", action="store_true",
                     help="record every decode with a trace recorder (default capture), as a `dlm` run does: the "
                          "'sinks' column is the step loop's hand-over to it; the writer thread's CPU is not counted")
@@ -201,7 +216,8 @@ def main(argv=None) -> int:
               f"included where one is made; the check allows two of those a decode)")
         head = (f"{'strategy':<13}{'cache':<6}{'B':>3}{'steps':>7}{'decode s':>9}{'model s':>9}{'ovh':>7}{'':>3}"
                 f"{'syncs/st':>9}{'':>3}{'ops/st':>7}{'plan':>8}{'sample':>8}{'select':>8}{'apply':>8}{'sinks':>8}  (CPU ms/step)"
-                f"{'wall ms':>9}" + (f"{'loop us/st':>12}" if args.replayed else ""))
+                f"{'wall ms':>9}" + (f"{'loop us/st':>12}" if args.replayed else "")
+                + (f"{'evicted us/st':>15}" if args.replayed and args.evict_mb else ""))
         print(head + "\n" + "-" * len(head))
         for label, name, kw, caches in SETTINGS:
             if only and label not in only:
@@ -242,6 +258,10 @@ def main(argv=None) -> int:
                     if args.replayed and cache == "none":
                         us, same = replayed_loop_us(model, prompts, gen, name, kw, batch, args.repeats)
                         print(f"{us:>12.1f}" + ("" if same else " (replay diverged!)"), end="")
+                        if args.evict_mb:
+                            us, same = replayed_loop_us(model, prompts, gen, name, kw, batch, args.repeats,
+                                                        args.evict_mb)
+                            print(f"{us:>15.1f}" + ("" if same else " (replay diverged!)"), end="")
                     print(flush=True)
     return 0
 

@@ -79,3 +79,16 @@ def test_recorded_trace_holds_the_decodes(bench, tiny, monkeypatch):
     assert len(tr) == len(prompts)
     for seq, row in zip(sorted(tr, key=lambda s: s.row), finals):
         assert seq.tokens.tolist() == row[len(row) - gen:]
+
+
+def test_replayed_forwards_with_eviction_make_the_recorded_decodes(bench, tiny):
+    """``--replayed --evict-mb``: the replayed decodes (with a buffer streamed through the caches before each forward)
+    make the tokens of the run that recorded the forwards, and the eviction pass is timed as the model's."""
+    model, gen, block, prompts = tiny
+    us, same = bench.replayed_loop_us(model, prompts[:2], gen, "low_confidence", {"block_length": block}, 1, 1,
+                                      evict_mb=1)
+    assert same and us > 0
+    rep = bench.ReplayedForwards(model, evict_mb=1)
+    before = rep.evict.clone()
+    bench.one(rep, prompts[:1], gen, "low_confidence", {"block_length": block}, "none", 1, instrument=())
+    assert rep.evict.numel() == 1 << 18 and bool((rep.evict > before).all())     # touched at every forward
