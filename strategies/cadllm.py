@@ -151,8 +151,8 @@ class CadLLM(Strategy):
         conf = proposal.confidence
         # ranked in the reference's row, as its torch.topk ranks (exact ties: the zero confidences at T > 0)
         # n: the candidates' number when the host knows it -- the block's masked positions of row 0 (the host reads
-        # row 0: CadLLM adapts per sequence, max_batch 1), unknown when a cache leaves block columns out or a batch
-        # is decoded directly past max_batch
+        # row 0: CadLLM adapts per sequence, max_batch 1; decode refuses wider canvases, a direct call of select
+        # with one gets n unknown), unknown too when a cache leaves block columns out
         span = proposal.row_span
         n = st.left if proposal.valid is None and canvas.batch_size == 1 else None
         if c.factor is not None:

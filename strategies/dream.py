@@ -174,8 +174,7 @@ class Dream(DreamBlockLoop, Strategy):
         if self.cfg.block_length is not None:
             nb = self.num_blocks
             blocks = host_rows(ints[:B * nb], B)
-            st = evolve(st, blocks=blocks, win=tuple(ints[B * nb:B * nb + B]),
-                                     inner=tuple(ints[B * nb + B:]))
+            st = evolve(st, blocks=blocks, win=tuple(ints[B * nb:B * nb + B]), inner=tuple(ints[B * nb + B:]))
             if not st.check:
                 return st
             bs, be = self._block(canvas, st.block)
@@ -194,8 +193,8 @@ class Dream(DreamBlockLoop, Strategy):
             dev = canvas.device
             quota = host_tensor([n // self.steps for n in masks], torch.long, dev)
             return evolve(st, steps_row=torch.full((B,), self.steps, dtype=torch.long, device=dev),
-                                       quota=quota, carry=torch.zeros_like(quota),
-                                       kmax=max(n // self.steps for n in masks), steps_max=self.steps)
+                          quota=quota, carry=torch.zeros_like(quota),
+                          kmax=max(n // self.steps for n in masks), steps_max=self.steps)
         st = evolve(st, masks=tuple(ints[:B]))
         if st.steps_row is not None:
             st = evolve(st, kmax=ints[B], steps_max=ints[B + 1])
@@ -363,8 +362,8 @@ class Dream(DreamBlockLoop, Strategy):
         # the reference tests ``i == steps - 1`` per rejected position after growing steps by one, so
         # only the first rejection of a last step extends the budget (one more step, then test again)
         nxt = evolve(st, i=st.i + 1, carry=torch.where(active, rejected, st.carry),
-                                  quota=torch.where(grow, torch.zeros_like(st.quota), st.quota),
-                                  steps_row=st.steps_row + grow.long())
+                     quota=torch.where(grow, torch.zeros_like(st.quota), st.quota),
+                     steps_row=st.steps_row + grow.long())
         done_rows = nxt.i >= nxt.steps_row
         delta = self._delta(canvas, lo, commit, tokens, scores.float(), done=done_rows.all())
         delta.active = active & ~canvas.finished

@@ -124,8 +124,7 @@ class LowConfidence(Strategy):
         # commits are masked positions of the block and nothing else changes the canvas unless an EOS stop
         # widens the delta: then the canvas is recounted
         done_n = None if c.stop_at_eos else n
-        return eos_stop(c, canvas, delta), evolve(st, cursor=nxt, committed=done_n,
-                                                               committed_block=cur.block)
+        return eos_stop(c, canvas, delta), evolve(st, cursor=nxt, committed=done_n, committed_block=cur.block)
 
     def sync_request(self, canvas, st: Schedule):
         return block_counts(canvas, self.block_length) if st.committed is None else st.committed

@@ -32,7 +32,7 @@ from dlm_engine.core.protocol import AuxColumns
 from dlm_engine.core.registry import register_strategy
 from dlm_engine.core.sampler import sample_tokens
 from dlm_engine.core.devices import host_tensor
-from dlm_engine.core.selection import capped_threshold, f32, topk_rows
+from dlm_engine.core.selection import capped_threshold, f32, masked_conf, topk_rows
 from dlm_engine.core.strategy import StepPlan, Strategy, evolve, masked_after
 from dlm_engine.errors import ConfigError, UserError
 from dlm_engine.strategies.d2c import Alg
@@ -268,7 +268,7 @@ def wide_in(scores: torch.Tensor, cand: torch.Tensor, ntt: int, cap: Sequence[in
     :func:`dlm_engine.core.selection.capped_threshold`, its host-count form -- with the committed number as a clamp
     of the passing one (the counts, ``counts``: ``|cand|`` per row, and ``cap``, are on the host). ``threshold`` is
     in ``(0, 1]`` and every ``cap`` is at least 5 (:func:`wide_cap`)."""
-    c = torch.where(cand, scores, float("-inf"))
+    c = masked_conf(scores, cand)
     base = [min(m, ntt) for m in cap]
     k_over = [min(k, m) for k, m in zip(counts, cap)]
     k_base = [min(k, b) for k, b in zip(counts, base)]

@@ -281,8 +281,7 @@ def d2c_commit(scores: torch.Tensor, cand: torch.Tensor, min_tt: int, max_tt=Non
     base = lo(mx, [min_tt] * B) if host else torch.clamp(mx, max=min_tt)      # clamp(min(min_tt, max), min_tt, max)
     if threshold is not None and max_tt is None:
         # at most every candidate passes, never more than max = |cand|: the count is min(min_tt, |cand|) <= |cand|
-        # c is -inf outside cand, where no finite threshold passes
-        picked = c >= threshold if isinstance(threshold, (int, float)) and threshold > NEG_INF else cand & (c >= threshold)
+        picked = _passing(c, cand, threshold)
         top = topk_rows(c, base)
         return torch.where(_fewer(picked, base), top, picked)
     if threshold is not None and host:
@@ -314,13 +313,21 @@ def capped_threshold(c: torch.Tensor, cand: torch.Tensor, threshold, M: Sequence
     are compared with the number passing as host numbers (one Python int when every row has the same: no
     host-made tensor at batch 1) and one top-k serves both cases when their sizes agree -- the general form's
     picks (ties included) in about half its tensor ops."""
-    picked = c >= threshold if isinstance(threshold, (int, float)) and threshold > NEG_INF else cand & (c >= threshold)
+    picked = _passing(c, cand, threshold)
     n = picked.sum(-1, keepdim=True)
     k_over, k_base = [min(a, b) for a, b in zip(M, mx)], [min(a, b) for a, b in zip(M, base)]
     top_over = topk_rows(c, k_over)
     top_base = top_over if k_base == k_over else topk_rows(c, k_base)
     return torch.where(n > per_row(mx, c.device), top_over,
                        torch.where(n < per_row(base, c.device), top_base, picked)), n
+
+
+def _passing(c: torch.Tensor, cand: torch.Tensor, threshold) -> torch.Tensor:
+    """The candidates scoring ``>= threshold``, ``c`` being ``-inf`` outside ``cand``: no finite threshold passes
+    there, so the comparison alone is the answer (one op); a ``-inf`` threshold (or a tensor of them) needs ``cand``."""
+    if isinstance(threshold, (int, float)) and threshold > NEG_INF:
+        return c >= threshold
+    return cand & (c >= threshold)
 
 
 def per_row(values: Sequence[int], device):
