@@ -171,7 +171,7 @@ class BlockBuffer(Strategy):
         W, B, bl = e - s, canvas.batch_size, self.block_len
         n_win = -(-W // bl)
         pad = n_win * bl - W
-        masked_gen = canvas.step_of[:, g:] < 0        # the generation's masks before this step (a fresh tensor) ...
+        masked_gen = canvas.cols(g, canvas.length)[1] < 0   # the generation's masks before this step (a fresh tensor) ...
         win = masked_gen[:, s - g:e - g]               # ... whose window view becomes the masks after it (below)
         cand = win if proposal.valid is None else win & proposal.valid
         conf_w = eos_confidence(c, canvas, plan, proposal)

@@ -1,6 +1,7 @@
 """The canvas being decoded and the per-step delta every strategy emits."""
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple, Union
@@ -52,6 +53,13 @@ NO_MODEL_INFO = ModelInfo()                # a canvas' info until the loop sets 
 _MODEL_INFO: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+@functools.lru_cache(maxsize=64)
+def _all_rows(batch: int, device: torch.device) -> torch.Tensor:
+    """``[batch]`` bool, all True: one read-only tensor per batch size and device, shared by every canvas (a decode of
+    one step would otherwise spend a kernel a decode making its own)."""
+    return torch.ones(batch, dtype=torch.bool, device=device)
+
+
 @dataclass
 class FrameDelta:
     """What one step changed. Tensors cover canvas columns ``[start, start + W)``.
@@ -69,7 +77,7 @@ class FrameDelta:
     tokens: torch.Tensor                       # [B, W] long, meaningful where commit
     active: torch.Tensor                       # [B] bool: rows that took part in this step
     finished: torch.Tensor                     # [B] bool: rows finished after this step
-    confidence: Optional[torch.Tensor] = None  # [B, W] float, confidence of the proposals
+    confidence: Optional[torch.Tensor] = None  # [B, W] float (float32 or float64), confidence of the proposals
     remask: Optional[torch.Tensor] = None      # [B, W] bool
     block_events: List[BlockEvent] = field(default_factory=list)
     scalars: Dict[str, Scalar] = field(default_factory=dict)
@@ -109,6 +117,7 @@ class Canvas:
         self._row_nfe = torch.zeros(tokens.shape[0], dtype=torch.long, device=tokens.device)
         self._nfe_every_row = 0
         self._every_row: Optional[torch.Tensor] = None
+        self._views: Dict[tuple, tuple] = {}      # see cols
         # ``finished`` as the step loop last read it on the host (set by the loop once per step). Fast paths rely
         # on it (Strategy.delta(masked_left=...), d2c's frame): code that changes ``finished`` outside the loop
         # must update it too
@@ -195,17 +204,29 @@ class Canvas:
         return self._row_nfe + self._nfe_every_row if self._nfe_every_row else self._row_nfe
 
     def every_row(self) -> torch.Tensor:
-        """``[B]`` bool, all True, one tensor per canvas (never write to it): the step loop passes it as the
-        rows of a call that runs every row, so :meth:`apply` counts that step's NFE on the host."""
+        """``[B]`` bool, all True (never write to it: canvases of one batch size share it): the step loop passes it
+        as the rows of a call that runs every row, so :meth:`apply` counts that step's NFE on the host."""
         if self._every_row is None:
-            self._every_row = torch.ones(self.batch_size, dtype=torch.bool, device=self.device)
+            self._every_row = _all_rows(self.batch_size, self.device)
         return self._every_row
+
+    def cols(self, start: int, end: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(tokens[:, start:end], step_of[:, start:end])``, views made once per column range (a slice is a
+        dispatched operation; the loop and the strategies take the same window's views several times a step).
+        Views made in inference mode are kept apart from others (an in-place write outside inference mode to a
+        view made inside it is an error); a canvas whose ``tokens`` or ``step_of`` was replaced gets new views."""
+        key = (start, end, torch.is_inference_mode_enabled())
+        v = self._views.get(key)
+        if v is None or v[2] is not self.tokens or v[3] is not self.step_of:
+            if len(self._views) >= 64:          # (windows that keep moving: keep the dictionary small)
+                self._views.clear()
+            v = self._views[key] = (self.tokens[:, start:end], self.step_of[:, start:end], self.tokens, self.step_of)
+        return v[0], v[1]
 
     # -- update ------------------------------------------------------------------------------------
     def apply(self, delta: FrameDelta) -> None:
-        s, e = delta.start, delta.start + delta.width
-        tok = self.tokens[:, s:e]
-        so = self.step_of[:, s:e]
+        s = delta.start
+        tok, so = self.cols(s, s + delta.width)
         if delta.remask is not None:
             tok.masked_fill_(delta.remask, self.mask_id)
             so.masked_fill_(delta.remask, -1)

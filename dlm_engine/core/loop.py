@@ -1,6 +1,7 @@
 """The one step loop: plan -> (cache + model forward) -> sampler -> select -> apply -> sinks."""
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Iterable, Optional, Tuple
 
@@ -102,7 +103,8 @@ def sample(logits: torch.Tensor, plan: StepPlan, call: ForwardCall, rows: Option
         B, W, V = logits.shape
         count = sum(plan.masked) if rows is None else sum(n for n, f in zip(plan.masked, run) if f)
         if (B * W - count) * V >= sampler.SCORED_MIN_SAVING:   # else gathering them costs more than it saves
-            mask, held = canvas.masked()[:, start:start + W], canvas.tokens[:, start:start + W]
+            held, so = canvas.cols(start, start + W)
+            mask = so < 0
             scored = (mask, count, held) if rows is None else (mask[rows], count, held[rows])
     return propose(logits, start, temperature=plan.temperature, confidence=plan.confidence,
                    softmax_dtype=plan.softmax_dtype, call_len=call_len, call_start=call_start, top_v=plan.top_v,
@@ -146,7 +148,8 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
     active = ActiveRows(canvas, compact)
     host, state = first_sync(canvas, strategy, state)
     t0 = time.perf_counter()
-    with torch.inference_mode():
+    # (a caller already in inference mode -- decode_batch, the benchmarks -- costs no second enter and exit a decode)
+    with contextlib.nullcontext() if torch.is_inference_mode_enabled() else torch.inference_mode():
         while True:
             plan, state = strategy.plan(canvas, state)
             if plan is None:
@@ -205,14 +208,14 @@ def sync_round(canvas: Canvas, strategy: Strategy, state, delta: Optional[FrameD
     :func:`all_finite`) and the strategy's request; returns ``(HostView, state after Strategy.synced)``."""
     parts = [canvas.finished]
     if finite is not None:
-        parts.append(finite.reshape(1))
+        parts.append(finite)
     req = strategy.sync_request(canvas, state)
     if req is not None:
         parts.append(req if req.dim() == 1 else req.reshape(-1))
     flat = torch.cat(parts).tolist() if len(parts) > 1 else parts[0].tolist()   # cat promotes to one dtype
     B = canvas.batch_size
-    n_flag = 0 if finite is None else 1
-    host = HostView([bool(v) for v in flat[:B]], flat[B + n_flag:], finite is not None and not flat[B])
+    n_flag = 0 if finite is None else int(finite.shape[0])
+    host = HostView([bool(v) for v in flat[:B]], flat[B + n_flag:], finite is not None and not all(flat[B:B + n_flag]))
     canvas.finished_host = tuple(host.finished)
     return host, strategy.synced(canvas, state, host.values, delta)
 
@@ -243,7 +246,7 @@ def delta_logits(proposal: Proposal, delta: FrameDelta, rows: Optional[torch.Ten
 
 
 def all_finite(logits: torch.Tensor) -> torch.Tensor:
-    """A device flag, False on NaN, +inf or a position whose logits are all -inf (read in the step's one sync
-    and negated on the host). A position's maximum is finite exactly when none of these holds (``amax``
-    propagates NaN)."""
-    return logits.amax(dim=-1).isfinite().all()
+    """``[rows]`` device flags, False for a row with NaN, +inf or a position whose logits are all -inf (read in the
+    step's one sync, already one-dimensional, and combined on the host). A position's maximum is finite exactly when
+    none of these holds (``amax`` propagates NaN)."""
+    return logits.amax(dim=-1).isfinite().all(dim=-1)

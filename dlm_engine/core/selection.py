@@ -54,10 +54,8 @@ def ranked_row(conf: torch.Tensor, cand: torch.Tensor, span: Optional[Tuple]) ->
     if span is None or (span[0] == 0 and span[1] == conf.shape[1]):
         return masked_conf(conf, cand), 0
     off, width = span[0], span[1]
-    row = conf.new_full((conf.shape[0], width), NEG_INF)
-    part = row[:, off:off + conf.shape[1]]
-    torch.where(cand, conf, part, out=part)       # part is -inf: the candidates' scores go in, in place
-    return row, off
+    # the window's scores, -inf padded to the row (two kernels; a -inf row written into in place is three)
+    return torch.nn.functional.pad(masked_conf(conf, cand), (off, width - off - conf.shape[1]), value=NEG_INF), off
 
 
 def topk_commit(conf: torch.Tensor, cand: torch.Tensor, k, span: Optional[Tuple[int, int]] = None) -> torch.Tensor:
@@ -67,7 +65,12 @@ def topk_commit(conf: torch.Tensor, cand: torch.Tensor, k, span: Optional[Tuple[
     (exact ties then break towards the lower position)."""
     W = conf.shape[1]
     row, off = ranked_row(conf, cand, span)
-    return topk_rows(row, k, lead=row_lead(span))[:, off:off + W] & cand
+    lead = row_lead(span)
+    if lead is None and not torch.is_tensor(k) and all(v == 1 for v in ((k,) if isinstance(k, int) else k)):
+        # one pick a row (LLaDA's one token a step): the same topk, compared with the window's columns (one kernel
+        # where scattering into a full row and cutting the window out is three)
+        return (column_range(off, off + W, row.device) == torch.topk(row, 1, dim=-1).indices) & cand
+    return topk_rows(row, k, lead=lead)[:, off:off + W] & cand
 
 
 def row_lead(span: Optional[Tuple]) -> Optional[Sequence[int]]:
@@ -89,15 +92,15 @@ def _top1_columns(conf: torch.Tensor, cand: torch.Tensor, span: Optional[Tuple[i
     callers that intersect with ``cand`` anyway."""
     W = conf.shape[1]
     row, off = ranked_row(conf, cand, span)
+    # the window's columns (as row positions) that are each row's pick: one comparison, not a scattered full row
+    # that is then cut to the window
     if counts is None:
-        commit = torch.zeros_like(row, dtype=torch.bool).scatter_(1, row.argmax(-1, keepdim=True), True)
-        return commit[:, off:off + W]
+        return column_range(off, off + W, row.device) == row.argmax(-1, keepdim=True)
     lead = row_lead(span)
     if lead is None and all(m == counts[0] for m in counts):     # one call for every row
         if counts[0] <= 0:
             return torch.zeros_like(cand)
-        first = torch.topk(row, int(counts[0]), dim=-1).indices[:, :1]
-        return torch.zeros_like(row, dtype=torch.bool).scatter_(1, first, True)[:, off:off + W]
+        return column_range(off, off + W, row.device) == torch.topk(row, int(counts[0]), dim=-1).indices[:, :1]
     commit = torch.zeros_like(row, dtype=torch.bool)
     for (m, a), rows in _groups(_keys(counts, lead), row.device):
         if m <= 0:
@@ -168,6 +171,12 @@ def column_indices(W: int, device: torch.device) -> torch.Tensor:
     return torch.arange(W, device=device)[None, :]
 
 
+@functools.lru_cache(maxsize=256)
+def column_range(start: int, stop: int, device: torch.device) -> torch.Tensor:
+    """``[1, stop - start]`` column indices ``start..stop-1`` (made once per range and device; read only)."""
+    return torch.arange(start, stop, device=device)[None, :]
+
+
 @functools.lru_cache(maxsize=1024)
 def _factor_thresholds(W: int, factor: float, dtype: torch.dtype, device: torch.device, exempt: int = -1):
     """``(ranks [1, W] float64, thresholds [1, W] in dtype)`` of the factor rule: ``1 - f / (n + 1)`` for rank
@@ -204,6 +213,8 @@ def topk_rows(scores: torch.Tensor, k, largest: bool = True, lead: Optional[Sequ
         if ks[0] <= 0:
             return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
         idx = torch.topk(scores, min(int(ks[0]), W), dim=-1, largest=largest).indices
+        if idx.shape[1] == 1:      # one pick a row: a comparison with the column indices (one kernel, not two)
+            return column_indices(W, scores.device) == idx
         return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(1, idx, True)
     out = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
     for (kv, a), rows in _groups(_keys(ks, lead), scores.device):

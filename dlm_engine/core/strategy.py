@@ -197,9 +197,7 @@ class Strategy:
             finished = n == (left[0] if same else host_tensor(left, n.dtype, n.device))
         elif finished is None:     # ~left & ~finished, as one reduction and two in-place ops
             finished = masked_after(canvas, s, commit, remask).any(dim=-1).logical_or_(canvas.finished).logical_not_()
-        conf = proposal.confidence if confidence is None else confidence
-        if conf is not None and conf.dtype != torch.float32:
-            conf = conf.float()
+        conf = proposal.confidence if confidence is None else confidence   # (float64 or float32: sinks cast)
         return FrameDelta(
             step=canvas.step + 1, nfe=nfe, start=s, commit=commit,
             tokens=proposal.x0 if tokens is None else tokens,
@@ -225,7 +223,7 @@ def evolve(state, **changes):
 def masked_after(canvas: Canvas, start: int, commit: torch.Tensor, remask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``[B, G]`` masked generated positions once a delta over ``[start, start + W)`` is applied."""
     g = canvas.gen_start
-    still = canvas.step_of[:, g:] < 0               # canvas.masked() of the generation, a fresh tensor
+    still = canvas.cols(g, canvas.length)[1] < 0    # canvas.masked() of the generation, a fresh tensor
     a = start - g
     W = commit.shape[1]
     lo, hi = max(a, 0), min(a + W, still.shape[1])
@@ -248,7 +246,7 @@ def candidates(canvas: Canvas, proposal: Proposal, end: int) -> torch.Tensor:
     logits the call computed (a cache may leave some columns out: ``Proposal.valid``)."""
     s = proposal.start
     W = proposal.x0.shape[1]
-    cand = canvas.step_of[:, s:s + W] < 0            # canvas.masked() of the window, a fresh tensor
+    cand = canvas.cols(s, s + W)[1] < 0              # canvas.masked() of the window, a fresh tensor
     if end < s + W:
         cand[:, max(0, end - s):] = False
     if proposal.valid is not None:

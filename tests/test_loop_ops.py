@@ -1,0 +1,86 @@
+"""The step loop's op-saving shortcuts give what the long forms give (issue 17: fewer dispatched operations a step).
+
+Each shortcut is compared with the form it replaced, on inputs with exact ties where ties matter.
+"""
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest
+import torch
+
+from dlm_engine.core.canvas import Canvas
+from dlm_engine.core.sampler import ALGS, sample_tokens
+from dlm_engine.core.selection import NEG_INF, column_range, top1, topk_commit, topk_rows
+
+
+def test_canvas_cols_are_cached_views_renewed_when_a_tensor_is_replaced():
+    c = Canvas.from_prompts([[5, 6], [7]], 6, 3, 0)
+    tok, so = c.cols(2, 5)
+    assert c.cols(2, 5)[0] is tok and c.cols(2, 5)[1] is so          # made once per range
+    assert torch.equal(tok, c.tokens[:, 2:5]) and torch.equal(so, c.step_of[:, 2:5])
+    c.step_of[0, 3] = 7                                                # a view: sees writes to the canvas
+    assert int(so[0, 1]) == 7
+    c.tokens = c.tokens.clone()                                        # replaced: new views
+    assert c.cols(2, 5)[0] is not tok and c.cols(2, 5)[0]._base is c.tokens
+    with torch.inference_mode():                                       # kept apart from views made outside
+        inside = c.cols(2, 5)[1]
+        assert c.cols(2, 5)[1] is inside
+    assert c.cols(2, 5)[1] is not inside
+
+
+def test_every_row_is_shared_by_canvases_of_one_batch_size():
+    a, b = Canvas.from_prompts([[5], [6]], 4, 3, 0), Canvas.from_prompts([[7], [8]], 4, 3, 0)
+    assert a.every_row() is b.every_row() and bool(a.every_row().all())
+    assert Canvas.from_prompts([[5]], 4, 3, 0).every_row().shape == (1,)
+
+
+def _ties(B, W, seed):
+    g = torch.Generator().manual_seed(seed)
+    conf = torch.randint(0, 4, (B, W), generator=g).double() / 4        # few values: many exact ties
+    cand = torch.rand(B, W, generator=g) < 0.7
+    return conf, cand
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_one_pick_topk_commit_and_top1_match_the_scattered_forms(seed):
+    for B, W, span in ((1, 8, None), (3, 8, (4, 20)), (2, 16, (0, 16)), (3, 5, (7, 12))):
+        conf, cand = _ties(B, W, seed)
+        if span is None:
+            row, off = torch.where(cand, conf, NEG_INF), 0
+        else:
+            off = span[0]
+            row = torch.full((B, span[1]), NEG_INF, dtype=conf.dtype)
+            row[:, off:off + W] = torch.where(cand, conf, NEG_INF)
+        idx = torch.topk(row, 1, dim=-1).indices
+        scattered = torch.zeros_like(row, dtype=torch.bool).scatter_(1, idx, True)[:, off:off + W] & cand
+        assert torch.equal(topk_commit(conf, cand, [1] * B, span), scattered)
+        assert torch.equal(topk_commit(conf, cand, 1, span), scattered)
+        counts = [int(n) for n in cand.sum(-1)]
+        if all(n == counts[0] for n in counts) and counts[0] > 0:
+            first = torch.topk(row, counts[0], dim=-1).indices[:, :1]
+            want = torch.zeros_like(row, dtype=torch.bool).scatter_(1, first, True)[:, off:off + W] & cand
+            assert torch.equal(top1(conf, cand, span, counts), want)
+        want = torch.zeros_like(row, dtype=torch.bool).scatter_(1, row.argmax(-1, keepdim=True), True)[:, off:off + W]
+        assert torch.equal(top1(conf, cand, span), want & cand)
+        assert torch.equal(topk_rows(row, 1), torch.zeros_like(row, dtype=torch.bool).scatter_(1, idx, True))
+
+
+def test_column_range():
+    assert column_range(3, 7, torch.device("cpu")).tolist() == [[3, 4, 5, 6]]
+
+
+@pytest.mark.parametrize("alg", ALGS)
+@pytest.mark.parametrize("filters", [{}, {"top_p": 0.9}, {"top_k": 3}])
+def test_sample_tokens_without_flattening_matches_row_by_row(alg, filters):
+    """At temperature 0 the sampler runs on the logits' own shape: the same values as on the flattened rows."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 5, 11, generator=g)
+    logits[0, 1] = logits[0, 2]                           # a tied row
+    torch.manual_seed(0)
+    nd = sample_tokens(logits, 0.0, alg=alg, **filters)
+    torch.manual_seed(0)
+    flat = sample_tokens(logits.reshape(-1, 11), 0.0, alg=alg, **filters)
+    assert nd.confidence.shape == (2, 5) and nd.probs.shape == (2, 5, 11)
+    assert torch.equal(nd.confidence.reshape(-1), flat.confidence) and torch.equal(nd.x0.reshape(-1), flat.x0)
+    assert torch.equal(nd.probs.reshape(-1, 11), flat.probs)
