@@ -170,7 +170,8 @@ class BlockBuffer(Strategy):
         s, e = plan.window
         W, B, bl = e - s, canvas.batch_size, self.block_len
         n_win = -(-W // bl)
-        pad = n_win * bl - W
+        bw = W if n_win == 1 else bl    # the width blocks are compared in: one (short) block has nothing to pad
+        pad = n_win * bw - W
         masked_gen = canvas.cols(g, canvas.length)[1] < 0   # the generation's masks before this step (a fresh tensor) ...
         win = masked_gen[:, s - g:e - g]               # ... whose window view becomes the masks after it (below)
         cand = win if proposal.valid is None else win & proposal.valid
@@ -178,7 +179,7 @@ class BlockBuffer(Strategy):
         conf = conf_w
         if pad:
             cand, conf = F.pad(cand, (0, pad)), F.pad(conf_w, (0, pad), value=float("-inf"))
-        cand, conf = cand.reshape(B, n_win, bl), conf.reshape(B, n_win, bl)     # cand may be a view of ``win``
+        cand, conf = cand.reshape(B, n_win, bw), conf.reshape(B, n_win, bw)     # cand may be a view of ``win``
         if st.in_buf is not None:
             cand = cand & st.in_buf[..., None]
         accept = cand & (conf >= c.accept_threshold)
@@ -187,11 +188,11 @@ class BlockBuffer(Strategy):
             need &= st.may_force
         top = masked_conf(conf, cand).argmax(-1)
         # accept | one_hot(top) where a block needs its top-1 (-1 matches no column)
-        commit = accept.logical_or_(column_indices(bl, conf.device) == torch.where(need, top, -1)[..., None])
-        commit = commit.view(B, n_win * bl)
+        commit = accept.logical_or_(column_indices(bw, conf.device) == torch.where(need, top, -1)[..., None])
+        commit = commit.view(B, n_win * bw)
         if pad:
             commit = commit[:, :W]
-        win &= ~commit                                  # masked_gen is now the masks after this step
+        win.masked_fill_(commit, False)                 # masked_gen is now the masks after this step
         finished = masked_gen.any(-1).logical_or_(canvas.finished).logical_not_()
         delta = eos_stop(c, canvas, self.delta(canvas, proposal, commit, confidence=conf_w, finished=finished))
         if c.stop_at_eos:

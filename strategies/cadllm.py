@@ -208,11 +208,11 @@ class CadLLM(Strategy):
         """Row 0's generated ``step_of`` (masked: < 0), then after a step: the block's tokens (repetition detection:
         the committed ones are the columns masked before the step and not after it), the flags, mean and gap. Views
         where possible: ``cat`` promotes to int64, or to float64 when a float part is read (exact for these ints)."""
-        parts = [canvas.step_of[0, canvas.gen_start:]]
+        parts = [canvas.cols(canvas.gen_start, canvas.length)[1][0]]     # (cached window views: one op each)
         if st.pending is not None:
             flags, mean, gap = st.pending
             if self.cfg.repetition_detection:
-                parts.append(canvas.tokens[0, st.start:st.end])
+                parts.append(canvas.cols(st.start, st.end)[0][0])
             if flags is not None:
                 parts.append(flags)
             parts += [x.reshape(1) if x.dtype == torch.float64 else x.reshape(1).to(torch.float64)

@@ -160,7 +160,12 @@ class EarlyExit(Strategy):
         """Mean top-1 minus top-2 raw logit over the answer window ([B], float64, summed in order from 0.0)."""
         lo, hi = self.answer_window
         first, second = torch.topk(logits[:, lo:hi], 2, dim=-1).values.unbind(-1)
-        diffs = (first - second).to(torch.float64).unbind(-1)        # differences in model dtype
+        diffs = (first - second).to(torch.float64)                      # differences in model dtype
+        if diffs.device.type == "cpu":
+            # a CPU cumsum adds one element at a time to an accumulator that starts at 0.0: the reference's sum,
+            # bit for bit, in one kernel (a GPU scans in parallel: another rounding)
+            return diffs.cumsum(-1)[:, -1] / (hi - lo)
+        diffs = diffs.unbind(-1)
         total = diffs[0] + 0.0                   # 0.0 + d, as the reference's sum starts (-0.0 becomes 0.0)
         for d in diffs[1:]:                      # <= answer_length, sequential as the reference
             total = total + d

@@ -112,8 +112,8 @@ def gumbel_argmax(logits: torch.Tensor, temperature: float, call_len: int, offse
 
 
 def softmax_in(logits: torch.Tensor, dtype: str) -> torch.Tensor:
-    if dtype == "float64":
-        return torch.softmax(logits.to(torch.float64), dim=-1)
+    if dtype == "float64":       # (cast first, then the softmax: one call)
+        return torch.softmax(logits, dim=-1, dtype=torch.float64)
     return torch.softmax(logits, dim=-1)
 
 
