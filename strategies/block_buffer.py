@@ -172,7 +172,7 @@ class BlockBuffer(Strategy):
         n_win = -(-W // bl)
         bw = W if n_win == 1 else bl    # the width blocks are compared in: one (short) block has nothing to pad
         pad = n_win * bw - W
-        masked_gen = canvas.cols(g, canvas.length)[1] < 0   # the generation's masks before this step (a fresh tensor) ...
+        masked_gen = canvas.masked_cols(g)             # the generation's masks before this step (a fresh tensor) ...
         win = masked_gen[:, s - g:e - g]               # ... whose window view becomes the masks after it (below)
         cand = win if proposal.valid is None else win & proposal.valid
         conf_w = eos_confidence(c, canvas, plan, proposal)

@@ -179,7 +179,7 @@ class EarlyExit(Strategy):
         else:
             # the window is the generation: its masked positions are the all-in commit, those before the block's
             # end (and computed) the candidates
-            masked = canvas.cols(canvas.gen_start, canvas.length)[1] < 0
+            masked = canvas.masked_cols(canvas.gen_start)
             cand = masked
             if e < canvas.length:
                 cand = masked & _first_columns(masked.shape[1], e - canvas.gen_start, masked.device)

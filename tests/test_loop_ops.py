@@ -21,6 +21,10 @@ def test_canvas_cols_are_cached_views_renewed_when_a_tensor_is_replaced():
     assert torch.equal(tok, c.tokens[:, 2:5]) and torch.equal(so, c.step_of[:, 2:5])
     c.step_of[0, 3] = 7                                                # a view: sees writes to the canvas
     assert int(so[0, 1]) == 7
+    m = c.masked_cols(2, 5)
+    assert torch.equal(m, c.masked()[:, 2:5]) and torch.equal(c.masked_cols(2), c.masked()[:, 2:])
+    m[:] = False                                                       # a fresh tensor, not a view of the canvas
+    assert torch.equal(c.masked_cols(2, 5), c.masked()[:, 2:5]) and bool(c.masked_cols(2, 5).any())
     c.tokens = c.tokens.clone()                                        # replaced: new views
     assert c.cols(2, 5)[0] is not tok and c.cols(2, 5)[0]._base is c.tokens
     with torch.inference_mode():                                       # kept apart from views made outside

@@ -35,7 +35,7 @@ class BlockState:
 def block_counts(canvas, block_length: int, masked: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``[B, num_blocks]`` masked positions per row and block of the generation (``masked``: a ``[B, G]`` mask
     to count instead of the canvas'); the last block may be shorter."""
-    m = canvas.cols(canvas.gen_start, canvas.length)[1] < 0 if masked is None else masked
+    m = canvas.masked_cols(canvas.gen_start) if masked is None else masked
     B, G = m.shape
     nb = -(-G // block_length)
     if nb * block_length != G:

@@ -223,6 +223,11 @@ class Canvas:
             v = self._views[key] = (self.tokens[:, start:end], self.step_of[:, start:end], self.tokens, self.step_of)
         return v[0], v[1]
 
+    def masked_cols(self, start: int, end: Optional[int] = None) -> torch.Tensor:
+        """``masked()[:, start:end]`` as a fresh tensor, made from the cached view (one operation; ``end`` None: the
+        canvas' end)."""
+        return self.cols(start, self.length if end is None else end)[1] < 0
+
     # -- update ------------------------------------------------------------------------------------
     def apply(self, delta: FrameDelta) -> None:
         s = delta.start

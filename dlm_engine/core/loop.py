@@ -103,8 +103,7 @@ def sample(logits: torch.Tensor, plan: StepPlan, call: ForwardCall, rows: Option
         B, W, V = logits.shape
         count = sum(plan.masked) if rows is None else sum(n for n, f in zip(plan.masked, run) if f)
         if (B * W - count) * V >= sampler.SCORED_MIN_SAVING:   # else gathering them costs more than it saves
-            held, so = canvas.cols(start, start + W)
-            mask = so < 0
+            mask, held = canvas.masked_cols(start, start + W), canvas.cols(start, start + W)[0]
             scored = (mask, count, held) if rows is None else (mask[rows], count, held[rows])
     return propose(logits, start, temperature=plan.temperature, confidence=plan.confidence,
                    softmax_dtype=plan.softmax_dtype, call_len=call_len, call_start=call_start, top_v=plan.top_v,

@@ -223,7 +223,7 @@ def evolve(state, **changes):
 def masked_after(canvas: Canvas, start: int, commit: torch.Tensor, remask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``[B, G]`` masked generated positions once a delta over ``[start, start + W)`` is applied."""
     g = canvas.gen_start
-    still = canvas.cols(g, canvas.length)[1] < 0    # canvas.masked() of the generation, a fresh tensor
+    still = canvas.masked_cols(g)                   # canvas.masked() of the generation, a fresh tensor
     a = start - g
     W = commit.shape[1]
     lo, hi = max(a, 0), min(a + W, still.shape[1])
@@ -246,7 +246,7 @@ def candidates(canvas: Canvas, proposal: Proposal, end: int) -> torch.Tensor:
     logits the call computed (a cache may leave some columns out: ``Proposal.valid``)."""
     s = proposal.start
     W = proposal.x0.shape[1]
-    cand = canvas.cols(s, s + W)[1] < 0              # canvas.masked() of the window, a fresh tensor
+    cand = canvas.masked_cols(s, s + W)              # canvas.masked() of the window, a fresh tensor
     if end < s + W:
         cand[:, max(0, end - s):] = False
     if proposal.valid is not None:
