@@ -88,3 +88,15 @@ def test_sample_tokens_without_flattening_matches_row_by_row(alg, filters):
     assert nd.confidence.shape == (2, 5) and nd.probs.shape == (2, 5, 11)
     assert torch.equal(nd.confidence.reshape(-1), flat.confidence) and torch.equal(nd.x0.reshape(-1), flat.x0)
     assert torch.equal(nd.probs.reshape(-1, 11), flat.probs)
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, [1, 1, 1], [2, 1, 3], "tensor"])
+def test_topk_rows_columns_are_the_cut_of_the_whole_row(k):
+    conf, cand = _ties(3, 12, 5)
+    row = torch.where(cand, conf, NEG_INF)
+    k = torch.tensor([1, 3, 0]) if k == "tensor" else k
+    for cols in ((0, 12), (3, 9), (0, 5), (11, 12)):
+        assert torch.equal(topk_rows(row, k, cols=cols), topk_rows(row, k)[:, cols[0]:cols[1]])
+        if not torch.is_tensor(k):             # (per-row padding columns: host counts only)
+            lead = [0, 2, 1]
+            assert torch.equal(topk_rows(row, k, lead=lead, cols=cols), topk_rows(row, k, lead=lead)[:, cols[0]:cols[1]])

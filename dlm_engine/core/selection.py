@@ -63,14 +63,8 @@ def topk_commit(conf: torch.Tensor, cand: torch.Tensor, k, span: Optional[Tuple[
     sequence of ints they are chosen as ``torch.topk(row, k[b])`` chooses them in the reference's row (``span``,
     see :func:`ranked_row`); with a device tensor (a data-dependent count) by a stable sort, without a host read
     (exact ties then break towards the lower position)."""
-    W = conf.shape[1]
     row, off = ranked_row(conf, cand, span)
-    lead = row_lead(span)
-    if lead is None and not torch.is_tensor(k) and all(v == 1 for v in ((k,) if isinstance(k, int) else k)):
-        # one pick a row (LLaDA's one token a step): the same topk, compared with the window's columns (one kernel
-        # where scattering into a full row and cutting the window out is three)
-        return (column_range(off, off + W, row.device) == torch.topk(row, 1, dim=-1).indices) & cand
-    return topk_rows(row, k, lead=lead)[:, off:off + W] & cand
+    return topk_rows(row, k, lead=row_lead(span), cols=(off, off + conf.shape[1])) & cand
 
 
 def row_lead(span: Optional[Tuple]) -> Optional[Sequence[int]]:
@@ -194,8 +188,10 @@ def _factor_thresholds(W: int, factor: float, dtype: torch.dtype, device: torch.
 
 
 # -- the d2Cache framework's rules (docs/specs/d2cache.md §6): per row, at least ``min_tt`` commits -------------
-def topk_rows(scores: torch.Tensor, k, largest: bool = True, lead: Optional[Sequence[int]] = None) -> torch.Tensor:
-    """``[B, W]`` bool: the ``k[b]`` highest (``largest``) or lowest scores of every row.
+def topk_rows(scores: torch.Tensor, k, largest: bool = True, lead: Optional[Sequence[int]] = None,
+              cols: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+    """``[B, W]`` bool: the ``k[b]`` highest (``largest``) or lowest scores of every row (``cols = (lo, hi)``: only
+    those columns of it, ``[B, hi - lo]``).
 
     ``k`` known on the host (an int or a sequence of ints): chosen as ``torch.topk(scores[b, lead[b]:], k[b])``
     chooses them (rows grouped by ``k`` and ``lead``), so exactly tied scores break as the references' per-row
@@ -204,25 +200,32 @@ def topk_rows(scores: torch.Tensor, k, largest: bool = True, lead: Optional[Sequ
     ties then break towards the lower position.
     """
     W = scores.shape[1]
+    lo, hi = (0, W) if cols is None else cols
+
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        return t if (lo, hi) == (0, W) else t[:, lo:hi]
+
     if torch.is_tensor(k):
         order = torch.sort(scores, dim=-1, descending=largest, stable=True).indices
         take = column_indices(W, scores.device) < k[:, None]
-        return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(1, order, take)
+        return cut(torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(1, order, take))
     ks = [int(k)] * scores.shape[0] if isinstance(k, int) else k
     if lead is None and all(kv == ks[0] for kv in ks):       # the common case: one call for every row
         if ks[0] <= 0:
-            return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+            return torch.zeros((scores.shape[0], hi - lo), dtype=torch.bool, device=scores.device)
         idx = torch.topk(scores, min(int(ks[0]), W), dim=-1, largest=largest).indices
-        if idx.shape[1] == 1:      # one pick a row: a comparison with the column indices (one kernel, not two)
-            return column_indices(W, scores.device) == idx
-        return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(1, idx, True)
+        if idx.shape[1] == 1:
+            # one pick a row (LLaDA's one token a step): compared with the wanted columns' indices, one kernel where
+            # scattering into a full row (and cutting the columns out) is two or three
+            return column_range(lo, hi, scores.device) == idx
+        return cut(torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(1, idx, True))
     out = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
     for (kv, a), rows in _groups(_keys(ks, lead), scores.device):
         if kv <= 0:
             continue
         idx = torch.topk(scores[rows, a:], min(kv, W - a), dim=-1, largest=largest).indices + a
         out[rows] = out[rows].scatter(1, idx, True)
-    return out
+    return cut(out)
 
 
 def factor_count(scores: torch.Tensor, cand: torch.Tensor, factor: float) -> torch.Tensor:
