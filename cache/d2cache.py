@@ -48,7 +48,7 @@ import torch
 
 from dlm_engine.core.capabilities import caps
 from dlm_engine.core.kvcache import Cache, RowStore, keep_layer_rows
-from dlm_engine.core.priors import certainty_density
+from dlm_engine.core.priors import CertaintyDensity
 from dlm_engine.core.protocol import Columns, recomputed_columns
 from dlm_engine.core.registry import register_cache
 from dlm_engine.core.selection import first_true
@@ -94,6 +94,7 @@ class D2Cache(Cache):
         self.k, self.v = {}, {}
         self.q = self.imp = self.sc = self.conf = self.has_conf = None
         self._call = None
+        self.density = CertaintyDensity(float(self.cfg.sigma))
 
     def end(self, canvas) -> None:
         self.begin(None)
@@ -254,7 +255,7 @@ class D2Cache(Cache):
         e0 = first_true(hit, G - 1)
         send = (torch.div(e0, bsize, rounding_mode="floor") + 1) * bsize - 1
         window = (col >= bstart[:, None]) & (col <= send[:, None])
-        sc = conf * certainty_density(~rem, float(c.sigma))
+        sc = conf * self.density.of_masked(rem)
         sc = sc + block.to(sc.dtype) * sc.max()
         picks = torch.topk(torch.where(window & rem, sc, torch.full_like(sc, float("-inf"))), min(c.current_k, G),
                            dim=-1).indices

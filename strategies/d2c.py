@@ -31,7 +31,7 @@ from dlm_engine.core.blockwise import block_counts, counts_after, fresh_block_co
 from dlm_engine.core.canvas import FrameDelta
 from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.eos import stop_at_eos
-from dlm_engine.core.priors import FrequencyTable, certainty_density
+from dlm_engine.core.priors import CertaintyDensity, FrequencyTable, FrequencyWeights
 from dlm_engine.core.registry import register_strategy
 from dlm_engine.core.rows import full_batch
 from dlm_engine.core import sampler
@@ -79,7 +79,7 @@ class D2CConfig:
 class BlockState:
     block: int = 0
     step: int = 0                               # steps taken in the current block
-    freq: Optional[torch.Tensor] = None         # PC-Sampler table (length V), loaded on the first step
+    freq: Optional[FrequencyWeights] = None     # PC-Sampler table's weights (length V), loaded on the first step
     counts: Tuple[Tuple[int, ...], ...] = ()    # last host read: eligible positions per row and block
     # per-step caches (host-keyed, never read across a mismatch): the ``[G]`` columns of block ``blk_of``, and the
     # commits per row ([B]) of the delta of step ``committed_step`` when they were all the eligible positions it
@@ -90,6 +90,7 @@ class BlockState:
     committed_step: int = -1
     # views of the canvas' generated columns: (tokens, step_of, tokens[:, g:], step_of[:, g:]), see gen_views
     views: Tuple[torch.Tensor, ...] = ()
+    density: Optional[CertaintyDensity] = None  # the certainty prior's reused rows (sigma set), one per decode
 
 
 class BlockSampled(Sampled):
@@ -140,14 +141,14 @@ class D2C(Strategy):
             raise ConfigError("strategy.stop_until_eos needs the model's eos_token_id, which this model does not define")
         if c.debias:   # fail before the first forward when the table cannot be found
             FrequencyTable.resolve(c.freq_table, canvas.model_info.model_type)
-        return BlockState()
+        return BlockState(density=CertaintyDensity(c.sigma) if c.sigma else None)
 
     def frequencies(self, canvas, st: BlockState, vocab: int) -> BlockState:
         """The state with the PC-Sampler table of the model's vocabulary (loaded on the first step)."""
         if not self.cfg.debias or st.freq is not None:
             return st
         path = FrequencyTable.resolve(self.cfg.freq_table, canvas.model_info.model_type)
-        return evolve(st, freq=FrequencyTable.load(str(path), vocab).to(canvas.device))
+        return evolve(st, freq=FrequencyTable.weights(str(path), vocab))
 
     # -- helpers -----------------------------------------------------------------------------------------
     def eligible(self, canvas, masked: torch.Tensor, tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -354,7 +355,7 @@ class D2C(Strategy):
             sampled = self.sample(proposal.logits, cand, st, self.sample_from(st, proposal))
             conf = torch.where(cand, sampled.confidence, float("-inf"))
             sampled.confidence = conf                    # (this step's own result) what pick ranks: see ranked
-        scores = conf * certainty_density(~masked, c.sigma) if c.sigma else conf
+        scores = conf * st.density.of_masked(masked) if c.sigma else conf
         commit_a, st = self.pick(scores, cand, block_cand, sampled, st, rows, counts)
         delta, committed, only_commits = self.frame(canvas, rows, commit_a, sampled.x0, conf, masked_all, st)
         delta.scalars.update(block=st.block, committed=committed)

@@ -61,8 +61,9 @@ class Klass(D2C):
         self.check_positive("kl_history_length", c.kl_history_length)
 
     def init_state(self, canvas) -> KlassState:
-        super().init_state(canvas)
-        return KlassState(ring=(None,) * int(self.cfg.kl_history_length), batch=canvas.batch_size)
+        base = super().init_state(canvas)
+        return KlassState(ring=(None,) * int(self.cfg.kl_history_length), batch=canvas.batch_size,
+                          density=base.density)
 
     picks_from_block_scores = False     # the divergences read the distributions of the block and of later blocks
 

@@ -27,7 +27,7 @@ import torch
 from dlm_engine.core.blockwise import block_counts, fresh_block_counts, host_rows
 from dlm_engine.core.canvas import FrameDelta
 from dlm_engine.core.capabilities import Cap, caps
-from dlm_engine.core.priors import certainty_density
+from dlm_engine.core.priors import CertaintyDensity
 from dlm_engine.core.protocol import AuxColumns
 from dlm_engine.core.registry import register_strategy
 from dlm_engine.core.sampler import sample_tokens
@@ -66,6 +66,7 @@ class WinoState:
     aux: Optional[tuple] = None                 # ((bs, be), AuxColumns): the shadow block of the last window (reused
                                                 # while the window stays: it depends on the window alone)
     left: Optional[torch.Tensor] = None         # [B, G] masked generated positions after the last select
+    density: Optional[CertaintyDensity] = None  # the certainty prior's reused rows (sigma set), one per decode
 
 
 @functools.lru_cache(maxsize=1024)
@@ -97,7 +98,7 @@ class Wino(Strategy):
             self.check_non_negative("sigma", c.sigma)
 
     def init_state(self, canvas) -> WinoState:
-        return WinoState()
+        return WinoState(density=CertaintyDensity(self.cfg.sigma) if self.cfg.sigma else None)
 
     def max_steps(self, canvas) -> int:
         return canvas.gen_length + 8 * self.num_blocks     # each step nets >= num_transfer_tokens commits
@@ -207,8 +208,8 @@ class Wino(Strategy):
         conf = torch.where(masked_w, s.confidence, in_place)
         scores = conf               # the wide-in rule ranks masked slots only (-inf elsewhere)
         if c.sigma:
-            m = canvas.step_of[:, g:] >= 0 if rows is None else canvas.step_of[rows, g:] >= 0
-            dens = certainty_density(m, c.sigma)[:, bs:be].to(conf.dtype)
+            m = canvas.step_of[:, g:] < 0 if rows is None else canvas.step_of[rows, g:] < 0
+            dens = st.density.of_masked(m)[:, bs:be].to(conf.dtype)
             scores = conf * dens
         ntt = c.num_transfer_tokens
         wide, n_wide = wide_in(scores, masked_w, ntt, plan.info["cap"], plan.info["counts"], c.wide_in_thres)

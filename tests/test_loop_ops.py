@@ -100,3 +100,46 @@ def test_topk_rows_columns_are_the_cut_of_the_whole_row(k):
         if not torch.is_tensor(k):             # (per-row padding columns: host counts only)
             lead = [0, 2, 1]
             assert torch.equal(topk_rows(row, k, lead=lead, cols=cols), topk_rows(row, k, lead=lead)[:, cols[0]:cols[1]])
+
+
+def test_certainty_density_reuses_its_rows_and_gives_the_same_bits():
+    from dlm_engine.core.priors import CertaintyDensity, certainty_density
+
+    g = torch.Generator().manual_seed(3)
+    dens = CertaintyDensity(5.0)
+    # shapes change on the same object (a batch compacted to its live rows, another generation length)
+    for B, L in [(3, 24), (3, 24), (1, 24), (2, 40), (3, 24)]:
+        for _ in range(20):
+            masked = torch.rand(B, L, generator=g) < float(torch.rand(1, generator=g))
+            masked[0, -1] = bool(torch.rand(1, generator=g) < 0.5)          # the repeated last column varies
+            got = dens.of_masked(masked)
+            assert got.dtype == torch.float32
+            assert torch.equal(got, certainty_density(~masked, 5.0))
+    # the returned densities are not views of the reused rows: a later call leaves them alone
+    m = torch.zeros(2, 8, dtype=torch.bool)
+    first = dens.of_masked(m)
+    kept = first.clone()
+    dens.of_masked(torch.ones(2, 8, dtype=torch.bool))
+    assert torch.equal(first, kept)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("alpha", [None, 3.0])
+def test_debias_with_precomputed_weights_is_the_reference_formula(dtype, alpha):
+    from dlm_engine.core.priors import FrequencyTable, debias
+
+    V = 4096
+    freq = FrequencyTable.load(str(FrequencyTable.bundled_path("llada")), V)
+    weights = FrequencyTable.weights(str(FrequencyTable.bundled_path("llada")), V)
+    g = torch.Generator().manual_seed(int(alpha or 0) + (dtype == torch.float64))
+    for shape in [(1, 16), (3, 7), (2, 33)]:
+        conf = torch.rand(shape, generator=g, dtype=dtype)
+        conf[0, 0] = 1.0
+        x0 = torch.randint(0, V, shape, generator=g)
+        x0[0, :3] = torch.tensor([0, V - 1, 5])                 # a rare, the last and a common token
+        a = 10.0 if alpha is None else alpha
+        want = torch.clamp(-conf * torch.log(freq.to(dtype)[x0] + 1e-10), max=a)   # the reference's order
+        got = debias(conf, x0, weights, alpha)
+        assert got.dtype == dtype and torch.equal(got, want)
+        assert torch.equal(debias(conf, x0, freq, alpha), want)  # a bare table: its weights made for the call
+        assert bool((got < a).any())                           # not every value clipped: the formula is exercised

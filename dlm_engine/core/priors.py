@@ -47,6 +47,37 @@ def certainty_density(decoded: torch.Tensor, sigma: float) -> torch.Tensor:
     return (ext @ _kernel(L, float(sigma), str(x.device))).to(torch.float32)
 
 
+class CertaintyDensity:
+    """:func:`certainty_density` for a decode's every step, with its extended rows kept between calls.
+
+    The ``[B, 3L]`` float64 rows start as ones; a call writes the decoded flags (``~masked``, converted by the
+    write itself) into the middle third and repeats the last one across the final third, then multiplies by the
+    cached kernel: the same rows and the same product as :func:`certainty_density`, in 4 tensor operations
+    instead of 9 (no negation, no float64 copy, no concatenation). One object per decode (its buffer is
+    overwritten by every call); a call with another shape or device makes a new buffer.
+    """
+
+    __slots__ = ("sigma", "_key", "_buf", "_mid", "_tail", "_last", "_kernel")
+
+    def __init__(self, sigma: float):
+        self.sigma = float(sigma)
+        self._key = None
+
+    def of_masked(self, masked: torch.Tensor) -> torch.Tensor:
+        """``certainty_density(~masked, sigma)`` (``masked``: ``[B, L]`` bool, True = still masked)."""
+        B, L = masked.shape
+        key = (B, L, masked.device)
+        if key != self._key:
+            buf = torch.ones((B, 3 * L), dtype=torch.float64, device=masked.device)
+            self._buf, self._mid, self._tail = buf, buf[:, L:2 * L], buf[:, 2 * L:]
+            self._last = self._mid[:, -1:]
+            self._kernel = _kernel(L, self.sigma, str(masked.device))
+            self._key = key
+        torch.logical_not(masked, out=self._mid)
+        self._tail.copy_(self._last)
+        return (self._buf @ self._kernel).to(torch.float32)
+
+
 class FrequencyTable:
     """Corpus token frequencies for PC-Sampler, as a length-``V`` float32 vector.
 
@@ -92,11 +123,41 @@ class FrequencyTable:
                 freq[i] = float(c) / n
         return torch.tensor(freq, dtype=torch.float32)
 
+    @staticmethod
+    @functools.lru_cache(maxsize=8)
+    def weights(path: str, vocab: int) -> "FrequencyWeights":
+        """The table's :class:`FrequencyWeights` (shared by every decode of the process)."""
+        return FrequencyWeights(FrequencyTable.load(path, vocab))
 
-def debias(confidence: torch.Tensor, x0: torch.Tensor, freq: torch.Tensor, alpha: Optional[float]) -> torch.Tensor:
+
+class FrequencyWeights:
+    """PC-Sampler's per-token weights ``-ln(freq + 1e-10)`` over the whole vocabulary, made once per dtype and
+    device (the frequencies cast to that dtype first, as the reference casts them to the confidence's).
+
+    A step then gathers the weights of its proposals (one op) instead of gathering, casting, adding and taking
+    the log there (four): the same values, since the cast is exact and the log is computed per element
+    (``tests/test_loop_ops.py`` checks both forms bit for bit).
+    """
+
+    __slots__ = ("freq", "_made")
+
+    def __init__(self, freq: torch.Tensor):
+        self.freq = freq
+        self._made = {}
+
+    def at(self, x0: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        key = (dtype, x0.device)
+        w = self._made.get(key)
+        if w is None:
+            w = self._made[key] = torch.log(self.freq.to(device=x0.device, dtype=dtype) + 1e-10).neg_()
+        return w[x0]
+
+
+def debias(confidence: torch.Tensor, x0: torch.Tensor, freq, alpha: Optional[float]) -> torch.Tensor:
     """PC-Sampler: ``min(-confidence * ln(freq[x0] + 1e-10), alpha)`` (``alpha`` None -> 10), in the
-    confidence's dtype."""
+    confidence's dtype. ``freq``: the frequencies' :class:`FrequencyWeights` (or the frequencies themselves, whose
+    weights are then made for this call). ``-c * l`` and ``c * -l`` are the same float."""
     a = 10.0 if alpha is None else float(alpha)
-    f = freq.to(device=confidence.device, dtype=confidence.dtype)[x0]
-    return torch.clamp(-confidence * torch.log(f + 1e-10), max=a)
+    w = freq if isinstance(freq, FrequencyWeights) else FrequencyWeights(freq)
+    return (confidence * w.at(x0, confidence.dtype)).clamp_(max=a)
 

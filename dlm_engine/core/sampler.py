@@ -300,7 +300,7 @@ class Sampled:
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float = 0.0, top_p: Optional[float] = None,
-                  top_k: Optional[int] = None, alg: str = "maskgit_plus", freq: Optional[torch.Tensor] = None,
+                  top_k: Optional[int] = None, alg: str = "maskgit_plus", freq=None,
                   clip_alpha: Optional[float] = None, debias_after_alg: bool = False,
                   filters_at_zero: bool = True) -> Sampled:
     """Dream's and the d2Cache framework's per-position sampler over logits ``[..., V]`` (any leading shape;
@@ -308,8 +308,8 @@ def sample_tokens(logits: torch.Tensor, temperature: float = 0.0, top_p: Optiona
 
     Temperature, top-p and top-k reshape the distribution (also at temperature 0 unless ``filters_at_zero`` is
     False -- a reference quirk: they change confidences there); then a categorical draw at ``T > 0`` (one
-    ``multinomial`` over all positions) or the argmax. ``freq`` (PC-Sampler, :func:`dlm_engine.core.priors.debias`)
-    rescales the confidence; ``alg`` then replaces it -- ``topk_margin``: top-1 minus top-2 probability,
+    ``multinomial`` over all positions) or the argmax. ``freq`` (PC-Sampler, :func:`dlm_engine.core.priors.debias`: the
+    frequencies or their ``FrequencyWeights``) rescales the confidence; ``alg`` then replaces it -- ``topk_margin``: top-1 minus top-2 probability,
     ``entropy``: ``sum p ln(p + 1e-10)`` (higher = more certain), ``random``: uniform noise (one ``torch.rand``
     after the draw) -- which overwrites the debiased value unless ``debias_after_alg``.
     """
