@@ -37,8 +37,8 @@ class AR(D2C):
     def pick(self, scores, cand, block_cand, sampled, st, rows, counts):
         c = self.cfg
         after = block_cand.cummax(-1).values                  # at or after the row's first candidate
-        # the run from the first candidate: candidates with no gap (a non-candidate after the first) before them
-        run = block_cand & ((after > block_cand).cumsum(-1) == 0)
+        # the run from the first candidate: at or after it, and before the first gap (a non-candidate after it)
+        run = after > (after > block_cand).cummax(-1).values
         if c.threshold is None and not c.ar_respect_ntt:
             return run, st                                    # the whole run (quirk 9)
         # the run's first ``count`` positions, count = min(max(lead, ntt), |run|) with a threshold (lead: the

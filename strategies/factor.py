@@ -37,5 +37,7 @@ class Factor(FillBlocks):
             plan = dataclasses.replace(plan, info={**plan.info, "counts": None})
         return super().select(canvas, plan, proposal, st)
 
+    rule_within_candidates = True       # factor_commit ends with ``& cand``
+
     def rule(self, conf, cand, cur, span=None, counts=None):
         return factor_commit(conf, cand, float(self.cfg.factor), span, counts)

@@ -26,5 +26,7 @@ class Threshold(FillBlocks):
         super().validate()
         self.check_unit_interval("threshold", self.cfg.threshold)
 
+    rule_within_candidates = True       # threshold_commit ends with ``& cand``
+
     def rule(self, conf, cand, cur, span=None, counts=None):
         return threshold_commit(conf, cand, float(self.cfg.threshold), span, counts)

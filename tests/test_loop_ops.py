@@ -143,3 +143,28 @@ def test_debias_with_precomputed_weights_is_the_reference_formula(dtype, alpha):
         assert got.dtype == dtype and torch.equal(got, want)
         assert torch.equal(debias(conf, x0, freq, alpha), want)  # a bare table: its weights made for the call
         assert bool((got < a).any())                           # not every value clipped: the formula is exercised
+
+
+@pytest.mark.parametrize("name", ["threshold", "factor"])
+def test_rules_that_skip_the_candidate_intersection_keep_to_the_candidates(name):
+    """``FillBlocks.rule_within_candidates``: select trusts these rules not to return a non-candidate."""
+    from dlm_engine.core.blockwise import BlockCursor
+    from dlm_engine.core.registry import load_plugins, strategy_class
+
+    load_plugins()
+    cls = strategy_class(name)
+    assert cls.rule_within_candidates
+    kw = {"threshold": 0.5} if name == "threshold" else {"factor": 1.0}
+    strat = cls(cls.Config(**kw), 12)
+    g = torch.Generator().manual_seed(7)
+    for trial in range(200):
+        B, W = 3, 12
+        conf = torch.randint(0, 4, (B, W), generator=g).to(torch.float64) / 4       # exact ties, values >= 0.5
+        conf[torch.rand(B, W, generator=g) < 0.1] = float("-inf")
+        cand = torch.rand(B, W, generator=g) < 0.6
+        cand[0] = False if trial % 5 == 0 else cand[0]                                # a row with no candidate
+        counts = cand.sum(-1).tolist()
+        span = (2, W + 4) if trial % 2 else None
+        for c in (counts, None):
+            commit = strat.rule(conf, cand, BlockCursor(0, 0), span, c)
+            assert not bool((commit & ~cand).any()), (trial, c)

@@ -10,7 +10,7 @@ options of :class:`dlm_engine.core.eos.EosOptions` (``logits_eos_inf``, ``confid
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import ClassVar, Optional, Tuple
 
 import torch
 
@@ -82,6 +82,9 @@ class FillBlocks(Strategy):
 
     offers = caps(Cap.BLOCKS)
     needs = caps()
+    # True when :meth:`rule` never returns a non-candidate (its own last op intersects with ``cand``): select then
+    # takes the rule's commits as they are instead of intersecting once more (one op a step)
+    rule_within_candidates: ClassVar[bool] = False
 
     def validate(self) -> None:
         c = self.cfg
@@ -92,7 +95,8 @@ class FillBlocks(Strategy):
         self.check_non_negative("temperature", c.temperature)
 
     def rule(self, conf: torch.Tensor, cand: torch.Tensor, cur: BlockCursor, span=None, counts=None) -> torch.Tensor:
-        """Which candidates to commit this step (``[B, W]`` bool, a subset of ``cand``); ``span`` is the row the
+        """Which candidates to commit this step (``[B, W]`` bool; :meth:`select` keeps only its candidates, unless
+        ``rule_within_candidates`` says the rule did); ``span`` is the row the
         reference ranks in (``Proposal.row_span``: exact ties break as its ``torch.topk`` does), ``counts`` the
         block's masked positions per row, known on the host."""
         raise NotImplementedError
@@ -128,7 +132,9 @@ class FillBlocks(Strategy):
         cur = st.cursor
         cand = candidates(canvas, proposal, e)
         conf = eos_confidence(self.cfg, canvas, plan, proposal)
-        commit = self.rule(conf, cand, cur, proposal.row_span, plan.info["counts"]) & cand
+        commit = self.rule(conf, cand, cur, proposal.row_span, plan.info["counts"])
+        if not self.rule_within_candidates:
+            commit = commit & cand
         n = commit.sum(-1)
         delta = eos_stop(self.cfg, canvas, self.delta(canvas, proposal, commit, confidence=conf, committed=n,
                                                       masked_left=[sum(row) for row in st.counts]))
