@@ -308,10 +308,11 @@ def sample_tokens(logits: torch.Tensor, temperature: float = 0.0, top_p: Optiona
 
     Temperature, top-p and top-k reshape the distribution (also at temperature 0 unless ``filters_at_zero`` is
     False -- a reference quirk: they change confidences there); then a categorical draw at ``T > 0`` (one
-    ``multinomial`` over all positions) or the argmax. ``freq`` (PC-Sampler, :func:`dlm_engine.core.priors.debias`: the
-    frequencies or their ``FrequencyWeights``) rescales the confidence; ``alg`` then replaces it -- ``topk_margin``: top-1 minus top-2 probability,
-    ``entropy``: ``sum p ln(p + 1e-10)`` (higher = more certain), ``random``: uniform noise (one ``torch.rand``
-    after the draw) -- which overwrites the debiased value unless ``debias_after_alg``.
+    ``multinomial`` over all positions) or the argmax. ``freq`` (PC-Sampler, :func:`dlm_engine.core.priors.debias`:
+    the frequencies or their ``FrequencyWeights``) rescales the confidence; ``alg`` then replaces it --
+    ``topk_margin``: top-1 minus top-2 probability, ``entropy``: ``sum p ln(p + 1e-10)`` (higher = more certain),
+    ``random``: uniform noise (one ``torch.rand`` after the draw) -- which overwrites the debiased value unless
+    ``debias_after_alg``.
     """
     if alg not in ALGS:
         raise ValueError(f"unknown alg '{alg}' (choose from {', '.join(ALGS)})")
