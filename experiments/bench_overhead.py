@@ -206,6 +206,10 @@ def main(argv=None) -> int:
                     help="record every decode with a trace recorder (default capture), as a `dlm` run does: the "
                          "'sinks' column is the step loop's hand-over to it; the writer thread's CPU is not counted")
     args = ap.parse_args(argv)
+    if args.evict_mb and not args.replayed:
+        ap.error("--evict-mb measures the replayed loop: add --replayed")
+    if args.evict_mb < 0:
+        ap.error(f"--evict-mb={args.evict_mb} must be >= 0")
     torch.set_num_threads(1)
     load_plugins()
     only = set(args.only.split(",")) if args.only else None

@@ -92,3 +92,12 @@ def test_replayed_forwards_with_eviction_make_the_recorded_decodes(bench, tiny):
     before = rep.evict.clone()
     bench.one(rep, prompts[:1], gen, "low_confidence", {"block_length": block}, "none", 1, instrument=())
     assert rep.evict.numel() == 1 << 18 and bool((rep.evict > before).all())     # touched at every forward
+
+
+@pytest.mark.parametrize("argv, key", [(["--evict-mb", "8"], "--replayed"), (["--replayed", "--evict-mb", "-1"], "--evict-mb")])
+def test_evict_without_replayed_or_negative_is_a_one_line_error(bench, argv, key, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(argv + ["--model", "tiny", "--only", "low_conf"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert key in err[-1] and "Traceback" not in "\n".join(err)
