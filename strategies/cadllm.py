@@ -217,7 +217,7 @@ class CadLLM(Strategy):
                 parts.append(flags)
             parts += [x.reshape(1) if x.dtype == torch.float64 else x.reshape(1).to(torch.float64)
                       for x in (mean, gap) if x is not None]
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
+        return parts                                    # (the loop's one cat)
 
     def fresh_values(self, canvas, st: CadState):
         return [-1] * self.gen_length                   # row 0's generation: all masked

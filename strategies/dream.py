@@ -156,17 +156,16 @@ class Dream(DreamBlockLoop, Strategy):
         if self.cfg.block_length is not None:
             bs, be = self._block(canvas, min(st.block, self.num_blocks - 1))
             end = canvas.length if self.cfg.window == Window.rest else be
-            return torch.cat([block_counts(canvas, self.block_length).reshape(-1),
-                              m[:, bs + 1:end].sum(-1), m[:, bs + 1:be].sum(-1)])
+            return [block_counts(canvas, self.block_length), m[:, bs + 1:end].sum(-1), m[:, bs + 1:be].sum(-1)]
         if st.lo is None:                       # before the first step: the window start, masks per row
             cols = m.any(0)
             first = torch.where(cols.any(), cols.int().argmax(), canvas.gen_start)
-            return torch.cat([first.reshape(1), m.sum(-1)])
+            return [first, m.sum(-1)]
         parts = [m[:, st.lo:].sum(-1)]
         if st.steps_row is not None:
             want = torch.where(st.i < st.steps_row, st.quota + st.carry, torch.zeros_like(st.quota))
-            parts += [want.max().reshape(1), st.steps_row.max().reshape(1)]
-        return torch.cat(parts)
+            parts += [want.max(), st.steps_row.max()]
+        return parts                            # (read in order, in the loop's one cat)
 
     def synced(self, canvas, st: DreamState, values, delta):
         B = canvas.batch_size

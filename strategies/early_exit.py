@@ -133,9 +133,9 @@ class EarlyExit(Strategy):
                         masked=masked, info={"k": [sch[cur.step] for sch in st.schedule]}), st
 
     def sync_request(self, canvas, st: ExitState):
-        if st.committed is not None:          # the step's commits and the exit flags: one cat (cat promotes)
-            return torch.cat([st.committed[1], st.exited])
-        return torch.cat([block_counts(canvas, self.block_length).reshape(-1), st.exited.reshape(-1)])
+        if st.committed is not None:          # the step's commits and the exit flags (the loop's cat promotes)
+            return [st.committed[1], st.exited]
+        return [block_counts(canvas, self.block_length), st.exited]
 
     def fresh_values(self, canvas, st: ExitState):
         return fresh_block_counts(canvas, self.block_length) + [0] * canvas.batch_size    # nothing exited yet
@@ -160,12 +160,13 @@ class EarlyExit(Strategy):
         """Mean top-1 minus top-2 raw logit over the answer window ([B], float64, summed in order from 0.0)."""
         lo, hi = self.answer_window
         first, second = torch.topk(logits[:, lo:hi], 2, dim=-1).values.unbind(-1)
-        diffs = (first - second).to(torch.float64)                      # differences in model dtype
+        diffs = first - second                                          # differences in model dtype
         if diffs.device.type == "cpu":
             # a CPU cumsum adds one element at a time to an accumulator that starts at 0.0: the reference's sum,
-            # bit for bit, in one kernel (a GPU scans in parallel: another rounding)
-            return diffs.cumsum(-1)[:, -1] / (hi - lo)
-        diffs = diffs.unbind(-1)
+            # bit for bit, in one kernel (a GPU scans in parallel: another rounding); its dtype argument casts the
+            # differences to float64 first, as the reference does
+            return diffs.cumsum(-1, dtype=torch.float64)[:, -1] / (hi - lo)
+        diffs = diffs.to(torch.float64).unbind(-1)
         total = diffs[0] + 0.0                   # 0.0 + d, as the reference's sum starts (-0.0 becomes 0.0)
         for d in diffs[1:]:                      # <= answer_length, sequential as the reference
             total = total + d

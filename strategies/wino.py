@@ -163,7 +163,7 @@ class Wino(Strategy):
         masked = canvas.masked()[:, g:] if st.left is None else st.left
         if self.cfg.shrinking_window:
             masked = masked & ~canvas.finished[:, None]
-        parts = [block_counts(canvas, self.block_len, masked).reshape(-1)]
+        parts = [block_counts(canvas, self.block_len, masked)]
         if self.cfg.shrinking_window and st.block_mask is not None:
             bm = st.block_mask
             G = bm.shape[1]
@@ -172,9 +172,8 @@ class Wino(Strategy):
             first = torch.where(any0, bm[0].int().argmax(), -1)
             last = torch.where(any0, G - 1 - bm[0].flip(0).int().argmax(), -1)
             inside = (col >= first) & (col <= last)
-            parts += [(bm & masked).any(-1), first.reshape(1), last.reshape(1),
-                      (canvas.masked()[:, g:] & inside[None, :]).sum(-1)]
-            return torch.cat([x.to(torch.int64) for x in parts])
+            parts += [(bm & masked).any(-1), first, last, (canvas.masked()[:, g:] & inside[None, :]).sum(-1)]
+            return parts                   # (the loop's one cat promotes the flags to int64 with the counts)
         return parts[0]
 
     def fresh_values(self, canvas, st: WinoState):

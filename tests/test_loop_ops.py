@@ -168,3 +168,36 @@ def test_rules_that_skip_the_candidate_intersection_keep_to_the_candidates(name)
         for c in (counts, None):
             commit = strat.rule(conf, cand, BlockCursor(0, 0), span, c)
             assert not bool((commit & ~cand).any()), (trial, c)
+
+
+def test_a_sync_request_given_as_parts_is_read_in_order_in_one_cat():
+    """``Strategy.sync_request`` may return a list: its parts (any shape) are flattened and read after the loop's
+    own (finished rows), promoted together, in one host read."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dlm_engine.core.loop import sync_round
+
+    canvas = Canvas.from_prompts([[5, 6], [7]], 4, 3, 0)
+    canvas.finished[1] = True
+    seen = {}
+
+    class Parts:
+        def sync_request(self, canvas, state):
+            return [torch.tensor([[1, 2], [3, 4]]), torch.tensor(True), torch.tensor([False, True])]
+
+        def synced(self, canvas, state, values, delta):
+            seen["values"] = values
+            return "next"
+
+    ops = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        host, state = sync_round(canvas, Parts(), None, None)
+    assert host.finished == [False, True] and state == "next"
+    assert seen["values"] == [1, 2, 3, 4, 1, 0, 1] and all(type(v) is int for v in seen["values"])
+    assert sum("cat" in op for op in ops) == 1

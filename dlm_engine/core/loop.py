@@ -209,8 +209,9 @@ def sync_round(canvas: Canvas, strategy: Strategy, state, delta: Optional[FrameD
     if finite is not None:
         parts.append(finite)
     req = strategy.sync_request(canvas, state)
-    if req is not None:
-        parts.append(req if req.dim() == 1 else req.reshape(-1))
+    if req is not None:   # a tensor or a sequence of them, read in order (one cat for the loop's and the strategy's)
+        for t in (req if isinstance(req, (tuple, list)) else (req,)):
+            parts.append(t if t.dim() == 1 else t.reshape(-1))
     flat = torch.cat(parts).tolist() if len(parts) > 1 else parts[0].tolist()   # cat promotes to one dtype
     B = canvas.batch_size
     n_flag = 0 if finite is None else int(finite.shape[0])

@@ -13,7 +13,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -114,10 +114,13 @@ class Strategy:
         """The step's delta and the new state."""
         raise NotImplementedError
 
-    def sync_request(self, canvas: Canvas, state: Any) -> Optional[torch.Tensor]:
-        """A small 1-D tensor of what the next plan must know on the host (mask counts, flags, ...). The loop
-        reads it together with the finished rows in its one host synchronisation per step (after the delta is
-        applied) and passes the values to :meth:`synced`. None = nothing."""
+    def sync_request(self, canvas: Canvas, state: Any) -> Union[None, torch.Tensor, Sequence[torch.Tensor]]:
+        """A small tensor of what the next plan must know on the host (mask counts, flags, ...), or a list of
+        them (flattened and read in order: the loop concatenates them with its own parts in one op, where a
+        strategy's own ``cat`` would be a second). The loop reads it together with the finished rows in its one
+        host synchronisation per step (after the delta is applied) and passes the values to :meth:`synced`
+        (``cat`` promotes: with an int part, flags read as 0/1; with a float part, every value is a float).
+        None = nothing."""
         return None
 
     def fresh_values(self, canvas: Canvas, state: Any) -> Optional[list]:
