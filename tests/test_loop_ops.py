@@ -201,3 +201,19 @@ def test_a_sync_request_given_as_parts_is_read_in_order_in_one_cat():
     assert host.finished == [False, True] and state == "next"
     assert seen["values"] == [1, 2, 3, 4, 1, 0, 1] and all(type(v) is int for v in seen["values"])
     assert sum("cat" in op for op in ops) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_top_v_prob_confidence_casts_inside_the_softmax_with_the_same_bits(dtype):
+    from dlm_engine.core.sampler import confidence_of
+
+    g = torch.Generator().manual_seed(11)
+    logits = (torch.randn(2, 9, 50, generator=g) * 4).to(dtype)
+    logits[0, 0, :5] = logits[0, 0, 5]                       # exact ties around the top
+    x0 = logits.float().argmax(-1)
+    x0[1, 3] = int(logits[1, 3].float().argmin())            # a proposal outside the top-V: probability 0
+    for top_v in (1, 7, 50):
+        vals, idx = torch.topk(logits, top_v, dim=-1)
+        want = torch.where(idx == x0[..., None], torch.softmax(vals.to(torch.float64), dim=-1), 0.0).sum(-1)
+        got = confidence_of(logits, x0, "prob", top_v=top_v)
+        assert got.dtype == torch.float64 and torch.equal(got, want)

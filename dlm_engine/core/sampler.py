@@ -143,7 +143,7 @@ def confidence_of(logits: torch.Tensor, x0: torch.Tensor, kind: str, dtype: str 
     if kind == "prob":
         if top_v is not None:
             vals, idx = torch.topk(logits, top_v, dim=-1)
-            p = torch.softmax(vals.to(torch.float64), dim=-1)
+            p = torch.softmax(vals, dim=-1, dtype=torch.float64)     # (casts first: one op, the same bits)
             hit = idx == x0[..., None]
             return torch.where(hit, p, 0.0).sum(-1)
         if x0_is_argmax:
