@@ -91,6 +91,9 @@ class BlockState:
     # views of the canvas' generated columns: (tokens, step_of, tokens[:, g:], step_of[:, g:]), see gen_views
     views: Tuple[torch.Tensor, ...] = ()
     density: Optional[CertaintyDensity] = None  # the certainty prior's reused rows (sigma set), one per decode
+    # (within a step, select -> pick) the scores when they are ``-inf`` exactly where the step's confidences are:
+    # the confidences times a density known to be positive (see ranked); None otherwise and between steps
+    ranked_scores: Optional[torch.Tensor] = None
 
 
 class BlockSampled(Sampled):
@@ -298,16 +301,17 @@ class D2C(Strategy):
         c = self.cfg
         commit = d2c_commit(scores, block_cand, c.num_transfer_tokens, counts=counts, threshold=c.threshold,
                             factor=c.factor, gamma=c.gamma, probs=sampled.probs, eb_over_ranks=c.eb_cummax_over_ranks,
-                            ranked=self.ranked(scores, cand, block_cand, sampled))
+                            ranked=self.ranked(scores, cand, block_cand, sampled, st))
         return commit, st
 
     @staticmethod
-    def ranked(scores, cand, block_cand, sampled: Sampled) -> bool:
+    def ranked(scores, cand, block_cand, sampled: Sampled, st: Optional[BlockState] = None) -> bool:
         """Whether ``scores`` is ``-inf`` outside ``block_cand`` already, so that a rule ranks it as it is (no
-        masking op): they are the step's confidences (:meth:`select` leaves them ``-inf`` outside ``cand``, no
-        certainty prior applied) and either the block's own samples or the block spans every candidate
-        (``block_cand is cand``)."""
-        return scores is sampled.confidence and (isinstance(sampled, BlockSampled) or block_cand is cand)
+        masking op): they are the step's confidences (:meth:`select` leaves them ``-inf`` outside ``cand``) or
+        those times a positive certainty prior (``st.ranked_scores``: ``-inf`` at the same places), and either the
+        block's own samples or the block spans every candidate (``block_cand is cand``)."""
+        own = scores is sampled.confidence or (st is not None and scores is st.ranked_scores)
+        return own and (isinstance(sampled, BlockSampled) or block_cand is cand)
 
     def block_mask(self, st: BlockState, G: int, device) -> BlockState:
         """The state holding the ``[G]`` columns of its block (made once per block); None when the block is the
@@ -355,14 +359,18 @@ class D2C(Strategy):
             sampled = self.sample(proposal.logits, cand, st, self.sample_from(st, proposal))
             conf = torch.where(cand, sampled.confidence, float("-inf"))
             sampled.confidence = conf                    # (this step's own result) what pick ranks: see ranked
-        scores = conf * st.density.of_masked(masked) if c.sigma else conf
+        scores = conf
+        if c.sigma:
+            scores = conf * st.density.of_masked(masked)
+            if st.density.positive:                      # -inf exactly where conf is (and NaN where it is NaN)
+                st = evolve(st, ranked_scores=scores)
         commit_a, st = self.pick(scores, cand, block_cand, sampled, st, rows, counts)
         delta, committed, only_commits = self.frame(canvas, rows, commit_a, sampled.x0, conf, masked_all, st)
         delta.scalars.update(block=st.block, committed=committed)
         # the block ends in synced, on the host read; ``only_commits`` (the fast path) says the commits were all
         # that changed the eligible positions
         return delta, evolve(st, step=st.step + 1, committed=committed if only_commits else None,
-                             committed_step=delta.step)
+                             committed_step=delta.step, ranked_scores=None)
 
     def frame(self, canvas, rows, commit_a, x0_a, conf_a, masked: Optional[torch.Tensor] = None,
               st: Optional[BlockState] = None):

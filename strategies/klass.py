@@ -98,7 +98,7 @@ class Klass(D2C):
         kl = torch.sub(log_p, prev_log).mul_(p64).sum(-1)               # [B_a, Lb]: sum p (log p - log prev)
         run = torch.where(kl < c.kl_threshold, run + 1, 0)              # (NaN: not below)
         stable = run >= c.kl_history_length
-        ranked = self.ranked(scores, cand, block_cand, sampled)       # scores -inf outside block_cand already
+        ranked = self.ranked(scores, cand, block_cand, sampled, st)   # scores -inf outside block_cand already
         if c.threshold is not None:
             # d2c_commit(scores, pool, 0, threshold=t) is pool & (scores >= t), pool the block's stable candidates
             # (a threshold in [0, 1]: -inf never passes)

@@ -217,3 +217,26 @@ def test_top_v_prob_confidence_casts_inside_the_softmax_with_the_same_bits(dtype
         want = torch.where(idx == x0[..., None], torch.softmax(vals.to(torch.float64), dim=-1), 0.0).sum(-1)
         got = confidence_of(logits, x0, "prob", top_v=top_v)
         assert got.dtype == torch.float64 and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("L, sigma", [(16, 10.0), (48, 5.0), (64, 2.0), (128, 2.0), (256, 10.0)])
+def test_density_floor_bounds_every_density_and_says_when_one_can_be_zero(L, sigma):
+    """``CertaintyDensity.positive`` lets d2c rank ``confidence * density`` without masking it again: it must only
+    be True where no density of that length can be 0 (``-inf * 0`` would be NaN outside the candidates)."""
+    from dlm_engine.core.priors import CertaintyDensity, density_floor
+
+    dens = CertaintyDensity(sigma)
+    g = torch.Generator().manual_seed(L)
+    masks = [torch.ones(2, L, dtype=torch.bool), torch.rand(4, L, generator=g) < 0.9]
+    masks[0][1, 0] = False                                   # decoded text at one end only
+    lows = []
+    for m in masks:
+        d = dens.of_masked(m)
+        lows.append(float(d.min()))
+        bound = torch.tensor(density_floor(L, sigma) * (1 - 1e-6), dtype=torch.float64).float()   # (may be 0)
+        assert bool(d.min() >= bound)
+    if dens.positive:
+        assert min(lows) > 0
+    if density_floor(L, sigma) == 0.0 or min(lows) == 0.0:
+        assert not dens.positive
+    assert dens.positive == (density_floor(L, sigma) > 1e-30)

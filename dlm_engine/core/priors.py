@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -47,6 +48,16 @@ def certainty_density(decoded: torch.Tensor, sigma: float) -> torch.Tensor:
     return (ext @ _kernel(L, float(sigma), str(x.device))).to(torch.float32)
 
 
+@functools.lru_cache(maxsize=64)
+def density_floor(L: int, sigma: float) -> float:
+    """A lower bound of every density of length ``L`` (host arithmetic, no tensor): the extended row's leading ones
+    reach position ``i`` at distance ``i + 1 <= L``, so each density is at least ``g(L) / K``; the computed one too
+    (its terms are ``1.0 * K[j, i] >= 0``, and a sum of non-negative terms never rounds below one of them). Far
+    from decoded text with a narrow ``sigma`` this underflows to 0 (then ``0 * -inf`` would be NaN)."""
+    g = [math.exp(-(d * d) / (2.0 * sigma * sigma)) for d in range(-3 * L, 3 * L)]
+    return g[L + 3 * L] / sum(g)
+
+
 class CertaintyDensity:
     """:func:`certainty_density` for a decode's every step, with its extended rows kept between calls.
 
@@ -55,12 +66,16 @@ class CertaintyDensity:
     cached kernel: the same rows and the same product as :func:`certainty_density`, in 4 tensor operations
     instead of 9 (no negation, no float64 copy, no concatenation). One object per decode (its buffer is
     overwritten by every call); a call with another shape or device makes a new buffer.
+
+    ``positive`` (after a call, for its length): every density of that length is a positive float32, so a score
+    ``confidence * density`` is ``-inf`` exactly where the confidence is (see :func:`density_floor`).
     """
 
-    __slots__ = ("sigma", "_key", "_buf", "_mid", "_tail", "_last", "_kernel")
+    __slots__ = ("sigma", "positive", "_key", "_buf", "_mid", "_tail", "_last", "_kernel")
 
     def __init__(self, sigma: float):
         self.sigma = float(sigma)
+        self.positive = False
         self._key = None
 
     def of_masked(self, masked: torch.Tensor) -> torch.Tensor:
@@ -72,6 +87,7 @@ class CertaintyDensity:
             self._buf, self._mid, self._tail = buf, buf[:, L:2 * L], buf[:, 2 * L:]
             self._last = self._mid[:, -1:]
             self._kernel = _kernel(L, self.sigma, str(masked.device))
+            self.positive = density_floor(L, self.sigma) > 1e-30
             self._key = key
         torch.logical_not(masked, out=self._mid)
         self._tail.copy_(self._last)
