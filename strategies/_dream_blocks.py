@@ -41,7 +41,7 @@ class DreamBlockLoop:
         order and their number (known on the host)."""
         bs, be = self._block(canvas, st.block)
         lo, hi = plan.window
-        mask = canvas.masked()[:, lo:hi] & proposal.active[:, None]
+        mask = canvas.masked_cols(lo, hi) & proposal.active[:, None]
         if block_only:
             mask[:, be - lo:] = False
         per_row = st.inner if block_only or hi == be else st.win
@@ -58,7 +58,7 @@ class DreamBlockLoop:
         tokens = self._scatter(x0, mask, canvas.mask_id, order)
         scores = self._scatter(cval, mask, float("-inf"), order)
         scores[:, be - lo:] = float("-inf")
-        want = canvas.masked()[:, bs:be].sum(-1)
+        want = canvas.masked_cols(bs, be).sum(-1)
         commit = torch.zeros_like(mask)
         kmax = max(row[st.block] for row in st.blocks)            # max(want), read on the host
         if kmax > 0:
@@ -108,7 +108,7 @@ class DreamBlockLoop:
             # batch-average quirk: a row with fewer masks than k gets decoded positions re-masked (never a row
             # that sits the step out)
             if any(r and n_r < k for n_r, r in zip(st.inner, plan.info["rows"])):
-                remask = chosen & ~mask & ~canvas.masked()[:, lo:hi] & proposal.active[:, None]
+                remask = chosen & ~mask & ~canvas.masked_cols(lo, hi) & proposal.active[:, None]
         conf = scores[:, lo - bs:].float()
         return self._cached_delta(canvas, st, lo, commit, tokens, conf, remask, proposal), \
             evolve(st, check=True)

@@ -88,8 +88,6 @@ class BlockState:
     blk_of: int = -1
     committed: Optional[torch.Tensor] = None
     committed_step: int = -1
-    # views of the canvas' generated columns: (tokens, step_of, tokens[:, g:], step_of[:, g:]), see gen_views
-    views: Tuple[torch.Tensor, ...] = ()
     density: Optional[CertaintyDensity] = None  # the certainty prior's reused rows (sigma set), one per decode
     # (within a step, select -> pick) the scores when they are ``-inf`` exactly where the step's confidences are:
     # the confidences times a density known to be positive (see ranked); None otherwise and between steps
@@ -210,7 +208,7 @@ class D2C(Strategy):
     def sync_request(self, canvas, st: BlockState):
         if self.reads_commits(canvas, st):
             return st.committed
-        elig = self.eligible(canvas, canvas.step_of[:, canvas.gen_start:] < 0) & ~canvas.finished[:, None]
+        elig = self.eligible(canvas, canvas.masked_cols(canvas.gen_start)) & ~canvas.finished[:, None]
         return block_counts(canvas, self.block_len, elig)
 
     def fresh_values(self, canvas, st: BlockState):
@@ -325,23 +323,11 @@ class D2C(Strategy):
         blk[a:b].fill_(True)
         return evolve(st, blk=blk, blk_of=st.block)
 
-    @staticmethod
-    def gen_views(canvas, st: BlockState) -> BlockState:
-        """The state holding views of the canvas' generated token and step_of columns (``st.views[2:]``), made
-        once per canvas tensor: :meth:`Canvas.apply` writes those tensors in place, so the views stay current
-        and a step slices neither."""
-        v = st.views
-        if v and v[0] is canvas.tokens and v[1] is canvas.step_of:
-            return st
-        g = canvas.gen_start
-        return evolve(st, views=(canvas.tokens, canvas.step_of, canvas.tokens[:, g:], canvas.step_of[:, g:]))
-
     def select(self, canvas, plan, proposal, st: BlockState):
         c = self.cfg
         rows = proposal.rows                             # None: the call ran every row (no gathers and scatters)
         every = rows is None
-        st = self.gen_views(canvas, st)
-        masked_all = st.views[3] < 0                     # canvas.masked() of the generation
+        masked_all = canvas.masked_cols(canvas.gen_start)    # canvas.masked() of the generation
         masked = masked_all if every else masked_all[rows]
         cand = masked if (proposal.valid is None or not c.restrict_to_computed_logits) else masked & proposal.valid
         B_a, G, V = proposal.logits.shape
@@ -378,13 +364,12 @@ class D2C(Strategy):
         commits, tokens and confidences (``rows`` None: the call ran every row), its commits per row, and whether
         they were all that changed the eligible positions (``masked``: the generation's masked positions before
         it, given when the fast path may apply; ``st``: the step's state, whose host counts (masked positions per
-        row and block then) can tell the finished rows without a reduction, and whose views (:meth:`gen_views`)
-        give the generation's tokens)."""
+        row and block then) can tell the finished rows without a reduction)."""
         g, B, dev = canvas.gen_start, canvas.batch_size, canvas.device
         conf_a = conf_a if conf_a.dtype == torch.float32 else conf_a.float()
         if rows is None:
             commit, active = commit_a, canvas.every_row()
-            gen = st.views[2] if st is not None and st.views else canvas.tokens[:, g:]
+            gen = canvas.cols(g, canvas.length)[0]       # (the canvas' cached view of the generation's tokens)
             tokens, conf = torch.where(commit_a, x0_a, gen), conf_a
         else:
             commit = full_batch(commit_a, rows, B, False)

@@ -282,7 +282,7 @@ class Dream(DreamBlockLoop, Strategy):
         c = self.cfg
         lo = plan.window[0]
         B, W = proposal.x0.shape
-        mask = canvas.masked()[:, lo:]
+        mask = canvas.masked_cols(lo)
         M = sum(st.masks)                                          # masks of the window, known on the host
         order = masked_order(mask, M)
         mask_logits = proposal.logits.reshape(B * W, -1).index_select(0, order)   # [M, V] row-major, as logits[mask_index]
@@ -337,7 +337,7 @@ class Dream(DreamBlockLoop, Strategy):
     # Fast-dLLM's confidence_threshold in Dream's loop (no blocks) ---------------------------------------
     def _threshold_step(self, canvas, plan, proposal, st: DreamState):
         lo = plan.window[0]
-        mask = canvas.masked()[:, lo:]
+        mask = canvas.masked_cols(lo)
         B, W = mask.shape
         active = st.i < st.steps_row                               # rows whose (grown) step budget lasts
         order = masked_order(mask, sum(st.masks))

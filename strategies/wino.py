@@ -129,7 +129,7 @@ class Wino(Strategy):
         mask = None
         if c.shrinking_window:     # the active-row check shrinks the reference's block mask in place
             bm = st.block_mask if st.block_mask is not None else self.fresh_mask(canvas, st.block)
-            mask = bm & canvas.masked()[:, g:]
+            mask = bm & canvas.masked_cols(g)
         B = canvas.batch_size
         pos = canvas.position_ids
         aux = st.aux[1] if st.aux is not None and st.aux[0] == (bs, be) else self.shadow(canvas, bs, be)
@@ -160,7 +160,7 @@ class Wino(Strategy):
         # the masks of the canvas (as the last select left them), rows that finished left out; with the corrected
         # window a finished row has none left (it finishes when its block and the rest are decoded, and blocks
         # advance only when no row has a mask left in them), so only the shrinking window needs the row mask
-        masked = canvas.masked()[:, g:] if st.left is None else st.left
+        masked = canvas.masked_cols(g) if st.left is None else st.left
         if self.cfg.shrinking_window:
             masked = masked & ~canvas.finished[:, None]
         parts = [block_counts(canvas, self.block_len, masked)]
@@ -172,7 +172,7 @@ class Wino(Strategy):
             first = torch.where(any0, bm[0].int().argmax(), -1)
             last = torch.where(any0, G - 1 - bm[0].flip(0).int().argmax(), -1)
             inside = (col >= first) & (col <= last)
-            parts += [(bm & masked).any(-1), first, last, (canvas.masked()[:, g:] & inside[None, :]).sum(-1)]
+            parts += [(bm & masked).any(-1), first, last, (canvas.masked_cols(g) & inside[None, :]).sum(-1)]
             return parts                   # (the loop's one cat promotes the flags to int64 with the counts)
         return parts[0]
 
@@ -196,7 +196,7 @@ class Wino(Strategy):
         rows = proposal.rows
         if rows is None:                                   # every row: slices instead of row gathers
             # the masks the last select left (the canvas' since: ``WinoState.left``), else the canvas'
-            masked_w = st.left[:, bs:be] if st.left is not None else canvas.step_of[:, g + bs:g + be] < 0
+            masked_w = st.left[:, bs:be] if st.left is not None else canvas.masked_cols(g + bs, g + be)
             current = canvas.tokens[:, g + bs:g + be]
         else:
             masked_w = canvas.step_of[rows, g + bs:g + be] < 0
@@ -207,7 +207,7 @@ class Wino(Strategy):
         conf = torch.where(masked_w, s.confidence, in_place)
         scores = conf               # the wide-in rule ranks masked slots only (-inf elsewhere)
         if c.sigma:
-            m = canvas.step_of[:, g:] < 0 if rows is None else canvas.step_of[rows, g:] < 0
+            m = canvas.masked_cols(g) if rows is None else canvas.step_of[rows, g:] < 0
             dens = st.density.of_masked(m)[:, bs:be].to(conf.dtype)
             scores = conf * dens
         ntt = c.num_transfer_tokens

@@ -95,7 +95,7 @@ def stop_at_eos(canvas: Canvas, delta: FrameDelta, eos_id: int) -> FrameDelta:
     commit[:, s - lo:s - lo + W] = delta.commit
     tokens = canvas.tokens[:, lo:].clone()
     tokens[:, s - lo:s - lo + W] = torch.where(delta.commit, delta.tokens, tokens[:, s - lo:s - lo + W])
-    masked = canvas.masked()[:, lo:].clone()
+    masked = canvas.masked_cols(lo)                  # (a fresh tensor: written below)
     if delta.remask is not None:
         masked[:, s - lo:s - lo + W] |= delta.remask
     masked &= ~commit
