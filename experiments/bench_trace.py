@@ -366,7 +366,7 @@ def handover_cost(n: int = 2000):
     return {"start": out["start"] / (n // 100), "delta": out["delta"] / n, "end": out["end"] / (n // 100)}
 
 
-def bench_overhead(pairs, gen_length, configs=((1, 2), (8, 8))):
+def bench_overhead(pairs, gen_length, configs=((1, 2), (8, 8)), overrides=()):
     """Recording on vs off, interleaved pairs (on first in even pairs), each run a full decode of ``prompts``
     prompts; the on-run includes opening the recorder (header, provenance), the writer's encoding, the end
     record, fsync and rename. Host syncs are counted on the step loop's thread in two extra runs."""
@@ -378,7 +378,7 @@ def bench_overhead(pairs, gen_length, configs=((1, 2), (8, 8))):
     hand = handover_cost()
     results = {}
     for batch, n_prompts in configs:
-        cfg, ms, mc, lm, inputs = load_default([f"gen_length={gen_length}", f"batch_size={batch}"])
+        cfg, ms, mc, lm, inputs = load_default([f"gen_length={gen_length}", f"batch_size={batch}", *overrides])
         ids = (inputs["ids"] * (1 + n_prompts // max(1, len(inputs["ids"]))))[:n_prompts]
         tmp = tempfile.mkdtemp(prefix="bench-trace-")
         stat = {"writer": 0.0, "open_close": 0.0, "steps": 0}
@@ -465,6 +465,9 @@ def main():
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1),
                     help="torch intra-op threads (default: 2, torch's default on this VM). With 1 the writer thread "
                          "has the second core to itself, as the recorder is designed to run")
+    ap.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                    help="a dlm override for the recording-overhead runs, repeatable (e.g. --override device=cuda "
+                         "--override dtype=bfloat16 to measure the recorder's CUDA path)")
     a = ap.parse_args()
     skip = set(filter(None, a.skip.split(",")))
     import torch
@@ -484,7 +487,7 @@ def main():
         except ValueError:
             raise SystemExit(f"--overhead-runs={a.overhead_runs}: expected BATCH:PROMPTS[,BATCH:PROMPTS...], "
                              "positive integers")
-        bench_overhead(max(15, a.pairs) if not a.quick else 4, a.gen_length, runs)
+        bench_overhead(max(15, a.pairs) if not a.quick else 4, a.gen_length, runs, a.override)
 
 
 if __name__ == "__main__":

@@ -60,7 +60,8 @@ def counted(model, name, kw, cache, batch):
     if incompatibility(strategy, c) is not None:
         return None
     canvas = Canvas.from_prompts(PROMPTS[batch], GEN, int(model.config.mask_token_id), 0,
-                                 eos_id=getattr(model.config, "eos_token_id", None))
+                                 eos_id=getattr(model.config, "eos_token_id", None),
+                                 device=next(model.parameters()).device)
     timer = ModelTimer(model)
     torch.manual_seed(0)
     with SyncCounter(timer) as counter:
@@ -79,6 +80,7 @@ def setup_reads(model, strategy, batch) -> int:
 
 
 def check(model, name, kw, batch):
+    """Every cache the strategy runs with: at most one read a step, plus the set-up reads."""
     ran = 0
     for cache in CACHES:
         res = counted(model, name, kw, cache, batch)
@@ -110,6 +112,20 @@ def test_llada_strategies_read_the_host_once_per_step(tiny_llada, name, kw, batc
 @pytest.mark.parametrize("name, kw, batch", cases(DREAM))
 def test_dream_reads_the_host_once_per_step(tiny_dream_model, name, kw, batch):
     check(tiny_dream_model, name, kw, batch)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (runs where one is lent)")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_strategy_reads_the_host_once_per_step_on_cuda(dtype):
+    """The same budget with the models on a GPU, where each counted call would stall the device: every case and
+    cache of the two tests above, in one test (one skip without a GPU)."""
+    from conftest import FIXTURES, REFPARITY
+    from dlm_engine.models.loader import load_pretrained
+
+    for path, settings in ((REFPARITY / "tiny_llada", LLADA), (FIXTURES / "dreamparity" / "tiny_dream", DREAM)):
+        model = load_pretrained(path, device="cuda", dtype=dtype)[0]
+        for p in cases(settings):
+            check(model, *p.values)
 
 
 def test_the_counter_sees_a_sync(tiny_llada):

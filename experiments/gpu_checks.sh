@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The GPU checks of issue 17, item 7, as one script for a lent CUDA machine (never part of CI or the test suite):
+#   1. the CUDA tests (sync budget of every strategy x cache on CUDA in float32 and bfloat16, the recorder's CUDA
+#      path, cached decodes with rows sitting out, host_tensor, device/dtype resolution);
+#   2. the three fixture folders through experiments/parity.py on CUDA in float32 and bfloat16, each compared
+#      with its reference (the counts are figures to note: draws and exact ties differ on a GPU, bfloat16 is not
+#      expected to match float32 fixtures);
+#   3. experiments/bench_overhead.py on CUDA in bfloat16 (host syncs and ops a step, wall ms a step);
+#   4. experiments/bench_trace.py's recording overhead on CUDA in bfloat16 (the recorder's CUDA path under load).
+# Each stage has its own time limit so that one slow stage cannot eat the others' time.
+#
+#     bash experiments/gpu_checks.sh OUT_DIR
+#
+# Needs torch with CUDA and the package installed (pip install -e . --no-deps where the other dependencies are).
+set -u
+out=${1:?usage: gpu_checks.sh OUT_DIR}
+mkdir -p "$out"
+export OMP_WAIT_POLICY=PASSIVE HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+cd "$(dirname "$0")/.."
+
+stage() { echo; echo "=== $* ($(date -u +%H:%M:%S))"; }
+
+stage environment
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+$py -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+git rev-parse --short HEAD 2>/dev/null || true
+
+stage "CUDA tests and parity (in parallel)"
+timeout 200 $py -m pytest -q -p no:cacheprovider tests/test_sync_budget.py tests/test_dtype_device.py \
+    -k "cuda or CUDA" >"$out/pytest_cuda.log" 2>&1 &
+for dtype in float32 bfloat16; do
+  for f in refparity dreamparity d2cparity; do
+    ( timeout 200 $py experiments/parity.py tests/fixtures/$f "$out/parity_${f}_$dtype.json" --device cuda \
+          --dtype $dtype >/dev/null 2>"$out/parity_${f}_$dtype.err" \
+      && $py tests/fixtures/compare.py tests/fixtures/$f "$out/parity_${f}_$dtype.json" \
+          >"$out/compare_${f}_$dtype.log" 2>&1 ) &
+  done
+done
+wait
+tail -3 "$out/pytest_cuda.log"
+for dtype in float32 bfloat16; do
+  for f in refparity dreamparity d2cparity; do
+    echo "$f $dtype: $(tail -1 "$out/compare_${f}_$dtype.log" 2>/dev/null || echo "parity failed: $(tail -1 "$out/parity_${f}_$dtype.err")")"
+  done
+done
+
+stage "overhead bench, CUDA bfloat16"
+timeout 150 $py experiments/bench_overhead.py --device cuda --dtype bfloat16 --model both --batches 1 --prompts 2 \
+    --repeats 2 2>&1 | tee "$out/bench_overhead_b1.log"
+timeout 80 $py experiments/bench_overhead.py --device cuda --dtype bfloat16 --model both --batches 8 --prompts 8 \
+    --repeats 1 2>&1 | tee "$out/bench_overhead_b8.log"
+
+stage "recording overhead, CUDA bfloat16"
+timeout 70 $py experiments/bench_trace.py --skip sizes,replay,real --pairs 15 --overhead-runs 1:2,8:8 \
+    --override device=cuda --override dtype=bfloat16 2>&1 | tee "$out/bench_trace.log"
+stage done
