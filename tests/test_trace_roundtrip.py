@@ -329,3 +329,48 @@ def test_confidence_of_any_float_dtype(tmp_path, dtype):
     tr = open_trace(tmp_path / "c.dlmt", recover=False)
     assert tr[0].confidence.tolist() == [0.25, 0.5, 0.75] and tr[1].confidence.tolist() == [1.0, 0.125, 0.375]
     assert tr.batches[0].steps.scalars["gap"].tolist() == [[0.75, 1.0], [0.75, 1.0]]
+
+
+@pytest.mark.parametrize("name", ["low_confidence", "threshold", "block_buffer", "d2c"])
+def test_held_runs_of_any_length_write_the_same_trace(lm, tmp_path, monkeypatch, name):
+    """The writer applies same-window deltas in runs (``HOLD`` deltas, at most ``HOLD_POSITIONS`` positions): the
+    run length changes when the shadow canvas is updated, never what is written -- the same sequences
+    (tokens, commit steps, confidences, NFE, finish steps) and step tables (wall time aside, a clock) with runs of
+    one delta, of three, or capped by positions."""
+    from dlm_engine.trace import recorder as R
+
+    flushes = []
+    orig = R.TraceRecorder._flush_held
+
+    def counted(self, st):
+        flushes.append(len(st.held))
+        return orig(self, st)
+
+    def content(tr):
+        seqs = [(s.tokens.tolist(), s.step_of.tolist(), np.nan_to_num(s.confidence, nan=-1).tolist(), s.nfe,
+                 s.finish_step) for s in tr]
+        tabs = [(t.step.tolist(), t.nfe.tolist(), t.start.tolist(), t.width.tolist(), t.active.tolist(),
+                 t.finished.tolist(), sorted((k, np.asarray(v).tolist()) for k, v in t.scalars.items()), t.events)
+                for t in (tr.batches[k].steps for k in sorted(tr.batches))]
+        # the writer's shadow canvas (what the runs update) ended where the decode did
+        assert not any(tr.batches[k].end["mismatch"] for k in tr.batches)
+        return repr((seqs, tabs))
+
+    monkeypatch.setattr(R.TraceRecorder, "_flush_held", counted)
+    got = {}
+    for hold, positions in ((R.HOLD, R.HOLD_POSITIONS), (1, R.HOLD_POSITIONS), (3, R.HOLD_POSITIONS), (R.HOLD, 40)):
+        monkeypatch.setattr(R, "HOLD", hold)
+        monkeypatch.setattr(R, "HOLD_POSITIONS", positions)
+        flushes.clear()
+        path = tmp_path / f"{hold}-{positions}.dlmt"
+        record_run(lm, path, name, PROMPTS, batch_size=2, capture="confidence", gen_length=32)
+        tr = open_trace(path, recover=False)
+        assert tr.ok
+        got[(hold, positions)] = content(tr)
+        if positions == 40:            # batches of 2 rows: runs of at most 40 // (2 * W) deltas (W >= 8 here)
+            assert flushes and max(flushes) <= 40 // (2 * 8), flushes
+        elif hold <= 3:
+            assert flushes and max(flushes) <= hold
+        else:
+            assert max(flushes) > 3     # (the default makes longer runs here)
+    assert len(set(got.values())) == 1

@@ -47,6 +47,7 @@ KIND_NAMES = {HEADER: "header", BATCH: "batch", STEPS: "steps", SEQ: "sequence",
 
 CAPTURE_LEVELS = ("tokens", "confidence", "topk", "logits")
 ZSTD_LEVEL = 9
+HEADER_ZSTD_LEVEL = 3      # the provenance header: once a run, on the caller's thread, outside the size targets
 
 
 class TraceError(UserError):

@@ -101,11 +101,14 @@ def build_header(cfg, lm, rows_expected: Optional[int] = None, prompt_length: Op
 
     from .. import __version__
 
-    model_path = getattr(cfg.model, "path", None)
+    # one resolution of the config: each read of an interpolated value (the embedded model's path) parses it again
+    config = OmegaConf.to_container(cfg, resolve=True)
+    model_path = (config.get("model") or {}).get("path") if isinstance(config, dict) else None
+    resolved = str(Path(model_path).expanduser().resolve()) if model_path else None
     if lm.tokenizer_digest == "char-ascii-v1":
         tok = {"kind": "char", "digest": lm.tokenizer_digest}
     elif model_path and lm.tokenizer_digest:
-        tok = {"kind": "hf", "path": str(Path(model_path).expanduser().resolve()), "digest": lm.tokenizer_digest}
+        tok = {"kind": "hf", "path": resolved, "digest": lm.tokenizer_digest}
     else:
         tok = None
     now = time.time()
@@ -118,9 +121,9 @@ def build_header(cfg, lm, rows_expected: Optional[int] = None, prompt_length: Op
                      "zstandard": zstandard.__version__, "python": platform.python_version()},
         "model": {"name": lm.name, "digest": lm.digest, "tokenizer_digest": lm.tokenizer_digest,
                   "mask_id": lm.mask_id, "eos_id": lm.eos_id, "pad_id": lm.pad_id, "vocab_size": vocab_size(lm),
-                  "path": str(Path(model_path).expanduser().resolve()) if model_path else None},
+                  "path": resolved},
         "tokenizer": tok,
-        "config": OmegaConf.to_container(cfg, resolve=True),
+        "config": config,
         "overrides": hydra_overrides(),
         "seed": int(cfg.seed),
         "rng": rng_state(),
