@@ -215,9 +215,8 @@ class CadLLM(Strategy):
                 parts.append(canvas.cols(st.start, st.end)[0][0])
             if flags is not None:
                 parts.append(flags)
-            parts += [x.reshape(1) if x.dtype == torch.float64 else x.reshape(1).to(torch.float64)
-                      for x in (mean, gap) if x is not None]
-        return parts                                    # (the loop's one cat)
+            parts += [x if x.dtype == torch.float64 else x.to(torch.float64) for x in (mean, gap) if x is not None]
+        return parts                                    # (the loop's one cat; it flattens 0-d parts)
 
     def fresh_values(self, canvas, st: CadState):
         return [-1] * self.gen_length                   # row 0's generation: all masked
