@@ -5,11 +5,13 @@
 #   2. the three fixture folders through experiments/parity.py on CUDA in float32 and bfloat16, each compared
 #      with its reference (the counts are figures to note: draws and exact ties differ on a GPU, bfloat16 is not
 #      expected to match float32 fixtures);
-#   3. experiments/bench_overhead.py on CUDA in bfloat16 (host syncs and ops a step, wall ms a step);
-#   4. experiments/bench_trace.py's recording overhead on CUDA in bfloat16 (the recorder's CUDA path under load).
+#   3. experiments/bench_overhead.py on CUDA in float32 and bfloat16 (host syncs and ops a step, wall ms a step);
+#   4. experiments/bench_trace.py's recording overhead on CUDA in float32 and bfloat16 (the recorder's CUDA path
+#      under load).
 # Each stage has its own time limit so that one slow stage cannot eat the others' time.
 #
 #     bash experiments/gpu_checks.sh OUT_DIR
+#     STAGES="overhead recording" DTYPES=float32 bash experiments/gpu_checks.sh OUT_DIR   # a subset
 #
 # Needs torch with CUDA and the package installed (pip install -e . --no-deps where the other dependencies are).
 set -u
@@ -17,6 +19,9 @@ out=${1:?usage: gpu_checks.sh OUT_DIR}
 mkdir -p "$out"
 export OMP_WAIT_POLICY=PASSIVE HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
+stages=${STAGES:-tests overhead recording}
+dtypes=${DTYPES:-float32 bfloat16}
+want() { [[ " $stages " == *" $1 "* ]]; }
 cd "$(dirname "$0")/.."
 
 stage() { echo; echo "=== $* ($(date -u +%H:%M:%S))"; }
@@ -26,10 +31,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 $py -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
 git rev-parse --short HEAD 2>/dev/null || true
 
+if want tests; then
 stage "CUDA tests and parity (in parallel)"
 timeout 200 $py -m pytest -q -p no:cacheprovider tests/test_sync_budget.py tests/test_dtype_device.py \
     -k "cuda or CUDA" >"$out/pytest_cuda.log" 2>&1 &
-for dtype in float32 bfloat16; do
+for dtype in $dtypes; do
   for f in refparity dreamparity d2cparity; do
     ( timeout 200 $py experiments/parity.py tests/fixtures/$f "$out/parity_${f}_$dtype.json" --device cuda \
           --dtype $dtype >/dev/null 2>"$out/parity_${f}_$dtype.err" \
@@ -39,19 +45,28 @@ for dtype in float32 bfloat16; do
 done
 wait
 tail -3 "$out/pytest_cuda.log"
-for dtype in float32 bfloat16; do
+for dtype in $dtypes; do
   for f in refparity dreamparity d2cparity; do
     echo "$f $dtype: $(tail -1 "$out/compare_${f}_$dtype.log" 2>/dev/null || echo "parity failed: $(tail -1 "$out/parity_${f}_$dtype.err")")"
   done
 done
+fi
 
-stage "overhead bench, CUDA bfloat16"
-timeout 150 $py experiments/bench_overhead.py --device cuda --dtype bfloat16 --model both --batches 1 --prompts 2 \
-    --repeats 2 2>&1 | tee "$out/bench_overhead_b1.log"
-timeout 80 $py experiments/bench_overhead.py --device cuda --dtype bfloat16 --model both --batches 8 --prompts 8 \
-    --repeats 1 2>&1 | tee "$out/bench_overhead_b8.log"
+if want overhead; then
+for dtype in $dtypes; do
+stage "overhead bench, CUDA $dtype"
+timeout 150 $py experiments/bench_overhead.py --device cuda --dtype $dtype --model both --batches 1 --prompts 2 \
+    --repeats 2 2>&1 | tee "$out/bench_overhead_b1_$dtype.log"
+timeout 80 $py experiments/bench_overhead.py --device cuda --dtype $dtype --model both --batches 8 --prompts 8 \
+    --repeats 1 2>&1 | tee "$out/bench_overhead_b8_$dtype.log"
+done
+fi
 
-stage "recording overhead, CUDA bfloat16"
+if want recording; then
+for dtype in $dtypes; do
+stage "recording overhead, CUDA $dtype"
 timeout 70 $py experiments/bench_trace.py --skip sizes,replay,real --pairs 15 --overhead-runs 1:2,8:8 \
-    --override device=cuda --override dtype=bfloat16 2>&1 | tee "$out/bench_trace.log"
+    --override device=cuda --override dtype=$dtype 2>&1 | tee "$out/bench_trace_$dtype.log"
+done
+fi
 stage done
