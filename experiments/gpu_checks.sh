@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of issue 17, item 7, as one script for a lent CUDA machine (never part of CI or the test suite):
-#   1. the CUDA tests (sync budget of every strategy x cache on CUDA in float32 and bfloat16, the recorder's CUDA
+#   1. the CUDA tests (sync budget of every strategy x cache on CUDA in float32 and bfloat16, the first forward's
+#      health flag, the recorder's CUDA
 #      path, cached decodes with rows sitting out, host_tensor, device/dtype resolution);
 #   2. the three fixture folders through experiments/parity.py on CUDA in float32 and bfloat16, each compared
 #      with its reference (the counts are figures to note: draws and exact ties differ on a GPU, bfloat16 is not
@@ -33,7 +34,7 @@ git rev-parse --short HEAD 2>/dev/null || true
 
 if want tests; then
 stage "CUDA tests and parity (in parallel)"
-timeout 200 $py -m pytest -q -p no:cacheprovider tests/test_sync_budget.py tests/test_dtype_device.py \
+timeout 200 $py -m pytest -q -p no:cacheprovider tests/test_sync_budget.py tests/test_dtype_device.py tests/test_bad_values.py \
     -k "cuda or CUDA" >"$out/pytest_cuda.log" 2>&1 &
 for dtype in $dtypes; do
   for f in refparity dreamparity d2cparity; do

@@ -105,11 +105,21 @@ def test_non_finite_logits_at_the_first_forward_stop_the_decode(tiny_llada):
     assert isinstance(err.value, UserError) and canvas.nfe == 1 and seen.deltas == 0
 
 
-def test_the_first_forward_health_flag():
-    """NaN, +inf or a position whose logits are all -inf are unhealthy; -inf on some tokens (suppressed EOS) is not."""
+HEALTH_CASES = [("cpu", torch.float32), ("cpu", torch.bfloat16), ("cpu", torch.float16)] + [
+    pytest.param("cuda", dt, marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                      reason="needs a CUDA device (runs where one is lent)"))
+    for dt in (torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("device,dtype", HEALTH_CASES)
+def test_the_first_forward_health_flag(device, dtype):
+    """NaN, +inf or a position whose logits are all -inf are unhealthy; -inf on some tokens (suppressed EOS) is not;
+    a finite logit at the dtype's largest value is healthy. The same flags on every device and dtype (the check's
+    reductions must propagate NaN there too)."""
     from dlm_engine.core.loop import all_finite
 
-    ok = torch.randn(2, 3, 5)
+    ok = torch.randn(2, 3, 5).to(device=device, dtype=dtype)
+    ok[1, 0, 4] = torch.finfo(dtype).max
     ok[..., 1] = float("-inf")
     assert all_finite(ok).tolist() == [True, True]        # one flag per row (read in the step's one sync as is)
     for value, where in ((float("nan"), (1, 2, 3)), (float("inf"), (0, 0, 0))):
