@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks of issue 17, item 7, as one script for a lent CUDA machine (never part of CI or the test suite):
 #   1. the CUDA tests (sync budget of every strategy x cache on CUDA in float32 and bfloat16, the first forward's
-#      health flag, the recorder's CUDA
-#      path, cached decodes with rows sitting out, host_tensor, device/dtype resolution);
+#      health flag, the recorder's CUDA path, cached decodes with rows sitting out, host_tensor, device/dtype
+#      resolution);
 #   2. the three fixture folders through experiments/parity.py on CUDA in float32 and bfloat16, each compared
 #      with its reference (the counts are figures to note: draws and exact ties differ on a GPU, bfloat16 is not
 #      expected to match float32 fixtures);
