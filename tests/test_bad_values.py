@@ -129,3 +129,4 @@ def test_the_first_forward_health_flag(device, dtype):
     dead = ok.clone()
     dead[1, 1, :] = float("-inf")
     assert all_finite(dead).tolist() == [True, False]
+    assert all_finite(ok[:, :0]).tolist() == [True, True]     # a call with no positions

@@ -250,5 +250,8 @@ def all_finite(logits: torch.Tensor) -> torch.Tensor:
     """``[rows]`` device flags, False for a row with NaN, +inf or a position whose logits are all -inf (read in the
     step's one sync, already one-dimensional, and combined on the host). A position's maximum is finite exactly when
     none of these holds (``amax`` propagates NaN). A row's largest ``|max|`` is then finite exactly when every position's
-    is: three kernels (``isfinite`` alone is four: ``x == x``, ``abs``, ``!= inf`` and their product)."""
+    is: three kernels (``isfinite`` alone is four: ``x == x``, ``abs``, ``!= inf`` and their product). A call with no
+    positions is healthy (the norm has no identity to start from: decided on the shape)."""
+    if logits.shape[-2] == 0:
+        return torch.ones(logits.shape[:-2], dtype=torch.bool, device=logits.device)
     return torch.linalg.vector_norm(logits.amax(dim=-1), ord=math.inf, dim=-1) < math.inf
