@@ -21,7 +21,9 @@ plain figure, but it varies far less from run to run: use it to compare changes 
 ``--evict-mb N`` (with ``--replayed``) adds ``evicted us/st``: the same replayed loop with N MB streamed through the
 caches before every forward, as the model's weights are (how much of the plain figure is the loop running on caches
 the forward emptied). ``--record`` attaches a trace recorder to every decode, as a ``dlm`` run does; the ``sinks``
-column is the step loop's hand-over to it.
+column is the step loop's hand-over to it. ``--ops-detail N`` prints under each row its N most expensive tensor
+operations outside the model, per step: CPU, count, op and the framework line that made it
+(:class:`dlm_engine.core.instrument.OpProfile`, one more instrumented run).
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ import torch  # noqa: E402
 
 from dlm_engine.core.canvas import Canvas  # noqa: E402
 from dlm_engine.core.capabilities import incompatibility  # noqa: E402
-from dlm_engine.core.instrument import ModelTimer, Sections, SyncCounter  # noqa: E402
+from dlm_engine.core.instrument import ModelTimer, OpProfile, Sections, SyncCounter  # noqa: E402
 from dlm_engine.core.loop import decode  # noqa: E402
 from dlm_engine.core.registry import cache_class, load_plugins, strategy_class  # noqa: E402
 
@@ -96,9 +98,9 @@ def open_recorder(model, prompts, gen, batch):
 def one(model, prompts, gen, name, kw, cache, batch, instrument=("sections", "syncs"), record=False):
     """Decode ``prompts`` in batches; returns (decode cpu, model cpu, steps, syncs, sections, decodes, ops).
 
-    ``instrument``: which of the section timers and the sync counter to run (both cost CPU of their own -- the
-    counter sees every tensor op -- so the overhead figure comes from plain runs, and sections and syncs
-    from one run each). ``record``: every batch's deltas also go to a trace recorder's sink, as in a ``dlm`` run
+    ``instrument``: which of the section timers, the sync counter and the op profile (``"ops"``, left in
+    ``one.profile``) to run (each costs CPU of its own -- the counter and the profile see every tensor op -- so the
+    overhead figure comes from plain runs, and sections, syncs and ops from one run each). ``record``: every batch's deltas also go to a trace recorder's sink, as in a ``dlm`` run
     (its hand-over is on the step loop's thread and counted; the writer thread's encoding is not)."""
     cls = strategy_class(name)
     rec = open_recorder(model, prompts, gen, batch) if record else None
@@ -108,6 +110,7 @@ def one(model, prompts, gen, name, kw, cache, batch, instrument=("sections", "sy
     steps = 0
     syncs = decodes = 0
     sections = Sections()
+    profile = OpProfile(timer)
     ops = 0
     tokens = []
     for i in range(0, len(prompts), batch):
@@ -118,7 +121,8 @@ def one(model, prompts, gen, name, kw, cache, batch, instrument=("sections", "sy
         sinks = [rec.sink(decodes, list(range(i, i + len(chunk))))] if rec is not None else []
         with torch.inference_mode(), \
                 (sections.around(strategy, sinks) if "sections" in instrument else contextlib.nullcontext()), \
-                (counter if "syncs" in instrument else contextlib.nullcontext()):
+                (counter if "syncs" in instrument else contextlib.nullcontext()), \
+                (profile if "ops" in instrument else contextlib.nullcontext()):
             w0, t0 = time.perf_counter(), time.thread_time()
             decode(timer, canvas, strategy, cache_class(cache)(), sinks=sinks)
             cpu += time.thread_time() - t0
@@ -134,6 +138,7 @@ def one(model, prompts, gen, name, kw, cache, batch, instrument=("sections", "sy
         rec.close()
         shutil.rmtree(os.path.dirname(rec.path), ignore_errors=True)
     one.wall = wall                    # (wall seconds of the last call, the device's queue drained)
+    one.profile = profile              # (the last call's op profile: empty unless "ops" was instrumented)
     one.tokens = tokens                # (the last call's final tokens, per decode)
     return cpu, timer.cpu, steps, syncs, sections.cpu, decodes, ops
 
@@ -205,7 +210,12 @@ def main(argv=None) -> int:
     ap.add_argument("--record", action="store_true",
                     help="record every decode with a trace recorder (default capture), as a `dlm` run does: the "
                          "'sinks' column is the step loop's hand-over to it; the writer thread's CPU is not counted")
+    ap.add_argument("--ops-detail", type=int, default=0, metavar="N",
+                    help="under each row, its N most expensive tensor ops outside the model per step (CPU, count, "
+                         "op, the framework line that made it), from one more instrumented run")
     args = ap.parse_args(argv)
+    if args.ops_detail < 0:
+        ap.error(f"--ops-detail={args.ops_detail} must be >= 0")
     if args.evict_mb and not args.replayed:
         ap.error("--evict-mb measures the replayed loop: add --replayed")
     if args.evict_mb < 0:
@@ -267,6 +277,11 @@ def main(argv=None) -> int:
                                                         args.evict_mb)
                             print(f"{us:>15.1f}" + ("" if same else " (replay diverged!)"), end="")
                     print(flush=True)
+                    if args.ops_detail:
+                        steps_p = one(model, prompts, gen, name, kw, cache, batch, instrument=("ops",),
+                                      record=args.record)[2]
+                        for line in one.profile.table(steps_p, args.ops_detail):
+                            print("    " + line)
     return 0
 
 

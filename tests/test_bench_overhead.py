@@ -101,3 +101,45 @@ def test_evict_without_replayed_or_negative_is_a_one_line_error(bench, argv, key
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert key in err[-1] and "Traceback" not in "\n".join(err)
+
+
+def test_op_profile_names_the_framework_line_of_every_op_outside_the_model(bench, tiny):
+    """``OpProfile`` counts what ``SyncCounter.ops`` counts (the ops outside the model) and attributes each to a line
+    of the framework's own code; the forward's ops are left out; the table lists the costliest first."""
+    import torch
+
+    from dlm_engine.core.canvas import Canvas
+    from dlm_engine.core.instrument import ModelTimer, OpProfile, SyncCounter
+    from dlm_engine.core.loop import decode
+    from dlm_engine.core.registry import cache_class, strategy_class
+
+    model, gen, block, prompts = tiny
+    cls = strategy_class("low_confidence")
+    timer = ModelTimer(model)
+    canvas = Canvas.from_prompts(prompts[:1], gen, int(model.config.mask_token_id), 0)
+    with torch.inference_mode(), SyncCounter(timer) as sc, OpProfile(timer) as prof:
+        decode(timer, canvas, cls(cls.Config(block_length=block), gen), cache_class("none")())
+    assert timer.calls == canvas.nfe > 0
+    assert prof.count == sc.ops > 0
+    lines = {line for (_, line) in prof.ops}
+    assert all(line.split("/")[0] in ("dlm_engine", "strategies", "cache") for line in lines), lines
+    assert not any(line.startswith("dlm_engine/models/") for line in lines)     # the forward's own ops
+    assert any(op.startswith("aten.softmax") and line.startswith("dlm_engine/core/sampler.py:")
+               for (op, line) in prof.ops)                                       # the confidence's softmax
+    table = prof.table(canvas.step, 3)
+    us = [float(row.split()[0]) for row in table]
+    assert len(table) == 3 and us == sorted(us, reverse=True)
+
+
+def test_ops_detail_prints_the_costliest_ops_under_each_row(bench, capsys):
+    bench.main(["--model", "tiny", "--batches", "1", "--prompts", "1", "--repeats", "1", "--only", "low_conf",
+                "--ops-detail", "2"])
+    out = capsys.readouterr().out.splitlines()
+    rows = [i for i, line in enumerate(out) if line.startswith("low_conf")]
+    assert len(rows) == 2                                          # caches none and dual
+    for i in rows:
+        detail = out[i + 1:i + 3]
+        assert all(line.startswith("    ") and " aten." in line and ".py:" in line for line in detail), detail
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--model", "tiny", "--only", "low_conf", "--ops-detail", "-1"])
+    assert exc.value.code == 2 and "--ops-detail" in capsys.readouterr().err.strip().splitlines()[-1]

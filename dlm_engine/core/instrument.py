@@ -9,13 +9,17 @@ Nothing here is used by a normal decode; benchmarks and tests wrap a decode with
   the device. It also counts every tensor operation outside the model (``ops``: a kernel launch each on a GPU).
 * :class:`Sections` accumulates CPU time (``time.thread_time``) in the model forward, ``plan``, the sampler,
   ``select``, ``canvas.apply`` and the sinks.
+* :class:`OpProfile` attributes every tensor operation outside the model to the framework line that made it, with
+  its count and CPU time: where to cut when the sections say a step costs too much.
 """
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Dict, Iterator, List
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -182,3 +186,60 @@ class Sections:
                     delattr(owner, name) if name in vars(owner) else None
                 else:
                     setattr(owner, name, orig)
+
+
+# the source trees whose lines an op is attributed to (dlm_engine, strategies/, cache/: one checkout's root)
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_OWN_TREES = tuple(os.path.join(_ROOT, d) + os.sep for d in ("dlm_engine", "strategies", "cache"))
+
+
+class OpProfile(TorchDispatchMode):
+    """Every tensor operation outside ``timer``'s model forward, made on the thread that entered the profile:
+    ``(op, line) -> [count, CPU seconds]``, where ``line`` is the innermost line of the framework's own code
+    (``dlm_engine``, ``strategies/``, ``cache/``) that led to it -- ``dlm_engine/core/sampler.py:117 softmax_in``.
+    The CPU time is the thread's clock around the op (the profile's own dispatch adds ~1 us to each), so read the
+    figures relative to each other; :class:`SyncCounter`'s ``ops`` is the same count."""
+
+    def __init__(self, timer: Optional[ModelTimer] = None):
+        super().__init__()
+        self.timer = timer
+        self.ops: Dict[Tuple[str, str], List[float]] = {}
+        self._thread = None
+
+    def __enter__(self) -> "OpProfile":
+        self._thread = threading.get_ident()
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if (self.timer is not None and self.timer.inside) or threading.get_ident() != self._thread:
+            return func(*args, **(kwargs or {}))
+        t0 = time.thread_time()
+        out = func(*args, **(kwargs or {}))
+        dt = time.thread_time() - t0
+        key = (str(func), self._line())
+        got = self.ops.get(key)
+        if got is None:
+            self.ops[key] = [1, dt]
+        else:
+            got[0] += 1
+            got[1] += dt
+        return out
+
+    @staticmethod
+    def _line() -> str:
+        f = sys._getframe(2)
+        while f is not None:
+            name = f.f_code.co_filename
+            if name.startswith(_OWN_TREES) and not name.endswith("instrument.py"):
+                return f"{os.path.relpath(name, _ROOT)}:{f.f_lineno} {f.f_code.co_name}"
+            f = f.f_back
+        return "(outside the framework)"
+
+    @property
+    def count(self) -> int:
+        return int(sum(v[0] for v in self.ops.values()))
+
+    def table(self, steps: int, top: int = 15) -> List[str]:
+        """The ``top`` most expensive ``(op, line)`` pairs, per step: ``CPU us  count  op  line``."""
+        rows = sorted(self.ops.items(), key=lambda kv: -kv[1][1])[:top]
+        return [f"{1e6 * t / steps:8.1f} us {n / steps:5.2f}x  {op:<34} {line}" for (op, line), (n, t) in rows]
