@@ -100,8 +100,9 @@ def one(model, prompts, gen, name, kw, cache, batch, instrument=("sections", "sy
 
     ``instrument``: which of the section timers, the sync counter and the op profile (``"ops"``, left in
     ``one.profile``) to run (each costs CPU of its own -- the counter and the profile see every tensor op -- so the
-    overhead figure comes from plain runs, and sections, syncs and ops from one run each). ``record``: every batch's deltas also go to a trace recorder's sink, as in a ``dlm`` run
-    (its hand-over is on the step loop's thread and counted; the writer thread's encoding is not)."""
+    overhead figure comes from plain runs, and sections, syncs and ops from one run each). ``record``: every
+    batch's deltas also go to a trace recorder's sink, as in a ``dlm`` run (its hand-over is on the step loop's
+    thread and counted; the writer thread's encoding is not)."""
     cls = strategy_class(name)
     rec = open_recorder(model, prompts, gen, batch) if record else None
     timer = ModelTimer(model)

@@ -194,8 +194,8 @@ _OWN_TREES = tuple(os.path.join(_ROOT, d) + os.sep for d in ("dlm_engine", "stra
 
 
 class OpProfile(TorchDispatchMode):
-    """Every tensor operation outside ``timer``'s model forward, made on the thread that entered the profile:
-    ``(op, line) -> [count, CPU seconds]``, where ``line`` is the innermost line of the framework's own code
+    """Every tensor operation outside ``timer``'s model forward, made on the thread that entered the profile (a
+    dispatch mode is thread-local): ``(op, line) -> [count, CPU seconds]``, where ``line`` is the innermost line of the framework's own code
     (``dlm_engine``, ``strategies/``, ``cache/``) that led to it -- ``dlm_engine/core/sampler.py:117 softmax_in``.
     The CPU time is the thread's clock around the op (the profile's own dispatch adds ~1 us to each), so read the
     figures relative to each other; :class:`SyncCounter`'s ``ops`` is the same count."""
@@ -204,14 +204,9 @@ class OpProfile(TorchDispatchMode):
         super().__init__()
         self.timer = timer
         self.ops: Dict[Tuple[str, str], List[float]] = {}
-        self._thread = None
-
-    def __enter__(self) -> "OpProfile":
-        self._thread = threading.get_ident()
-        return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if (self.timer is not None and self.timer.inside) or threading.get_ident() != self._thread:
+        if self.timer is not None and self.timer.inside:
             return func(*args, **(kwargs or {}))
         t0 = time.thread_time()
         out = func(*args, **(kwargs or {}))
