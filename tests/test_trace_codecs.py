@@ -75,6 +75,71 @@ def test_a_column_is_built_from_its_plan_and_round_trips():
                 assert end == len(enc) and np.array_equal(back, col)
 
 
+def _same_plan(a, b) -> bool:
+    return a[:3] == b[:3] and a[4] == b[4] and np.array_equal(np.asarray(a[3]), np.asarray(b[3]))
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+def test_streams_sized_together_get_the_plans_they_get_one_by_one(seed):
+    """``_plans`` sizes a record's (or a batch's) streams in one pass; each plan must be the one ``_ints_plan``
+    makes alone -- including means just below and at powers of two (where the float ``log2`` of the one-by-one
+    sizing could round across an integer), empty and short streams, uint64 values past 2^63 and the long wide
+    streams left to the one-by-one path."""
+    rng = np.random.default_rng(seed)
+    streams = list(_streams(seed, 160))
+    for m in (1, 2, 5, 20, 40, 55):
+        for n in (8, 9, 1000, 70_000):
+            for d in (-1, 0, 1):
+                v = np.full(n, 1 << m, dtype=np.int64)
+                v[0] += d
+                streams.append(v)
+    streams += [np.zeros(0, dtype=np.int64), np.arange(7), np.array([1 << 63, 5], dtype=np.uint64),
+                np.arange(20, dtype=np.int64).astype(np.uint64)]
+    rng.shuffle(streams)
+    at = 0
+    while at < len(streams):
+        group = streams[at:at + int(rng.integers(1, 12))]
+        at += len(group)
+        for v, got in zip(group, fmt._plans(group)):
+            assert _same_plan(got, fmt._ints_plan(v)), (v[:8], v.size, got[:3], fmt._ints_plan(v)[:3])
+
+
+def test_columns_sized_together_are_built_as_one_by_one():
+    sizer, cols = fmt._Sizer(), []
+    for v in _streams(6, 200):
+        for col in (v, -v, v - int(v.mean()) if v.size else v):
+            cols.append((col, sizer.col(col)))
+    sizer.run()
+    for col, h in cols:
+        plan = sizer.col_plan(h)
+        assert plan[:2] == fmt._col_plan(col)[:2]
+        assert fmt.encode_col(None, plan=plan) == fmt.encode_col(col)
+
+
+def test_a_batch_of_sequence_records_is_each_record_alone():
+    """The writer encodes a batch's sequence records together (``encode_seqs``): the bytes are those of each
+    record encoded alone, and they decode back."""
+    rng = np.random.default_rng(7)
+    seqs = []
+    for r, L in enumerate((0, 1, 5, 48, 48, 128, 300)):
+        tok = rng.integers(0, 4096, L)
+        tok[L // 2:] = 2
+        so = np.where(rng.random(L) < 0.2, 0, rng.permutation(L) // 3 + 1)
+        s = fmt.SeqData(row=r, tokens=tok, step_of=so.astype(np.int64), nfe=L, finish_step=L // 3,
+                        confidence=rng.random(L).astype(np.float32))
+        if L > 4:
+            s.edits = {"col": np.arange(3), "token": np.array([5, 6, 7]), "start": np.array([1, 2, 3]),
+                       "end": np.array([4, 5, 6]), "confidence": np.array([0.5, 0.25, 0.125], dtype=np.float32)}
+            c = int((so >= 1).sum())
+            s.topk_ids, s.topk_logits = rng.integers(0, 4096, (c, 2)), rng.normal(size=(c, 2)).astype(np.float32)
+        seqs.append(s)
+    together = fmt.encode_seqs(seqs)
+    for s, enc in zip(seqs, together):
+        assert enc == fmt.encode_seqs([s])[0] == fmt.encode_seq(s)
+        back = fmt.decode_seq(enc)
+        assert np.array_equal(back.tokens, s.tokens) and np.array_equal(back.step_of, s.step_of)
+
+
 def _wall_codes_one_by_one(wall_us, prev, mb):
     out = []
     for t in wall_us:

@@ -21,7 +21,7 @@ import math
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import zstandard as zstd
@@ -503,6 +503,128 @@ def _plan_size(plan) -> int:
     return size + 2 + (1 if size < 128 else 2 if size < 16384 else 4)
 
 
+def _plans(arrays: List[np.ndarray]) -> List[Tuple[int, int, int, np.ndarray, int]]:
+    """``[_ints_plan(v) for v in arrays]``, the arrays sized together: about twenty numpy calls whatever their
+    number, instead of about ten each (a sequence record sizes ~20 candidate streams, a batch's records eight
+    times that). The same plans bit for bit: the maxima and Rice sums are per-segment reductions of one
+    concatenation, and the Rice parameter's starting point ``log2(mean)`` is taken in exact integer arithmetic
+    where that is provably what the float expression of :func:`_rice_best` gives (elsewhere it is that
+    function)."""
+    vs, ns = [], []
+    for a in arrays:
+        v = np.asarray(a)
+        v = v if v.dtype == np.uint64 else v.astype(np.int64, copy=False)
+        vs.append(v)
+        ns.append(v.size)
+    live = [i for i, n in enumerate(ns) if n]
+    vmax = [0] * len(vs)
+    flat = starts = None
+    if live:
+        flat = np.concatenate([vs[i].reshape(-1).view(np.uint64) for i in live])   # (values are non-negative)
+        starts = np.cumsum([0] + [ns[i] for i in live[:-1]])
+        for i, m in zip(live, np.maximum.reduceat(flat, starts).tolist()):
+            vmax[i] = m
+    best, widths, rice = [], [], []
+    for i, n in enumerate(ns):
+        nb = nbytes_for(vmax[i])
+        width = vmax[i].bit_length()
+        b = (n * nb, M_PLANES, nb)
+        if width <= 63:
+            b = min(b, ((n * width + 7) // 8, M_BITS, width))
+        best.append(b)
+        widths.append(width)
+        if n >= 8 and width <= RICE_KMAX:
+            rice.append(i)
+    # exact integer log2 where n * 2^width < 2^46: the float sum is then exact and log2 of the float mean
+    # cannot round across an integer (see the docstring); the rest (huge streams of wide values) one by one
+    fast = [i for i in rice if (ns[i] << widths[i]) < (1 << 46)]
+    for i in rice:
+        if (ns[i] << widths[i]) >= (1 << 46):
+            size, k = _rice_best(vs[i].astype(np.int64, copy=False), widths[i])
+            best[i] = min(best[i], (size, M_RICE, k))
+    if fast:
+        if len(fast) == len(live):
+            sub, rst = flat, starts
+        else:
+            sub = np.concatenate([vs[i].reshape(-1).view(np.uint64) for i in fast])
+            rst = np.cumsum([0] + [ns[i] for i in fast[:-1]])
+        lo, nk = [], []
+        for i, total in zip(fast, np.add.reduceat(sub, rst).tolist()):
+            q = total // ns[i]
+            k0 = q.bit_length() - 1 if q >= 1 else 0           # == int(log2(max(mean, 1)))
+            lo.append(max(0, k0 - 1))
+            nk.append(min(k0 + 1, widths[i]) - lo[-1] + 1)
+        base = np.repeat(np.array(lo, dtype=np.uint64), [ns[i] for i in fast])
+        sums = []
+        for j in range(max(nk)):
+            q = np.minimum(sub >> (base + np.uint64(j)), np.uint64(RICE_QMAX))
+            sums.append((np.add.reduceat(q, rst).tolist(),
+                         np.add.reduceat(q == RICE_QMAX, rst, dtype=np.int64).tolist()))
+        for x, i in enumerate(fast):
+            n, width, r = ns[i], widths[i], None
+            for j in range(nk[x]):
+                k, u, e = lo[x] + j, sums[j][0][x], sums[j][1][x]
+                size = 1 + (u + n + 7) // 8 + (n * k + 7) // 8 + (e * width + 7) // 8
+                if r is None or size < r[0]:
+                    r = (size, k)
+            best[i] = min(best[i], (r[0], M_RICE, r[1]))
+    return [b + (v, nbytes_for(m)) for b, v, m in zip(best, vs, vmax)]
+
+
+class _Sizer:
+    """Integer streams and columns to be sized together (:func:`_plans`): register them (``ints`` / ``col``
+    return a handle), call :meth:`run` once, then read their plans (``plan`` / ``col_plan``) -- the same plans
+    :func:`_ints_plan` and :func:`_col_plan` give one by one."""
+
+    def __init__(self):
+        self.arrays: List[np.ndarray] = []
+        self.cols: List[tuple] = []
+
+    def ints(self, v) -> int:
+        self.arrays.append(v)
+        return len(self.arrays) - 1
+
+    def col(self, v) -> int:
+        v = np.asarray(v).astype(np.int64, copy=False).ravel()
+        if v.size == 0:
+            self.cols.append(((2, C_CONST, v, None),))
+            return len(self.cols) - 1
+        d = v[1:] - v[:-1]
+        starts = np.flatnonzero(d)
+        if not starts.size:
+            self.cols.append(((2, C_CONST, v, None),))
+        elif starts.size < FEW_RUNS:            # a few runs: (value, length - 1) pairs as varints
+            starts = np.concatenate(([0], starts + 1))
+            self.cols.append(((2 + 3 * starts.size, C_FEW, v, starts),))
+        else:
+            starts = np.concatenate(([0], starts + 1))
+            plain, delta = self.ints(zigzag(v)), self.ints(zigzag(d))
+            runs = None
+            if starts.size < v.size // 2:
+                runs = (self.ints(zigzag(v[starts])), self.ints(np.diff(np.append(starts, v.size)) - 1))
+            self.cols.append((None, v, starts, plain, delta, runs))
+        return len(self.cols) - 1
+
+    def run(self) -> "_Sizer":
+        self.plans = _plans(self.arrays)
+        return self
+
+    def plan(self, h: int):
+        return self.plans[h]
+
+    def col_plan(self, h: int):
+        c = self.cols[h]
+        if c[0] is not None:
+            return c[0]
+        _, v, starts, plain, delta = c[:5]
+        plain, delta = self.plans[plain], self.plans[delta]
+        cands = [(_plan_size(plain), C_PLAIN, v, plain), (_plan_size(delta) + 9, C_DELTA, v, delta)]
+        if c[5] is not None:
+            vals, lens = self.plans[c[5][0]], self.plans[c[5][1]]
+            cands.append((_plan_size(vals) + _plan_size(lens) + 3, C_RUNS, v, (starts, vals, lens)))
+        return min(cands, key=lambda x: x[0])
+
+
 def encode_ints(v: np.ndarray, level: int = ZSTD_LEVEL, plan=None) -> bytes:
     """Smallest of raw byte planes, zstd byte planes, bit packing and Rice coding:
     ``method:u8 param:u8 len:varint data``. Sizes are computed first and only the smallest is built; zstd is
@@ -661,8 +783,7 @@ def decode_col(buf, pos: int, n: int, what: str = "column", charge=None) -> Tupl
 
 
 def encode_f16(x: np.ndarray, level: int = ZSTD_LEVEL) -> bytes:
-    u = np.ascontiguousarray(x.astype("<f2")).view("<u2").astype(np.uint64)
-    return encode_ints(u, level)
+    return encode_ints(_f16_bits(x), level)
 
 
 def decode_f16(buf, pos: int, n: int) -> Tuple[np.ndarray, int]:
@@ -671,8 +792,7 @@ def decode_f16(buf, pos: int, n: int) -> Tuple[np.ndarray, int]:
 
 
 def encode_f32(x: np.ndarray, level: int = ZSTD_LEVEL) -> bytes:
-    u = np.ascontiguousarray(x.astype("<f4")).view("<u4").astype(np.uint64)
-    return encode_ints(u, level)
+    return encode_ints(_f32_bits(x), level)
 
 
 def decode_f32(buf, pos: int, n: int) -> Tuple[np.ndarray, int]:
@@ -703,64 +823,103 @@ class SeqData:
 
 
 def encode_seq(s: SeqData, level: int = ZSTD_LEVEL) -> bytes:
+    return encode_seqs([s], level)[0]
+
+
+def encode_seqs(seqs: Sequence[SeqData], level: int = ZSTD_LEVEL) -> List[bytes]:
+    """The sequence record of each of ``seqs`` (what :func:`encode_seq` gives for each), with every candidate
+    coding of all of them sized in one :class:`_Sizer` pass: a batch's records take about the numpy calls of
+    one (the writer encodes a batch's records together at its end)."""
+    sizer = _Sizer()
+    preps = [_seq_prep(s, sizer) for s in seqs]
+    sizer.run()
+    return [_seq_build(p, sizer, level) for p in preps]
+
+
+def _f16_bits(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x.astype("<f2")).view("<u2").astype(np.uint64)
+
+
+def _f32_bits(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x.astype("<f4")).view("<u4").astype(np.uint64)
+
+
+def _seq_prep(s: SeqData, sizer: "_Sizer") -> Dict[str, Any]:
+    """What a sequence record's encoding needs, its candidate streams registered with ``sizer``."""
     L = int(s.tokens.shape[0])
     flags = (F_CONF if s.confidence is not None else 0) | (F_EDITS if s.edits is not None and len(s.edits["col"]) else 0) \
         | (F_TOPK if s.topk_ids is not None else 0)
-    out = bytearray()
-    for v in (s.row, L, s.nfe, s.finish_step + 1, flags):
-        put_varint(out, v)
     tok = s.tokens.astype(np.int64)
     if L and int(tok.min()) < 0:
         raise ValueError("negative token id")
     zs = zigzag(delta0(s.step_of))
+    p = {"s": s, "L": L, "flags": flags, "tok": tok, "zs": zs, "tokens": _tokens_prep(tok, sizer),
+         "steps": _steps_prep(s.step_of, zs, sizer)}
+    if flags & F_CONF:
+        p["conf"] = sizer.ints(_f16_bits(np.asarray(s.confidence)[s.step_of >= 1]))
+    if flags & F_EDITS:
+        e = s.edits
+        p["edits"] = [sizer.ints(np.asarray(e[k], dtype=np.int64)) for k in ("col", "token", "start", "end")]
+        if flags & F_CONF:
+            p["edits"].append(sizer.ints(_f16_bits(np.asarray(e["confidence"], dtype=np.float32))))
+    if flags & F_TOPK:
+        ids = np.asarray(s.topk_ids, dtype=np.int64)
+        p["topk"] = (ids.shape, sizer.ints(ids.ravel()),
+                     sizer.ints(_f32_bits(np.asarray(s.topk_logits, dtype=np.float32).ravel())))
+    return p
+
+
+def _seq_build(p: Dict[str, Any], sizer: "_Sizer", level: int) -> bytes:
+    s, L, tok, zs = p["s"], p["L"], p["tok"], p["zs"]
+    out = bytearray()
+    for v in (s.row, L, s.nfe, s.finish_step + 1, p["flags"]):
+        put_varint(out, v)
     # layout 4: the smallest token coding and the smallest step coding, chosen independently
-    cands = [b"\x04" + _encode_tokens(tok, level) + _encode_steps(s.step_of, zs, level)]
+    cands = [b"\x04" + _tokens_build(p["tokens"], sizer, level) + _steps_build(p["steps"], sizer, level)]
     if L:   # layout 1: one zstd frame of token + step byte planes
-        tb, sb = nbytes_for(int(tok.max())), nbytes_for(int(zs.max()))
+        tb, sb = sizer.plan(p["tokens"]["plain"])[4], sizer.plan(p["steps"]["deltas"])[4]   # (bytes of their maxima)
         joint = zc(planes(tok, tb) + planes(zs, sb), level)
         head = bytearray((1, tb, sb))
         put_varint(head, len(joint))
         cands.append(bytes(head) + joint)
     out += min(cands, key=len)
-    if flags & F_CONF:
-        committed = s.step_of >= 1
-        out += encode_f16(np.asarray(s.confidence)[committed], level)
-    if flags & F_EDITS:
-        e = s.edits
-        n = len(e["col"])
-        put_varint(out, n)
-        out += encode_ints(np.asarray(e["col"], dtype=np.int64), level)
-        out += encode_ints(np.asarray(e["token"], dtype=np.int64), level)
-        out += encode_ints(np.asarray(e["start"], dtype=np.int64), level)
-        out += encode_ints(np.asarray(e["end"], dtype=np.int64), level)
-        if flags & F_CONF:
-            out += encode_f16(np.asarray(e["confidence"], dtype=np.float32), level)
-    if flags & F_TOPK:
-        ids = np.asarray(s.topk_ids, dtype=np.int64)
-        n, k = ids.shape
+    if "conf" in p:
+        out += encode_ints(None, level, sizer.plan(p["conf"]))
+    if "edits" in p:
+        put_varint(out, len(s.edits["col"]))
+        for h in p["edits"]:
+            out += encode_ints(None, level, sizer.plan(h))
+    if "topk" in p:
+        (n, k), ids, logits = p["topk"]
         put_varint(out, n)
         put_varint(out, k)
-        out += encode_ints(ids.ravel(), level)
-        out += encode_f32(np.asarray(s.topk_logits, dtype=np.float32).ravel(), level)
+        out += encode_ints(None, level, sizer.plan(ids)) + encode_ints(None, level, sizer.plan(logits))
     return bytes(out)
 
 
-def _encode_tokens(tok: np.ndarray, level: int) -> bytes:
-    """``method:u8`` then: 0 ints(ids); 1 / 2 a sorted dictionary of the distinct ids (``varint U``, ints of
-    its gaps) and each position's index into it as ints (1) or as a column (2: runs, e.g. an EOS tail).
-    The smallest by computed size is built."""
+def _tokens_prep(tok: np.ndarray, sizer: "_Sizer") -> Dict[str, Any]:
+    """Token codings (``method:u8`` then): 0 ints(ids); 1 / 2 a sorted dictionary of the distinct ids
+    (``varint U``, ints of its gaps) and each position's index into it as ints (1) or as a column (2: runs, e.g.
+    an EOS tail). All are sized; :func:`_tokens_build` builds the smallest."""
     if not tok.size:
-        return b"\x00" + encode_ints(tok, level)
+        return {"plain": sizer.ints(tok)}
     uniq, idx = np.unique(tok, return_inverse=True)
     idx = idx.ravel()
-    gaps = _ints_plan(delta0(uniq))
+    return {"plain": sizer.ints(tok), "n_uniq": len(uniq), "gaps": sizer.ints(delta0(uniq)),
+            "ints_idx": sizer.ints(idx), "col_idx": sizer.col(idx)}
+
+
+def _tokens_build(t: Dict[str, Any], sizer: "_Sizer", level: int) -> bytes:
+    plain = sizer.plan(t["plain"])
+    if "gaps" not in t:
+        return b"\x00" + encode_ints(None, level, plain)
+    gaps, ints_idx, col_idx = sizer.plan(t["gaps"]), sizer.plan(t["ints_idx"]), sizer.col_plan(t["col_idx"])
     head = _plan_size(gaps) + 3
-    plain, ints_idx, col_idx = _ints_plan(tok), _ints_plan(idx), _col_plan(idx)
     m = min((_plan_size(plain), 0), (head + _plan_size(ints_idx), 1), (head + col_idx[0], 2))[1]
     if m == 0:
         return b"\x00" + encode_ints(None, level, plain)
     out = bytearray((m,))
-    put_varint(out, len(uniq))
+    put_varint(out, t["n_uniq"])
     out += encode_ints(None, level, gaps)
     return bytes(out) + (encode_ints(None, level, ints_idx) if m == 1 else encode_col(None, level, col_idx))
 
@@ -827,16 +986,19 @@ class _Remaining:
             i += i & -i
 
 
-def _encode_steps(step_of: np.ndarray, zs: np.ndarray, level: int) -> bytes:
-    """``method:u8`` then: 0 ints(zigzag deltas); 1 a column; 2 / 3 the commit order (:func:`_commit_order`).
-    The smallest by computed size is built."""
-    deltas, col = _ints_plan(zs), _col_plan(step_of)
+def _steps_prep(step_of: np.ndarray, zs: np.ndarray, sizer: "_Sizer") -> Dict[str, Any]:
+    """Step codings (``method:u8`` then): 0 ints(zigzag deltas); 1 a column; 2 / 3 the commit order
+    (:func:`_order_prep`). All are sized; :func:`_steps_build` builds the smallest."""
+    return {"deltas": sizer.ints(zs), "col": sizer.col(step_of), "order": _order_prep(step_of, sizer)}
+
+
+def _steps_build(t: Dict[str, Any], sizer: "_Sizer", level: int) -> bytes:
+    deltas, col, order = sizer.plan(t["deltas"]), sizer.col_plan(t["col"]), t["order"]
     cands = [(_plan_size(deltas), 0), (col[0], 1)]
-    order = _commit_order(step_of, level)
     if order is not None:
-        head, vals, radix = order
+        head, vals, radix = _order_head(order, sizer, level), order["vals"], order["radix"]
         bits = float(np.log2(np.asarray(radix, dtype=np.float64)).sum()) if radix else 0.0
-        ranks = _ints_plan(np.asarray(vals, dtype=np.int64))
+        ranks = sizer.plan(order["ranks"])
         cands += [(len(head) + int(bits / 8) + 2 * (len(vals) // ORDER_CHUNK + 1), 2),
                   (len(head) + _plan_size(ranks), 3)]
     m = min(cands)[1]
@@ -862,6 +1024,16 @@ def _pack_radix(vals: List[int], radix: List[int]) -> bytes:
 
 
 def _commit_order(so: np.ndarray, level: int) -> Optional[Tuple[bytes, List[int], List[int]]]:
+    """The commit order of :func:`_order_prep` on its own: its header, the rank gaps and their radixes."""
+    sizer = _Sizer()
+    order = _order_prep(so, sizer)
+    if order is None:
+        return None
+    sizer.run()
+    return _order_head(order, sizer, level), order["vals"], order["radix"]
+
+
+def _order_prep(so: np.ndarray, sizer: "_Sizer") -> Optional[Dict[str, Any]]:
     """The commit steps as the order positions were committed in: a class per position (0 committed at a
     step, 1 given, 2 still masked); the steps that commit anything (``varint S``, a column of their gaps
     ``s[i] - s[i-1] - 1`` from ``s[-1] = 0``, a column of their commit counts - 1); and for each such step
@@ -870,39 +1042,45 @@ def _commit_order(so: np.ndarray, level: int) -> Optional[Tuple[bytes, List[int]
     packs these gaps as mixed-radix integers of ``ORDER_CHUNK`` values, each ``varint nbytes`` + its
     little-endian bytes: close to log2 of the number of possible orders (a permutation of 128 positions takes
     ~90 bytes, zigzag deltas ~130). Method 3 writes them as ints: smaller when the ranks are small (a block
-    at a time, left to right). Returns the header, the gaps and their radixes."""
+    at a time, left to right). None where a step below -1 leaves it undefined."""
     if so.size and int(so.min()) < -1:
         return None
     committed = np.flatnonzero(so >= 1)
     cs = so[committed]
     busy, cnt = np.unique(cs, return_counts=True)      # (cnt: int64 counts of the busy steps)
-    out = bytearray(encode_col(np.where(so >= 1, 0, np.where(so == 0, 1, 2)), level))
-    put_varint(out, busy.size)
-    out += encode_col(np.diff(busy, prepend=0) - 1, level) + encode_col(cnt - 1, level)
+    out = {"cls": sizer.col(np.where(so >= 1, 0, np.where(so == 0, 1, 2))), "S": busy.size,
+           "gaps": sizer.col(np.diff(busy, prepend=0) - 1), "cnt": sizer.col(cnt - 1), "vals": [], "radix": []}
     m = committed.size
-    if not m:
-        return bytes(out), [], []
-    left = m - np.concatenate(([0], np.cumsum(cnt)[:-1]))          # positions still to commit at each step
-    if m <= 1024:       # rank among those still to commit = earlier positions committed at the same step or later
-        later = np.tril(cs[None, :] >= cs[:, None], -1)
-        order = np.lexsort((np.arange(m), cs))                    # by step, then by position
-        r = later.sum(1)[order]
-    else:
-        order = np.lexsort((np.arange(m), cs))
-        rem, r = _Remaining(m), np.empty(m, dtype=np.int64)
-        at = 0
-        for k in cnt.tolist():
-            idx = order[at:at + k].tolist()
-            r[at:at + k] = [rem.rank(i) for i in idx]
-            for i in idx:
-                rem.remove(i)
-            at += k
-    first = np.repeat(np.concatenate(([0], np.cumsum(cnt)[:-1])), cnt)   # where each commit's step starts
-    j = np.arange(m) - first
-    prev = np.where(j == 0, -1, np.concatenate(([-1], r[:-1])))
-    vals = (r - prev - 1).tolist()
-    radix = (np.repeat(left - cnt, cnt) + j - prev).tolist()
-    return bytes(out), vals, radix
+    if m:
+        left = m - np.concatenate(([0], np.cumsum(cnt)[:-1]))          # positions still to commit at each step
+        if m <= 1024:   # rank among those still to commit = earlier positions committed at the same step or later
+            later = np.tril(cs[None, :] >= cs[:, None], -1)
+            order = np.lexsort((np.arange(m), cs))                    # by step, then by position
+            r = later.sum(1)[order]
+        else:
+            order = np.lexsort((np.arange(m), cs))
+            rem, r = _Remaining(m), np.empty(m, dtype=np.int64)
+            at = 0
+            for k in cnt.tolist():
+                idx = order[at:at + k].tolist()
+                r[at:at + k] = [rem.rank(i) for i in idx]
+                for i in idx:
+                    rem.remove(i)
+                at += k
+        first = np.repeat(np.concatenate(([0], np.cumsum(cnt)[:-1])), cnt)   # where each commit's step starts
+        j = np.arange(m) - first
+        prev = np.where(j == 0, -1, np.concatenate(([-1], r[:-1])))
+        out["vals"] = (r - prev - 1).tolist()
+        out["radix"] = (np.repeat(left - cnt, cnt) + j - prev).tolist()
+    out["ranks"] = sizer.ints(np.asarray(out["vals"], dtype=np.int64))
+    return out
+
+
+def _order_head(order: Dict[str, Any], sizer: "_Sizer", level: int) -> bytes:
+    out = bytearray(encode_col(None, level, sizer.col_plan(order["cls"])))
+    put_varint(out, order["S"])
+    return bytes(out) + encode_col(None, level, sizer.col_plan(order["gaps"])) \
+        + encode_col(None, level, sizer.col_plan(order["cnt"]))
 
 
 def _decode_steps(buf, pos: int, L: int, max_step: int) -> Tuple[np.ndarray, int]:

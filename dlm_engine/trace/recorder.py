@@ -535,6 +535,7 @@ class TraceRecorder:
         edits_by_row: Dict[int, List[tuple]] = {}
         for e in st.edits:
             edits_by_row.setdefault(e[0], []).append(e)
+        seqs = []
         for i, row in enumerate(st.rows):
             so = final_step[i, P:]
             sd = SeqData(row=row, tokens=final_tok[i, P:], step_of=so, nfe=int(row_nfe[i]),
@@ -550,7 +551,9 @@ class TraceRecorder:
                 committed = so >= 1
                 sd.topk_ids = np.maximum(st.topk_ids[i, P:][committed], 0)
                 sd.topk_logits = st.topk_logits[i, P:][committed]
-            self._write(fmt.SEQ, fmt.encode_seq(sd, self.level))
+            seqs.append(sd)
+        for payload in fmt.encode_seqs(seqs, self.level):      # (the batch's records sized together)
+            self._write(fmt.SEQ, payload)
         self._write(fmt.BATCH_END, records.encode_batch_end(
             {"batch": batch, "steps": st.n_steps, "nfe": st.nfe, "wall_time": st.wall, "mismatch": bool(mismatch),
              "rows": st.rows}, table, self.level))

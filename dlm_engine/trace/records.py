@@ -217,23 +217,32 @@ def encode_table(meta: Dict[str, Any], arrays: Dict[str, np.ndarray], wall_base:
     n = int(arrays["nfe"].shape[0])
     steps = arrays["step"].astype(np.int64)
     consecutive = n > 0 and bool((steps == steps[0] + np.arange(n)).all())
-    body = bytearray()
+    sizer = fmt._Sizer()          # every column of the table sized together, then built in order
+    parts: List[Any] = []
+
+    def col(v) -> None:
+        parts.append((sizer.col(v),))
+
     if not consecutive:
-        put_col(body, steps, level)
+        col(steps)
     codes = quantise_wall(arrays["wall_us"], wall_base)
-    body.append(WALL_MANTISSA)
-    put_varint(body, wall_base)
-    put_col(body, codes, level)
+    head = bytearray((WALL_MANTISSA,))
+    put_varint(head, wall_base)
+    parts.append(bytes(head))
+    col(codes)
     for k in ("nfe", "start", "width"):
-        put_col(body, arrays[k], level)
+        col(arrays[k])
     for k in ("active", "finished"):
-        put_col(body, np.ascontiguousarray(arrays[k].T), level)   # row by row: long runs
+        col(np.ascontiguousarray(arrays[k].T))   # row by row: long runs
     names = [k[2:] for k in arrays if k.startswith("s:")]
-    put_varint(body, len(names))
+    head = bytearray()
+    put_varint(head, len(names))
+    parts.append(bytes(head))
     for name in names:
         a = arrays["s:" + name]
         present = arrays.get("p:" + name)
-        put_name(body, name)
+        head = bytearray()
+        put_name(head, name)
         if a.dtype == np.bool_:
             typ, vals = S_BOOL, a.astype(np.int64)
         elif a.dtype.kind in "iu":
@@ -244,16 +253,19 @@ def encode_table(meta: Dict[str, Any], arrays: Dict[str, np.ndarray], wall_base:
                 typ, vals = S_F32, f.astype("<f4").view("<u4").astype(np.int64)
             else:
                 typ, vals = S_F64, f.astype("<f8").view("<i8")
-        body += bytes((typ, a.ndim - 1))
+        head += bytes((typ, a.ndim - 1))
         for d in a.shape[1:]:
-            put_varint(body, d)
-        if present is None:
-            body.append(0)
-        else:
-            body.append(1)
-            put_col(body, present.astype(np.int64), level)
+            put_varint(head, d)
+        head.append(0 if present is None else 1)
+        parts.append(bytes(head))
+        if present is not None:
+            col(present.astype(np.int64))
             vals = vals[present]
-        put_col(body, vals, level)
+        col(vals)
+    sizer.run()
+    body = bytearray()
+    for x in parts:
+        body += fmt.encode_col(None, level, sizer.col_plan(x[0])) if isinstance(x, tuple) else x
     events = meta.get("events") or []
     put_varint(body, len(events))
     prev = 0
