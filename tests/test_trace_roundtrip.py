@@ -374,3 +374,57 @@ def test_held_runs_of_any_length_write_the_same_trace(lm, tmp_path, monkeypatch,
         else:
             assert max(flushes) > 3     # (the default makes longer runs here)
     assert len(set(got.values())) == 1
+
+
+def _scalar_table(tmp_path, tag):
+    """A batch of crafted same-window deltas (so the writer holds them in runs) whose per-step scalars take every
+    path of the writer's step table: stacked tensors, Python ints / floats / bools, ints mixed with floats, a
+    tensor whose shape changes, a name only some steps have, block events."""
+    canvas = Canvas.from_prompts([[10], [11]], gen_length=8, mask_id=3, pad_id=0)
+    g = canvas.gen_start
+    rec = TraceRecorder(str(tmp_path / f"{tag}.dlmt"), HEADER)
+    sink = rec.sink(0, [0, 1])
+    sink.on_start(canvas, {})
+    for step in range(1, 9):
+        commit = torch.zeros(2, 8, dtype=torch.bool)
+        commit[:, step - 1] = True
+        scalars = {"t": torch.tensor([step, -step]), "i": step * 3, "f": step / 4, "b": step % 2 == 0,
+                   "mix": step if step % 3 else step + 0.5, "shape": torch.zeros(step % 2 + 1)}
+        if step in (2, 7):
+            scalars["only"] = torch.tensor(step * 10)
+        d = FrameDelta(step=step, nfe=1 + step % 2, start=g, commit=commit, tokens=torch.full((2, 8), 20 + step),
+                       active=torch.tensor([True, step < 8]), finished=torch.tensor([step == 8, step >= 7]),
+                       scalars=scalars, wall_time=step * 0.01,
+                       block_events=[BlockEvent("opened", step, g, g + 8)] if step in (1, 5) else [])
+        canvas.apply(d)
+        sink.on_delta(d, canvas)
+    sink.on_end(canvas)
+    rec.close()
+    return open_trace(tmp_path / f"{tag}.dlmt", recover=False).batches[0].steps
+
+
+def test_step_tables_are_the_same_whatever_the_runs_and_chunks(tmp_path, monkeypatch):
+    """The writer keeps a run of held steps by column and cuts tables every ``STEP_CHUNK`` steps (a run may be cut
+    in two): neither may change a table, for any kind of per-step scalar."""
+    from dlm_engine.trace import recorder as R
+
+    got = []
+    for hold, chunk in ((R.HOLD, R.STEP_CHUNK), (1, R.STEP_CHUNK), (3, R.STEP_CHUNK), (R.HOLD, 3), (3, 2), (1, 5)):
+        monkeypatch.setattr(R, "HOLD", hold)
+        monkeypatch.setattr(R, "STEP_CHUNK", chunk)
+        st = _scalar_table(tmp_path, f"{hold}-{chunk}")
+        got.append(repr((st.step.tolist(), st.nfe.tolist(), st.active.tolist(), st.finished.tolist(),
+                         sorted((k, repr([np.asarray(x).tolist() for x in v])) for k, v in st.scalars.items()),
+                         st.events)))
+        assert st.step.tolist() == list(range(1, 9)) and st.nfe.tolist() == [1 + s % 2 for s in range(1, 9)]
+        assert st.scalars["t"].tolist() == [[s, -s] for s in range(1, 9)]
+        assert st.scalars["i"].tolist() == [3 * s for s in range(1, 9)] and st.scalars["i"].dtype.kind == "i"
+        assert st.scalars["f"].tolist() == [s / 4 for s in range(1, 9)]
+        assert st.scalars["b"].tolist() == [s % 2 == 0 for s in range(1, 9)]
+        assert st.scalars["mix"].tolist() == [s if s % 3 else s + 0.5 for s in range(1, 9)]
+        assert [np.asarray(v).tolist() for v in st.scalars["shape"]] == [[0.0] * (s % 2 + 1) for s in range(1, 9)]
+        only = st.scalars["only"]
+        assert [only[i] for i in (1, 6)] == [20, 70] and np.isnan(only[0]) and np.isnan(only[7])
+        assert st.active.tolist()[-1] == [True, False] and st.finished.tolist()[-2] == [False, True]
+        assert [(e[0], e[1]) for e in st.events] == [(1, "opened"), (5, "opened")]
+    assert len(set(got)) == 1

@@ -99,6 +99,77 @@ def _np(t) -> Any:
     return t
 
 
+class _Steps:
+    """Per-step metadata of consecutive steps of a batch, by column: a run of held deltas is one of these rather
+    than one tuple a step (the writer's per-step Python was a third of its work at batch 1). ``scal`` holds the
+    per-step scalars by name (an array with a leading step axis, or a list of the steps' values) when every step
+    has the same names, else ``rows`` a dict a step."""
+
+    __slots__ = ("n", "step", "nfe", "wall", "start", "width", "active", "finished", "scal", "rows", "events")
+
+    def __init__(self, step, nfe, wall, start, width, active, finished, scal, rows, events):
+        self.n = len(step)
+        self.step, self.nfe, self.wall, self.start, self.width = step, nfe, wall, start, width   # lists
+        self.active, self.finished = active, finished         # [n, B] bool arrays
+        self.scal: Optional[Dict[str, Any]] = scal
+        self.rows: Optional[List[dict]] = rows
+        self.events: List[tuple] = events                     # (step index in this chunk, BlockEvent)
+
+    def part(self, a: int, b: int) -> "_Steps":
+        return _Steps(self.step[a:b], self.nfe[a:b], self.wall[a:b], self.start[a:b], self.width[a:b],
+                      self.active[a:b], self.finished[a:b],
+                      None if self.scal is None else {k: v[a:b] for k, v in self.scal.items()},
+                      None if self.rows is None else self.rows[a:b],
+                      [(i - a, e) for i, e in self.events if a <= i < b])
+
+    def names(self) -> List[str]:
+        if self.scal is not None:
+            return list(self.scal)
+        out: List[str] = []
+        for r in self.rows:
+            for k in r:
+                if k not in out:
+                    out.append(k)
+        return out
+
+    def values(self, name: str) -> List[Any]:
+        """The steps' values of a scalar (None where a step has none)."""
+        if self.scal is not None:
+            v = self.scal.get(name)
+            return [None] * self.n if v is None else list(v)
+        return [r.get(name) for r in self.rows]
+
+
+def _stacked_scalar(chunks: List[_Steps], name: str) -> Optional[np.ndarray]:
+    """A per-step scalar every step of ``chunks`` has, as one array, where that takes no per-step work: stacked
+    tensors, or plain Python ints / floats / bools (what the per-step path would make of them, the same dtype
+    rules); None otherwise (the caller's general path)."""
+    parts = []
+    for c in chunks:
+        if c.scal is None or name not in c.scal:
+            return None
+        parts.append(c.scal[name])
+    if all(isinstance(p, np.ndarray) for p in parts):
+        if len({p.shape[1:] for p in parts}) != 1:
+            return None
+        kinds = {p.dtype.kind for p in parts}
+        if not kinds <= {"b", "i", "u", "f"}:
+            return None
+        dt = np.bool_ if kinds == {"b"} else (np.float64 if "f" in kinds else np.int64)
+        return (np.concatenate(parts) if len(parts) > 1 else parts[0]).astype(dt)
+    if not all(isinstance(p, list) for p in parts):
+        return None
+    vals = [v for p in parts for v in p]
+    types = {type(v) for v in vals}
+    if types == {int} and -(1 << 63) <= min(vals) and max(vals) < (1 << 63):
+        return np.array(vals, dtype=np.int64)
+    if types == {float}:
+        return np.array(vals, dtype=np.float64)
+    if types == {bool}:
+        return np.array(vals, dtype=np.bool_)
+    return None
+
+
 class _BatchState:
     def __init__(self, batch: int, rows: List[int], tokens: np.ndarray, step_of: np.ndarray, gen_start: int,
                  mask_id: int, capture: str, topk: int):
@@ -113,7 +184,8 @@ class _BatchState:
         self.finish_step = np.full(B, -1, dtype=np.int64)
         self.edits: List[tuple] = []      # (row, col, token, start, end, conf)
         self.wall_prev = 0                # decode time (us) after the last step written
-        self.pending: List[tuple] = []    # per-step metadata not yet written
+        self.pending: List[_Steps] = []   # per-step metadata not yet written
+        self.n_pending = 0                # steps in it
         self.held: List[Any] = []         # deltas of one window not applied yet (applied together)
         self.first_pending = 0
         self.last_flush = 0.0             # decode wall time (s) of the last flushed step
@@ -359,11 +431,21 @@ class TraceRecorder:
             if isinstance(v, torch.Tensor) and all(isinstance(x, torch.Tensor) and x.shape == v.shape and x.dtype == v.dtype
                                                    for x in vals):
                 stacked[k] = self._stack(vals)
-        for i, d in enumerate(ds):
-            scal = {k: (stacked[k][i] if k in stacked else (_np(self._host(v)).copy() if isinstance(v, torch.Tensor) else v))
-                    for k, v in d.scalars.items()}
-            st.pending.append((int(d.step), int(d.nfe), float(d.wall_time), s, W, A[i], F[i], scal, list(d.block_events)))
-            st.nfe += int(d.nfe)
+        keys = tuple(ds[0].scalars)
+
+        def value(v):
+            return _np(self._host(v)).copy() if isinstance(v, torch.Tensor) else v
+
+        scal = rows = None
+        if all(tuple(d.scalars) == keys for d in ds):
+            scal = {k: stacked[k] if k in stacked else [value(d.scalars[k]) for d in ds] for k in keys}
+        else:
+            rows = [{k: (stacked[k][i] if k in stacked else value(v)) for k, v in d.scalars.items()}
+                    for i, d in enumerate(ds)]
+        nfe = [int(d.nfe) for d in ds]
+        self._pend(st, _Steps(steps.tolist(), nfe, [float(d.wall_time) for d in ds], [s] * len(ds), [W] * len(ds), A, F,
+                              scal, rows, [(i, e) for i, d in enumerate(ds) for e in d.block_events]))
+        st.nfe += sum(nfe)
         st.n_steps += len(ds)
         st.wall = float(ds[-1].wall_time)
         self._flush_full(st)
@@ -426,9 +508,10 @@ class TraceRecorder:
         if newly.any():
             st.finish_step[newly] = t
         # small per-step values are copied: a strategy might reuse a state tensor as a scalar
-        scal = {k: (_np(self._host(v)).copy() if isinstance(v, torch.Tensor) else v) for k, v in delta.scalars.items()}
-        st.pending.append((t, int(delta.nfe), float(delta.wall_time), s, W, _np(self._host(delta.active)).copy(),
-                           fin.copy(), scal, list(delta.block_events)))
+        scal = {k: [_np(self._host(v)).copy() if isinstance(v, torch.Tensor) else v] for k, v in delta.scalars.items()}
+        self._pend(st, _Steps([t], [int(delta.nfe)], [float(delta.wall_time)], [s], [W],
+                              _np(self._host(delta.active)).copy()[None], fin.copy()[None], scal, None,
+                              [(0, e) for e in delta.block_events]))
         st.n_steps += 1
         st.nfe += int(delta.nfe)
         st.wall = float(delta.wall_time)
@@ -460,52 +543,81 @@ class TraceRecorder:
     def _flush_full(self, st: _BatchState) -> None:
         """Steps records of ``STEP_CHUNK`` steps while that many wait, and of what waits every ``FLUSH_SECONDS``
         of decoding; the rest goes with the batch-end record."""
-        while len(st.pending) >= STEP_CHUNK:
+        while st.n_pending >= STEP_CHUNK:
             self._flush_steps(st, limit=STEP_CHUNK)
-        if st.pending and st.wall - st.last_flush >= FLUSH_SECONDS:
+        if st.n_pending and st.wall - st.last_flush >= FLUSH_SECONDS:
             self._flush_steps(st)
+
+    @staticmethod
+    def _pend(st: _BatchState, chunk: _Steps) -> None:
+        st.pending.append(chunk)
+        st.n_pending += chunk.n
 
     def _flush_steps(self, st: _BatchState, final: bool = False, limit: Optional[int] = None) -> Optional[bytes]:
         """Write the pending steps (the first ``limit``) as a steps record, or (``final``) return their table for
         the batch-end record."""
-        if not st.pending:
+        if not st.n_pending:
             return None
-        rows, st.pending = st.pending[:limit], st.pending[len(st.pending) if limit is None else limit:]
-        n = len(rows)
-        steps = np.array([r[0] for r in rows], dtype=np.int64)
+        n = st.n_pending if limit is None else min(limit, st.n_pending)
+        chunks: List[_Steps] = []
+        got = 0
+        while got < n:
+            c = st.pending[0]
+            if got + c.n <= n:
+                chunks.append(st.pending.pop(0))
+                got += c.n
+            else:
+                chunks.append(c.part(0, n - got))
+                st.pending[0] = c.part(n - got, c.n)
+                got = n
+        st.n_pending -= n
+
+        def joined(attr: str) -> List[Any]:
+            return [x for c in chunks for x in getattr(c, attr)]
+
+        def stacked(attr: str) -> np.ndarray:
+            return np.concatenate([getattr(c, attr) for c in chunks]) if len(chunks) > 1 else getattr(chunks[0], attr)
+
+        steps = np.array(joined("step"), dtype=np.int64)
         arrays = {
             # wall time (seconds since decode start) in microseconds; quantised by records.encode_table
-            "wall_us": np.rint(np.array([r[2] for r in rows], dtype=np.float64) * 1e6).astype(np.int64),
+            "wall_us": np.rint(np.array(joined("wall"), dtype=np.float64) * 1e6).astype(np.int64),
             "step": steps,
-            "nfe": np.array([r[1] for r in rows], dtype=np.int32),
-            "start": np.array([r[3] for r in rows], dtype=np.int32),
-            "width": np.array([r[4] for r in rows], dtype=np.int32),
-            "active": np.stack([r[5] for r in rows]).astype(np.bool_),
-            "finished": np.stack([r[6] for r in rows]).astype(np.bool_),
+            "nfe": np.array(joined("nfe"), dtype=np.int32),
+            "start": np.array(joined("start"), dtype=np.int32),
+            "width": np.array(joined("width"), dtype=np.int32),
+            "active": stacked("active").astype(np.bool_),
+            "finished": stacked("finished").astype(np.bool_),
         }
         names: List[str] = []
-        for r in rows:
-            for k in r[7]:
+        for c in chunks:
+            for k in c.names():
                 if k not in names:
                     names.append(k)
         json_scalars = {}
         for k in names:
-            vals = [r[7].get(k) for r in rows]
+            arr = _stacked_scalar(chunks, k)
+            if arr is not None:
+                arrays["s:" + k] = arr
+                continue
+            vals = [v for c in chunks for v in c.values(k)]
             present = np.array([v is not None for v in vals])
-            got = [np.asarray(v) for v in vals if v is not None]
-            shapes = {g.shape for g in got}
-            kinds = {g.dtype.kind for g in got}
+            got_ = [np.asarray(v) for v in vals if v is not None]
+            shapes = {g.shape for g in got_}
+            kinds = {g.dtype.kind for g in got_}
             if len(shapes) == 1 and kinds <= {"b", "i", "u", "f"}:
                 dt = np.bool_ if kinds == {"b"} else (np.float64 if "f" in kinds else np.int64)
                 arr = np.zeros((n,) + next(iter(shapes)), dtype=dt)
-                arr[present] = np.stack(got).astype(dt)
+                arr[present] = np.stack(got_).astype(dt)
                 arrays["s:" + k] = arr
                 if not present.all():
                     arrays["p:" + k] = present
             else:
                 json_scalars[k] = [None if v is None else (np.asarray(v).tolist()) for v in vals]
-        events = [[i, e.kind, int(e.block), int(e.start), int(e.end), int(e.row)]
-                  for i, r in enumerate(rows) for e in r[8]]
+        events, off = [], 0
+        for c in chunks:
+            events += [[off + i, e.kind, int(e.block), int(e.start), int(e.end), int(e.row)] for i, e in c.events]
+            off += c.n
         meta = {"first": st.first_pending, "events": events, "json_scalars": json_scalars}
         table = records.encode_table(meta, arrays, st.wall_prev, self.level)
         st.wall_prev = max(st.wall_prev, int(arrays["wall_us"].max()))
