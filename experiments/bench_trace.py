@@ -13,7 +13,9 @@
 2. Replay to the final output from the record's bytes (CRC check + decode) and state at a step once decoded.
 3. Real `dlm` runs (the CLI, default capture): the trace file's bytes per generated position, header
    excluded, at batch 1, gen 128 and 1024, on the embedded model and a LLaDA-shaped random model (V = 4,096).
-4. Recording overhead at batch 1 and 8 on the embedded model: the same decode run with recording on and off,
+4. The writer's own work, replayed on one thread from real runs (``TraceRecorder(threaded=False)``): ms per
+   batch, us per step, and where it goes.
+5. Recording overhead at batch 1 and 8 on the embedded model: the same decode run with recording on and off,
    >= 15 interleaved pairs, median and spread of the pair ratios; the on-run includes the recorder's start,
    encoding, the end record, fsync and rename. Host syncs on the step loop's thread, counted with and without.
 """
@@ -453,12 +455,87 @@ def bench_overhead(pairs, gen_length, configs=((1, 2), (8, 8)), overrides=()):
     return results
 
 
+def bench_writer(gen_length: int, reps: int = 25, configs=(("batch 1, 8 prompts", ["batch_size=1"]),
+                                                         ("batch 8, 8 prompts", ["batch_size=8"]),
+                                                         ("threshold, batch 3, 8 prompts", ["batch_size=3", "strategy=threshold"]),
+                                                         ("wino, batch 2, 8 prompts", ["batch_size=2", "strategy=wino"]))):
+    """The writer's own work, replayed on this thread: what the sinks hand over during a real decode is captured,
+    then given ``reps`` times to a recorder without its thread (``TraceRecorder(threaded=False)``), whose
+    ``writer_cpu`` sums the work. Warm caches and no other thread: the steady figure to compare writer changes
+    by (the writer thread of a real run, on caches the model's forwards emptied and beside torch's threads, reads
+    about twice as much: the overhead section's 'writer thread' figure). Also prints where it goes."""
+    from dlm_engine.app.api import run_prompts
+    from dlm_engine.trace import recorder as R
+    from dlm_engine.trace.runtime import open_run_recorder
+
+    print(f"\n== the writer's work, replayed on one thread (median of {reps}; embedded model, gen {gen_length}) ==")
+    print(f"{'run':<32} {'batches':>7} {'steps':>6} {'ms/batch':>9} {'us/step':>8}   where (ms/batch): begin, held runs, "
+          "step tables, sequence records, rest of the batch end, end record")
+    parts = {"begin": "_on_begin", "held runs": "_flush_held", "tables": "_flush_steps", "end": "_finish"}
+    for label, extra in configs:
+        cfg, ms, mc, lm, inputs = load_default([f"gen_length={gen_length}"] + extra)
+        ids = (inputs["ids"] * 8)[:8]
+        items = []
+
+        class Capture(R.TraceRecorder):
+            def _put(self, item, urgent=False):
+                items.append(item)
+                super()._put(item, urgent)
+
+        tmp = tempfile.mkdtemp(prefix="bench-trace-")
+        rec = open_run_recorder(cfg, tmp, lm, ids)
+        cap = Capture(rec.path + ".cap", rec.header, capture=rec.capture, topk=rec.topk)
+        rec.close()
+        run_prompts(lm, ids, ms, mc, cfg.gen_length, cfg.batch_size, sinks_for_batch=lambda b, r: [cap.sink(b, r)],
+                    warmup=False)
+        cap.close()
+        batches = sum(1 for it in items if it[0] == "begin")
+        steps = sum(1 for it in items if it[0] == "delta")
+        spent = {k: 0.0 for k in list(parts) + ["seqs"]}
+        originals = {k: getattr(R.TraceRecorder, m) for k, m in parts.items()}
+        encode_seqs = fmt.encode_seqs
+
+        def timed(key, fn):
+            def wrapper(*a, **kw):
+                c = time.thread_time()
+                try:
+                    return fn(*a, **kw)
+                finally:
+                    spent[key] += time.thread_time() - c
+            return wrapper
+
+        totals = []
+        for r in range(reps + 1):
+            timing = r == reps             # a last, instrumented replay for the split
+            if timing:
+                for k, m in parts.items():
+                    setattr(R.TraceRecorder, m, timed(k, originals[k]))
+                fmt.encode_seqs = timed("seqs", encode_seqs)
+            try:
+                w = R.TraceRecorder(os.path.join(tmp, f"w{r}.dlmt"), rec.header, capture=rec.capture, topk=rec.topk,
+                                    threaded=False)
+                for it in items:
+                    w._put(it)
+                w.close()
+            finally:
+                for k, m in parts.items():
+                    setattr(R.TraceRecorder, m, originals[k])
+                fmt.encode_seqs = encode_seqs
+            if not timing:
+                totals.append(w.writer_cpu)
+        med = statistics.median(totals)
+        other = med - sum(spent.values())
+        print(f"{label:<32} {batches:>7} {steps:>6} {med / batches * 1e3:>9.3f} {med / steps * 1e6:>8.1f}   "
+              + ", ".join(f"{spent[k] / batches * 1e3:.3f}" for k in ("begin", "held runs", "tables", "seqs"))
+              + f", {max(other, 0.0) / batches * 1e3:.3f}, {spent['end'] / batches * 1e3:.3f}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--pairs", type=int, default=15)
     ap.add_argument("--gen-length", type=int, default=48)  # the embedded model: 64 positions
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: sizes,replay,real,overhead")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: sizes,replay,real,writer,overhead")
     ap.add_argument("--overhead-runs", default="1:2,8:8",
                     help="the recording-overhead runs, BATCH:PROMPTS each (e.g. 1:2 alone, with --pairs 150, to narrow "
                          "the median's noise at batch 1)")
@@ -479,6 +556,8 @@ def main():
         bench_replay()
     if "real" not in skip:
         bench_real(a.quick)
+    if "writer" not in skip:
+        bench_writer(a.gen_length, 5 if a.quick else 25)
     if "overhead" not in skip:
         try:
             runs = tuple(tuple(int(x) for x in r.split(":")) for r in a.overhead_runs.split(","))

@@ -409,7 +409,8 @@ def test_step_tables_are_the_same_whatever_the_runs_and_chunks(tmp_path, monkeyp
     from dlm_engine.trace import recorder as R
 
     got = []
-    for hold, chunk in ((R.HOLD, R.STEP_CHUNK), (1, R.STEP_CHUNK), (3, R.STEP_CHUNK), (R.HOLD, 3), (3, 2), (1, 5)):
+    for hold, chunk in ((R.HOLD, R.STEP_CHUNK), (1, R.STEP_CHUNK), (3, R.STEP_CHUNK), (R.HOLD, 3), (3, 2), (1, 5),
+                        (7, R.STEP_CHUNK), (7, 3)):     # (7 of 8: a run of 7, then one step on its own)
         monkeypatch.setattr(R, "HOLD", hold)
         monkeypatch.setattr(R, "STEP_CHUNK", chunk)
         st = _scalar_table(tmp_path, f"{hold}-{chunk}")
@@ -428,3 +429,31 @@ def test_step_tables_are_the_same_whatever_the_runs_and_chunks(tmp_path, monkeyp
         assert st.active.tolist()[-1] == [True, False] and st.finished.tolist()[-2] == [False, True]
         assert [(e[0], e[1]) for e in st.events] == [(1, "opened"), (5, "opened")]
     assert len(set(got)) == 1
+
+
+def test_a_recorder_without_its_thread_writes_the_same_records(lm, tmp_path):
+    """``threaded=False`` (profiling, debugging) does the writer's work inside each sink call: the records are
+    those the writer thread writes (step tables compared without their wall times, a clock), ``writer_cpu`` sums
+    that work, and a failure surfaces at the call that caused it."""
+    from dlm_engine.trace.reader import scan_records
+
+    out = {}
+    for threaded in (True, False):
+        path = tmp_path / f"{threaded}.dlmt"
+        _, _, rec = record_run(lm, path, "threshold", PROMPTS, capture="confidence", threaded=threaded)
+        assert (rec._thread is None) == (not threaded) and rec.writer_cpu > 0
+        recs, damage = scan_records(path.read_bytes())
+        assert damage is None
+        tr = open_trace(path, recover=False)
+        tabs = [(t.step.tolist(), t.nfe.tolist(), t.start.tolist(), t.width.tolist(), t.active.tolist(),
+                 t.finished.tolist(), sorted((k, np.asarray(v).tolist()) for k, v in t.scalars.items()), t.events)
+                for t in (tr.batches[k].steps for k in sorted(tr.batches))]
+        out[threaded] = ([(r.kind, bytes(r.payload)) for r in recs if r.kind in (fmt.BATCH, fmt.SEQ)], repr(tabs))
+    assert out[True] == out[False] and len(out[True][0]) >= 5
+    rec = TraceRecorder(str(tmp_path / "small.dlmt"), {**HEADER, "shape": {"batch_size": 1}}, threaded=False)
+    canvas = Canvas.from_prompts([[10], [11]], gen_length=4, mask_id=3, pad_id=0)
+    with pytest.raises(fmt.TraceError, match="allows 1"):
+        rec.sink(0, [0, 1]).on_start(canvas, {})
+    with pytest.raises(fmt.TraceError, match="writer failed"):
+        rec.close()
+    assert not os.path.exists(tmp_path / "small.dlmt")

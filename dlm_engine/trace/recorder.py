@@ -203,7 +203,10 @@ class TraceRecorder:
 
     def __init__(self, path: str, header: Dict[str, Any], capture: str = "tokens", topk: int = 5,
                  logit_error_bound: float = 1e-2, queue_size: int = 256, level: int = fmt.ZSTD_LEVEL,
-                 recomputed: bool = False):
+                 recomputed: bool = False, threaded: bool = True):
+        """``threaded=False``: no writer thread -- each sink call does the writer's work before it returns (the
+        same records; an error surfaces at the call that caused it). For profiling the writer's own work, which
+        ``writer_cpu`` then sums, and for debugging; a decode should keep the thread."""
         from ..errors import ConfigError
 
         if capture not in fmt.CAPTURE_LEVELS:
@@ -256,8 +259,10 @@ class TraceRecorder:
             except OSError:
                 pass
             raise TraceError(_os_message(self.partial_path, exc)) from None
-        self._thread = threading.Thread(target=self._run, name="dlm-trace-writer", daemon=True)
-        self._thread.start()
+        self._thread: Optional[threading.Thread] = None
+        if threaded:
+            self._thread = threading.Thread(target=self._run, name="dlm-trace-writer", daemon=True)
+            self._thread.start()
         self._closed = False
 
     # -- producer side (the step loop's thread) ------------------------------------------------------
@@ -267,7 +272,24 @@ class TraceRecorder:
     def _put(self, item, urgent: bool = False) -> None:
         if self._closed:
             raise TraceError("trace recorder is closed")
+        if self._thread is None:
+            self._inline(self._handle, item)
+            return
         self._chan.put(item, urgent=urgent)
+
+    def _inline(self, fn, arg) -> None:
+        """The writer's work on the caller's thread (``threaded=False``), its CPU added to ``writer_cpu``."""
+        chan = self._chan
+        if chan.error is not None:
+            raise TraceError(f"trace writer failed: {chan.error}")
+        c = time.thread_time()
+        try:
+            fn(arg)
+        except BaseException as exc:
+            chan.error = TraceError(_os_message(self.partial_path, exc)) if isinstance(exc, OSError) else exc
+            raise TraceError(f"trace writer failed: {chan.error}") from None
+        finally:
+            self.writer_cpu += time.thread_time() - c
 
     @property
     def blocked_puts(self) -> int:
@@ -281,8 +303,15 @@ class TraceRecorder:
         if self._closed:
             return self.digest
         self._closed = True
-        self._chan.put(("close", status), force=True, urgent=True)
-        self._thread.join()
+        if self._thread is None:
+            if self._chan.error is None:
+                try:
+                    self._inline(self._finish, status)
+                except TraceError:
+                    pass                 # (reported below, as the threaded writer's failure is)
+        else:
+            self._chan.put(("close", status), force=True, urgent=True)
+            self._thread.join()
         if self._chan.error is not None:
             try:
                 self._f.close()

@@ -1,0 +1,29 @@
+"""experiments/bench_trace.py's writer section: the replayed writer work it reports is a real decode's.
+
+Its numbers are machine-dependent and not tested; what is: the section captures a real decode's hand-over, replays
+it through a recorder without its thread, and prints one row per run with the batches and steps of that decode
+and positive times.
+"""
+import importlib.util
+import re
+import sys
+
+from conftest import ROOT
+
+
+def test_the_writer_section_replays_a_real_decode(capsys):
+    sys.path.insert(0, str(ROOT / "experiments"))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_trace", ROOT / "experiments" / "bench_trace.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        mod.bench_writer(16, reps=2, configs=(("batch 2", ["batch_size=2"]),))
+    finally:
+        sys.path.remove(str(ROOT / "experiments"))
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("batch 2"))
+    nums = [float(x) for x in re.findall(r"[0-9]+(?:\.[0-9]+)?", row[len("batch 2"):])]
+    batches, steps, per_batch, per_step = nums[:4]
+    assert batches == 4 and steps >= 4 * 2          # 8 prompts in batches of 2, gen 16: some steps each
+    assert per_batch > 0 and per_step > 0 and abs(per_batch * batches * 1e3 / steps - per_step) < 0.01 * per_step + 0.1
+    assert len(nums) == 4 + 6
