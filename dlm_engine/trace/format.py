@@ -484,17 +484,23 @@ def _ints_plan(v: np.ndarray) -> Tuple[int, int, int, np.ndarray, int]:
     v = np.asarray(v)
     v = v if v.dtype == np.uint64 else v.astype(np.int64, copy=False)
     n = v.size
-    vmax = int(v.max()) if n else 0
-    nb = nbytes_for(vmax)
-    width = vmax.bit_length()
-    best = (n * nb, M_PLANES, nb)
-    if width <= 63:
-        best = min(best, ((n * width + 7) // 8, M_BITS, width))
+    best, nb, width = _unary_best(n, int(v.max()) if n else 0)
     if n >= 8 and width <= RICE_KMAX:
         v = v.astype(np.int64, copy=False)       # (values below 2^56)
         size, k = _rice_best(v, width)
         best = min(best, (size, M_RICE, k))
     return best + (v, nb)
+
+
+def _unary_best(n: int, vmax: int) -> Tuple[Tuple[int, int, int], int, int]:
+    """``((bytes, method, param), byte width, bit width)`` of the smaller of byte planes and bit packing for ``n``
+    values up to ``vmax`` (both sized from the maximum alone; Rice needs the values)."""
+    nb = nbytes_for(vmax)
+    width = vmax.bit_length()
+    best = (n * nb, M_PLANES, nb)
+    if width <= 63:
+        best = min(best, ((n * width + 7) // 8, M_BITS, width))
+    return best, nb, width
 
 
 def _plan_size(plan) -> int:
@@ -524,14 +530,11 @@ def _plans(arrays: List[np.ndarray]) -> List[Tuple[int, int, int, np.ndarray, in
         starts = np.cumsum([0] + [ns[i] for i in live[:-1]])
         for i, m in zip(live, np.maximum.reduceat(flat, starts).tolist()):
             vmax[i] = m
-    best, widths, rice = [], [], []
+    best, nbs, widths, rice = [], [], [], []
     for i, n in enumerate(ns):
-        nb = nbytes_for(vmax[i])
-        width = vmax[i].bit_length()
-        b = (n * nb, M_PLANES, nb)
-        if width <= 63:
-            b = min(b, ((n * width + 7) // 8, M_BITS, width))
+        b, nb, width = _unary_best(n, vmax[i])
         best.append(b)
+        nbs.append(nb)
         widths.append(width)
         if n >= 8 and width <= RICE_KMAX:
             rice.append(i)
@@ -568,7 +571,7 @@ def _plans(arrays: List[np.ndarray]) -> List[Tuple[int, int, int, np.ndarray, in
                 if r is None or size < r[0]:
                     r = (size, k)
             best[i] = min(best[i], (r[0], M_RICE, r[1]))
-    return [b + (v, nbytes_for(m)) for b, v, m in zip(best, vs, vmax)]
+    return [b + (v, nb) for b, v, nb in zip(best, vs, nbs)]
 
 
 class _Sizer:
@@ -585,24 +588,11 @@ class _Sizer:
         return len(self.arrays) - 1
 
     def col(self, v) -> int:
-        v = np.asarray(v).astype(np.int64, copy=False).ravel()
-        if v.size == 0:
-            self.cols.append(((2, C_CONST, v, None),))
-            return len(self.cols) - 1
-        d = v[1:] - v[:-1]
-        starts = np.flatnonzero(d)
-        if not starts.size:
-            self.cols.append(((2, C_CONST, v, None),))
-        elif starts.size < FEW_RUNS:            # a few runs: (value, length - 1) pairs as varints
-            starts = np.concatenate(([0], starts + 1))
-            self.cols.append(((2 + 3 * starts.size, C_FEW, v, starts),))
+        v, d, starts, plan = _col_prep(v)
+        if plan is not None:
+            self.cols.append((plan,))
         else:
-            starts = np.concatenate(([0], starts + 1))
-            plain, delta = self.ints(zigzag(v)), self.ints(zigzag(d))
-            runs = None
-            if starts.size < v.size // 2:
-                runs = (self.ints(zigzag(v[starts])), self.ints(np.diff(np.append(starts, v.size)) - 1))
-            self.cols.append((None, v, starts, plain, delta, runs))
+            self.cols.append((None, v, starts, [self.ints(x) for x in _col_streams(v, d, starts)]))
         return len(self.cols) - 1
 
     def run(self) -> "_Sizer":
@@ -616,13 +606,7 @@ class _Sizer:
         c = self.cols[h]
         if c[0] is not None:
             return c[0]
-        _, v, starts, plain, delta = c[:5]
-        plain, delta = self.plans[plain], self.plans[delta]
-        cands = [(_plan_size(plain), C_PLAIN, v, plain), (_plan_size(delta) + 9, C_DELTA, v, delta)]
-        if c[5] is not None:
-            vals, lens = self.plans[c[5][0]], self.plans[c[5][1]]
-            cands.append((_plan_size(vals) + _plan_size(lens) + 3, C_RUNS, v, (starts, vals, lens)))
-        return min(cands, key=lambda x: x[0])
+        return _col_choice(c[1], c[2], [self.plans[x] for x in c[3]])
 
 
 def encode_ints(v: np.ndarray, level: int = ZSTD_LEVEL, plan=None) -> bytes:
@@ -685,21 +669,48 @@ def get_zz(buf, pos: int) -> Tuple[int, int]:
     return (v >> 1) ^ -(v & 1), pos
 
 
+def _col_prep(v) -> Tuple[np.ndarray, np.ndarray, np.ndarray, Optional[tuple]]:
+    """``(values, deltas, run starts, plan)`` of a column: ``plan`` is final for a constant column and one of a
+    few runs (nothing to size), else None (:func:`_col_choice` picks among the sized codings)."""
+    v = np.asarray(v).astype(np.int64, copy=False).ravel()
+    if v.size == 0:
+        return v, v, v, (2, C_CONST, v, None)
+    d = v[1:] - v[:-1]
+    starts = np.flatnonzero(d)
+    if not starts.size:
+        return v, d, starts, (2, C_CONST, v, None)
+    starts = np.concatenate(([0], starts + 1))
+    if starts.size <= FEW_RUNS:            # a few runs: (value, length - 1) pairs as varints
+        return v, d, starts, (2 + 3 * starts.size, C_FEW, v, starts)
+    return v, d, starts, None
+
+
+def _col_streams(v: np.ndarray, d: np.ndarray, starts: np.ndarray) -> List[np.ndarray]:
+    """The integer streams a column's codings are sized by: plain, delta, and (when runs are long enough to pay)
+    run values and run lengths."""
+    out = [zigzag(v), zigzag(d)]
+    if starts.size < v.size // 2:
+        out += [zigzag(v[starts]), np.diff(np.append(starts, v.size)) - 1]
+    return out
+
+
+def _col_choice(v: np.ndarray, starts: np.ndarray, plans: List[tuple]) -> Tuple[int, int, np.ndarray, Any]:
+    """The smallest column coding, from the plans of :func:`_col_streams`'s streams."""
+    plain, delta = plans[0], plans[1]
+    cands = [(_plan_size(plain), C_PLAIN, v, plain), (_plan_size(delta) + 9, C_DELTA, v, delta)]
+    if len(plans) > 2:
+        vals, lens = plans[2], plans[3]
+        cands.append((_plan_size(vals) + _plan_size(lens) + 3, C_RUNS, v, (starts, vals, lens)))
+    return min(cands, key=lambda c: c[0])
+
+
 def _col_plan(v) -> Tuple[int, int, np.ndarray, Any]:
     """``(about the bytes, method, values, extra)`` of the smallest column coding of ``v``, nothing built;
     ``extra`` carries what :func:`encode_col` needs (run starts, the integer streams' plans)."""
-    v = np.asarray(v).astype(np.int64, copy=False).ravel()
-    if v.size == 0 or not (v != v[0]).any():
-        return 2, C_CONST, v, None
-    starts = np.concatenate(([0], np.flatnonzero(v[1:] != v[:-1]) + 1))
-    if starts.size <= FEW_RUNS:            # a few runs: (value, length - 1) pairs as varints
-        return 2 + 3 * starts.size, C_FEW, v, starts
-    plain, delta = _ints_plan(zigzag(v)), _ints_plan(zigzag(v[1:] - v[:-1]))
-    cands = [(_plan_size(plain), C_PLAIN, v, plain), (_plan_size(delta) + 9, C_DELTA, v, delta)]
-    if starts.size < v.size // 2:
-        vals, lens = _ints_plan(zigzag(v[starts])), _ints_plan(np.diff(np.append(starts, v.size)) - 1)
-        cands.append((_plan_size(vals) + _plan_size(lens) + 3, C_RUNS, v, (starts, vals, lens)))
-    return min(cands, key=lambda c: c[0])
+    v, d, starts, plan = _col_prep(v)
+    if plan is not None:
+        return plan
+    return _col_choice(v, starts, [_ints_plan(x) for x in _col_streams(v, d, starts)])
 
 
 def encode_col(v, level: int = ZSTD_LEVEL, plan=None) -> bytes:

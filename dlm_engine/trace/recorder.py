@@ -140,6 +140,13 @@ class _Steps:
         return [r.get(name) for r in self.rows]
 
 
+def _scalar_dtype(kinds) -> Optional[type]:
+    """The dtype a step table stores a scalar of these numpy kinds in (None: not numeric, kept as JSON)."""
+    if not kinds or not kinds <= {"b", "i", "u", "f"}:
+        return None
+    return np.bool_ if kinds == {"b"} else (np.float64 if "f" in kinds else np.int64)
+
+
 def _stacked_scalar(chunks: List[_Steps], name: str) -> Optional[np.ndarray]:
     """A per-step scalar every step of ``chunks`` has, as one array, where that takes no per-step work: stacked
     tensors, or plain Python ints / floats / bools (what the per-step path would make of them, the same dtype
@@ -152,10 +159,9 @@ def _stacked_scalar(chunks: List[_Steps], name: str) -> Optional[np.ndarray]:
     if all(isinstance(p, np.ndarray) for p in parts):
         if len({p.shape[1:] for p in parts}) != 1:
             return None
-        kinds = {p.dtype.kind for p in parts}
-        if not kinds <= {"b", "i", "u", "f"}:
+        dt = _scalar_dtype({p.dtype.kind for p in parts})
+        if dt is None:
             return None
-        dt = np.bool_ if kinds == {"b"} else (np.float64 if "f" in kinds else np.int64)
         return (np.concatenate(parts) if len(parts) > 1 else parts[0]).astype(dt)
     if not all(isinstance(p, list) for p in parts):
         return None
@@ -589,16 +595,16 @@ class TraceRecorder:
             return None
         n = st.n_pending if limit is None else min(limit, st.n_pending)
         chunks: List[_Steps] = []
-        got = 0
-        while got < n:
+        taken = 0
+        while taken < n:
             c = st.pending[0]
-            if got + c.n <= n:
+            if taken + c.n <= n:
                 chunks.append(st.pending.pop(0))
-                got += c.n
+                taken += c.n
             else:
-                chunks.append(c.part(0, n - got))
-                st.pending[0] = c.part(n - got, c.n)
-                got = n
+                chunks.append(c.part(0, n - taken))
+                st.pending[0] = c.part(n - taken, c.n)
+                taken = n
         st.n_pending -= n
 
         def joined(attr: str) -> List[Any]:
@@ -631,13 +637,12 @@ class TraceRecorder:
                 continue
             vals = [v for c in chunks for v in c.values(k)]
             present = np.array([v is not None for v in vals])
-            got_ = [np.asarray(v) for v in vals if v is not None]
-            shapes = {g.shape for g in got_}
-            kinds = {g.dtype.kind for g in got_}
-            if len(shapes) == 1 and kinds <= {"b", "i", "u", "f"}:
-                dt = np.bool_ if kinds == {"b"} else (np.float64 if "f" in kinds else np.int64)
+            got = [np.asarray(v) for v in vals if v is not None]
+            shapes = {g.shape for g in got}
+            dt = _scalar_dtype({g.dtype.kind for g in got})
+            if len(shapes) == 1 and dt is not None:
                 arr = np.zeros((n,) + next(iter(shapes)), dtype=dt)
-                arr[present] = np.stack(got_).astype(dt)
+                arr[present] = np.stack(got).astype(dt)
                 arrays["s:" + k] = arr
                 if not present.all():
                     arrays["p:" + k] = present

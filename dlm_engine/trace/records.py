@@ -218,10 +218,10 @@ def encode_table(meta: Dict[str, Any], arrays: Dict[str, np.ndarray], wall_base:
     steps = arrays["step"].astype(np.int64)
     consecutive = n > 0 and bool((steps == steps[0] + np.arange(n)).all())
     sizer = fmt._Sizer()          # every column of the table sized together, then built in order
-    parts: List[Any] = []
+    parts: List[Any] = []          # bytes as they are, and (int) the handles of columns to build
 
     def col(v) -> None:
-        parts.append((sizer.col(v),))
+        parts.append(sizer.col(v))
 
     if not consecutive:
         col(steps)
@@ -265,7 +265,7 @@ def encode_table(meta: Dict[str, Any], arrays: Dict[str, np.ndarray], wall_base:
     sizer.run()
     body = bytearray()
     for x in parts:
-        body += fmt.encode_col(None, level, sizer.col_plan(x[0])) if isinstance(x, tuple) else x
+        body += fmt.encode_col(None, level, sizer.col_plan(x)) if isinstance(x, int) else x
     events = meta.get("events") or []
     put_varint(body, len(events))
     prev = 0
