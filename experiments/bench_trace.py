@@ -461,12 +461,15 @@ def bench_writer(gen_length: int, reps: int = 25, configs=(("batch 1, 8 prompts"
                                                          ("wino, batch 2, 8 prompts", ["batch_size=2", "strategy=wino"]))):
     """The writer's own work, replayed on this thread: what the sinks hand over during a real decode is captured,
     then given ``reps`` times to a recorder without its thread (``TraceRecorder(threaded=False)``), whose
-    ``writer_cpu`` sums the work. Warm caches and no other thread: the steady figure to compare writer changes
-    by (the writer thread of a real run, on caches the model's forwards emptied and beside torch's threads, reads
-    about twice as much: the overhead section's 'writer thread' figure). Also prints where it goes."""
+    ``writer_cpu`` sums the work. Warm caches and no other thread: a steadier figure to compare writer changes
+    by than the writer thread's clock in a real run, which reads about twice as much (caches the model's forwards
+    emptied, torch's threads beside it: the overhead section's 'writer thread' figure). Also prints where it
+    goes, from one more replay with the writer's stages timed."""
+    import shutil
+
     from dlm_engine.app.api import run_prompts
     from dlm_engine.trace import recorder as R
-    from dlm_engine.trace.runtime import open_run_recorder
+    from dlm_engine.trace.runtime import build_header
 
     print(f"\n== the writer's work, replayed on one thread (median of {reps}; embedded model, gen {gen_length}) ==")
     print(f"{'run':<32} {'batches':>7} {'steps':>6} {'ms/batch':>9} {'us/step':>8}   where (ms/batch): begin, held runs, "
@@ -483,9 +486,9 @@ def bench_writer(gen_length: int, reps: int = 25, configs=(("batch 1, 8 prompts"
                 super()._put(item, urgent)
 
         tmp = tempfile.mkdtemp(prefix="bench-trace-")
-        rec = open_run_recorder(cfg, tmp, lm, ids)
-        cap = Capture(rec.path + ".cap", rec.header, capture=rec.capture, topk=rec.topk)
-        rec.close()
+        header = build_header(cfg, lm, rows_expected=len(ids), prompt_length=max(len(p) for p in ids))
+        kw = {"capture": cfg.trace.capture, "topk": cfg.trace.topk}
+        cap = Capture(os.path.join(tmp, "capture.dlmt"), header, **kw)
         run_prompts(lm, ids, ms, mc, cfg.gen_length, cfg.batch_size, sinks_for_batch=lambda b, r: [cap.sink(b, r)],
                     warmup=False)
         cap.close()
@@ -504,7 +507,7 @@ def bench_writer(gen_length: int, reps: int = 25, configs=(("batch 1, 8 prompts"
                     spent[key] += time.thread_time() - c
             return wrapper
 
-        totals = []
+        totals, timed_total = [], 0.0
         for r in range(reps + 1):
             timing = r == reps             # a last, instrumented replay for the split
             if timing:
@@ -512,8 +515,7 @@ def bench_writer(gen_length: int, reps: int = 25, configs=(("batch 1, 8 prompts"
                     setattr(R.TraceRecorder, m, timed(k, originals[k]))
                 fmt.encode_seqs = timed("seqs", encode_seqs)
             try:
-                w = R.TraceRecorder(os.path.join(tmp, f"w{r}.dlmt"), rec.header, capture=rec.capture, topk=rec.topk,
-                                    threaded=False)
+                w = R.TraceRecorder(os.path.join(tmp, f"w{r}.dlmt"), header, threaded=False, **kw)
                 for it in items:
                     w._put(it)
                 w.close()
@@ -521,10 +523,13 @@ def bench_writer(gen_length: int, reps: int = 25, configs=(("batch 1, 8 prompts"
                 for k, m in parts.items():
                     setattr(R.TraceRecorder, m, originals[k])
                 fmt.encode_seqs = encode_seqs
-            if not timing:
+            if timing:
+                timed_total = w.writer_cpu
+            else:
                 totals.append(w.writer_cpu)
+        shutil.rmtree(tmp, ignore_errors=True)
         med = statistics.median(totals)
-        other = med - sum(spent.values())
+        other = timed_total - sum(spent.values())           # (of the timed replay: the rest of its batch ends)
         print(f"{label:<32} {batches:>7} {steps:>6} {med / batches * 1e3:>9.3f} {med / steps * 1e6:>8.1f}   "
               + ", ".join(f"{spent[k] / batches * 1e3:.3f}" for k in ("begin", "held runs", "tables", "seqs"))
               + f", {max(other, 0.0) / batches * 1e3:.3f}, {spent['end'] / batches * 1e3:.3f}")

@@ -195,8 +195,9 @@ _OWN_TREES = tuple(os.path.join(_ROOT, d) + os.sep for d in ("dlm_engine", "stra
 
 class OpProfile(TorchDispatchMode):
     """Every tensor operation outside ``timer``'s model forward, made on the thread that entered the profile (a
-    dispatch mode is thread-local): ``(op, line) -> [count, CPU seconds]``, where ``line`` is the innermost line of the framework's own code
-    (``dlm_engine``, ``strategies/``, ``cache/``) that led to it -- ``dlm_engine/core/sampler.py:117 softmax_in``.
+    dispatch mode is thread-local): ``(op, line) -> [count, CPU seconds]``, where ``line`` is the innermost line
+    of the framework's own code (``dlm_engine``, ``strategies/``, ``cache/``) that led to it --
+    ``dlm_engine/core/sampler.py:117 softmax_in``.
     The CPU time is the thread's clock around the op (the profile's own dispatch adds ~1 us to each), so read the
     figures relative to each other; :class:`SyncCounter`'s ``ops`` is the same count."""
 
