@@ -240,3 +240,50 @@ def test_density_floor_bounds_every_density_and_says_when_one_can_be_zero(L, sig
     if density_floor(L, sigma) == 0.0 or min(lows) == 0.0:
         assert not dens.positive
     assert dens.positive == (density_floor(L, sigma) > 1e-30)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_topk_commit_shortcuts_give_the_same_commits(seed):
+    """``candidates_only`` (every row has >= k candidates, none at -inf) leaves out the ``& cand`` and ``masked=False``
+    (scores already -inf off the candidates) the masking: the same commits, with and without a reference row."""
+    from dlm_engine.core.selection import topk_commit
+
+    g = torch.Generator().manual_seed(seed)
+    B, W = 3, 12
+    cand = torch.rand(B, W, generator=g) < 0.6
+    cand[:, 0] = True
+    conf = torch.rand(B, W, generator=g).round(decimals=1)          # exact ties
+    left = cand.sum(-1).tolist()
+    k = [max(1, n // 2) for n in left]
+    placed = conf.masked_fill(~cand, float("-inf"))
+    for span in (None, (2, W + 5)):
+        want = topk_commit(conf, cand, k, span)
+        assert torch.equal(topk_commit(conf, cand, k, span, candidates_only=True), want)
+        assert torch.equal(topk_commit(placed, cand, k, span, candidates_only=True, masked=False), want)
+        assert torch.equal(want.sum(-1), torch.tensor(k))
+
+
+def test_masked_order_is_the_row_major_order_of_the_mask():
+    from dlm_engine.core.selection import masked_order
+
+    g = torch.Generator().manual_seed(0)
+    for shape in ((1, 32), (3, 7), (2, 0)):
+        mask = torch.rand(shape, generator=g) < 0.4
+        assert torch.equal(masked_order(mask, int(mask.sum())), mask.reshape(-1).nonzero().view(-1))
+
+
+def test_a_delta_that_finishes_no_row_leaves_finished_alone():
+    from dlm_engine.core.canvas import Canvas, FrameDelta
+
+    a = Canvas.from_prompts([[5, 6], [7]], 4, 99, 0)
+    b = Canvas.from_prompts([[8, 9], [7]], 4, 99, 0)
+    assert a.no_rows() is b.no_rows() and not a.no_rows().any()
+    before = a.finished
+    commit = torch.zeros(2, 4, dtype=torch.bool)
+    commit[:, 0] = True
+    a.apply(FrameDelta(step=1, nfe=1, start=a.gen_start, commit=commit, tokens=torch.full((2, 4), 3),
+                       active=a.every_row(), finished=a.no_rows()))
+    assert a.finished is before and not a.finished.any() and a.tokens[0, a.gen_start] == 3
+    a.apply(FrameDelta(step=2, nfe=1, start=a.gen_start, commit=commit, tokens=torch.full((2, 4), 3),
+                       active=a.every_row(), finished=torch.tensor([False, True])))
+    assert a.finished.tolist() == [False, True] and not a.no_rows().any()

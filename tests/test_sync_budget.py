@@ -376,3 +376,31 @@ def test_decode_refuses_a_batch_larger_than_the_strategys_max_batch(tiny_llada):
     one = Canvas.from_prompts(PROMPTS[1], GEN, int(tiny_llada.config.mask_token_id), 0)
     decode(tiny_llada, one, cls(cls.Config(initial_block_length=8, min_block=4, max_block=8), GEN))
     assert not one.masked()[:, one.gen_start:].any()
+
+
+@pytest.mark.parametrize("kw", [dict(steps=16, block_length=8), dict(steps=8, loop="fastdllm"),
+                                dict(steps=8, remasking="random", temperature=0.5)])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_low_confidence_reads_back_nothing_after_its_first_step(tiny_llada, kw, batch):
+    """LLaDA's fixed schedule commits min(k, masked left) positions per row, known on the host
+    (``FrameDelta.finished_host``): after the first step's health check the loop has nothing to read, and the
+    decode ends exactly where one that reads every step ends."""
+    counter, steps, _ = counted(tiny_llada, "low_confidence", kw, "none", batch)
+    assert steps > 2 and counter.total == 1, counter.counts     # the first forward's finite check only
+    cls = strategy_class("low_confidence")
+    cfg = cls.Config(**kw)
+
+    class Reads(cls):          # the device's own finished rows, read every step, as before
+        def select(self, canvas, plan, proposal, st):
+            delta, st = super().select(canvas, plan, proposal, st)
+            delta.finished_host = None
+            return delta, st
+
+    tokens = []
+    for strategy in (cls(cfg, GEN), Reads(cfg, GEN)):
+        canvas = Canvas.from_prompts(PROMPTS[batch], GEN, int(tiny_llada.config.mask_token_id), 0)
+        torch.manual_seed(0)
+        decode(tiny_llada, canvas, strategy)
+        assert torch.equal(canvas.finished, torch.tensor(canvas.finished_host))
+        tokens.append((canvas.tokens.clone(), canvas.step, canvas.nfe))
+    assert torch.equal(tokens[0][0], tokens[1][0]) and tokens[0][1:] == tokens[1][1:]

@@ -60,6 +60,12 @@ def _all_rows(batch: int, device: torch.device) -> torch.Tensor:
     return torch.ones(batch, dtype=torch.bool, device=device)
 
 
+@functools.lru_cache(maxsize=64)
+def _no_rows(batch: int, device: torch.device) -> torch.Tensor:
+    """``[batch]`` bool, all False: shared and read-only as :func:`_all_rows`."""
+    return torch.zeros(batch, dtype=torch.bool, device=device)
+
+
 @dataclass
 class FrameDelta:
     """What one step changed. Tensors cover canvas columns ``[start, start + W)``.
@@ -85,6 +91,9 @@ class FrameDelta:
     # [B, W, V] the proposal's logits; set by the loop only when a sink has ``wants_logits = True``.
     # Sinks may keep references to a delta's tensors: nothing mutates them after the delta is emitted.
     logits: Optional[torch.Tensor] = None
+    # ``finished`` on the host, where the strategy knows it exactly (e.g. from commit counts it knows): the step
+    # loop then has nothing to read back for it (None: the loop reads ``canvas.finished``)
+    finished_host: Optional[Tuple[bool, ...]] = None
 
     @property
     def width(self) -> int:
@@ -117,6 +126,7 @@ class Canvas:
         self._row_nfe = torch.zeros(tokens.shape[0], dtype=torch.long, device=tokens.device)
         self._nfe_every_row = 0
         self._every_row: Optional[torch.Tensor] = None
+        self._no_rows: Optional[torch.Tensor] = None
         self._views: Dict[tuple, tuple] = {}      # see cols
         # ``finished`` as the step loop last read it on the host (set by the loop once per step). Fast paths rely
         # on it (Strategy.delta(masked_left=...), d2c's frame): code that changes ``finished`` outside the loop
@@ -210,6 +220,13 @@ class Canvas:
             self._every_row = _all_rows(self.batch_size, self.device)
         return self._every_row
 
+    def no_rows(self) -> torch.Tensor:
+        """``[B]`` bool, all False (never write to it: shared like :meth:`every_row`): the ``finished`` of a delta
+        that finishes no row, known on the host; :meth:`apply` then leaves ``finished`` alone (no operation)."""
+        if self._no_rows is None:
+            self._no_rows = _no_rows(self.batch_size, self.device)
+        return self._no_rows
+
     def cols(self, start: int, end: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(tokens[:, start:end], step_of[:, start:end])``, views made once per column range (a slice is a
         dispatched operation; the loop and the strategies take the same window's views several times a step).
@@ -238,7 +255,8 @@ class Canvas:
         new = delta.tokens if delta.tokens.dtype == tok.dtype else delta.tokens.to(tok.dtype)
         torch.where(delta.commit, new, tok, out=tok)     # in place, one kernel
         so.masked_fill_(delta.commit, delta.step)
-        self.finished |= delta.finished
+        if delta.finished is not self._no_rows:
+            self.finished |= delta.finished
         self.step = delta.step
         self.nfe += delta.nfe
         if delta.nfe:

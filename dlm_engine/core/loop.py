@@ -106,9 +106,13 @@ def sample(logits: torch.Tensor, plan: StepPlan, call: ForwardCall, rows: Option
         if (B * W - count) * V >= sampler.SCORED_MIN_SAVING:   # else gathering them costs more than it saves
             mask, held = canvas.masked_cols(start, start + W), canvas.cols(start, start + W)[0]
             scored = (mask, count, held) if rows is None else (mask[rows], count, held[rows])
-    return propose(logits, start, temperature=plan.temperature, confidence=plan.confidence,
-                   softmax_dtype=plan.softmax_dtype, call_len=call_len, call_start=call_start, top_v=plan.top_v,
-                   discard_draws=call.discard_draws, valid=call.valid, scored=scored)
+    proposal = propose(logits, start, temperature=plan.temperature, confidence=plan.confidence,
+                       softmax_dtype=plan.softmax_dtype, call_len=call_len, call_start=call_start, top_v=plan.top_v,
+                       discard_draws=call.discard_draws, valid=call.valid, scored=scored)
+    if scored is not None:
+        proposal.masked = mask          # (full batch: before the rows were taken)
+        proposal.masked_confidence = plan.confidence != "random"      # (propose draws random ones everywhere)
+    return proposal
 
 
 def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterable[Sink] = (),
@@ -205,11 +209,18 @@ class HostView:
 def sync_round(canvas: Canvas, strategy: Strategy, state, delta: Optional[FrameDelta],
                finite: Optional[torch.Tensor] = None):
     """The one host read of a step: finished rows, the first forward's health (``finite``, see
-    :func:`all_finite`) and the strategy's request; returns ``(HostView, state after Strategy.synced)``."""
+    :func:`all_finite`) and the strategy's request; returns ``(HostView, state after Strategy.synced)``. A step
+    whose delta says on the host which rows it finished (``FrameDelta.finished_host``), with nothing else to read,
+    reads nothing."""
+    req = strategy.sync_request(canvas, state)
+    known = None if delta is None else delta.finished_host
+    if known is not None and finite is None and req is None:    # nothing to read: the host knows it all
+        fin = tuple(a or b for a, b in zip(canvas.finished_host, known))
+        canvas.finished_host = fin
+        return HostView(list(fin), [], False), strategy.synced(canvas, state, [], delta)
     parts = [canvas.finished]
     if finite is not None:
         parts.append(finite)
-    req = strategy.sync_request(canvas, state)
     if req is not None:   # a tensor or a sequence of them, read in order (one cat for the loop's and the strategy's)
         for t in (req if isinstance(req, (tuple, list)) else (req,)):
             parts.append(t if t.dim() == 1 else t.reshape(-1))

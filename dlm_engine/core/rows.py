@@ -109,7 +109,7 @@ def expand_proposal(p: Proposal, rows: torch.Tensor, canvas: Canvas) -> Proposal
     logits = full_batch(p.logits, rows, B, 0)
     valid = None if p.valid is None else full_batch(p.valid, rows, B, False)
     return Proposal(start=s, x0=x0, confidence=conf, logits=logits, call_len=p.call_len, call_start=p.call_start,
-                    valid=valid)
+                    valid=valid, masked=p.masked, masked_confidence=p.masked_confidence)
 
 
 def idle_proposal(canvas: Canvas, window: Tuple[int, int], vocab: Tuple[int, torch.dtype]) -> Proposal:

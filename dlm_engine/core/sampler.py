@@ -41,6 +41,11 @@ class Proposal:
     # set by the loop: something downstream (a cache's ``after_step``, ``Cache.reads_confidence``) reads the
     # step's confidence at every window position, so none may be left out (StepPlan.masked is then ignored)
     all_confidences: bool = False
+    # [B, W] bool: the window's masked positions, when the loop compared them for the sampler (``StepPlan.masked``):
+    # a fresh tensor that :func:`dlm_engine.core.strategy.candidates` takes over instead of comparing again
+    masked: Optional[torch.Tensor] = None
+    # the confidences were computed at the window's masked positions only: every other position holds -inf
+    masked_confidence: bool = False
 
     @property
     def row_span(self):
@@ -217,7 +222,10 @@ def scored_proposal(logits: torch.Tensor, x0: Optional[torch.Tensor], kind: str,
         x0 = tokens.reshape(-1).to(torch.long, copy=True).index_copy_(0, order, picked).view(B, W)
     else:
         picked = x0.reshape(-1)[order]
-    conf = confidence_of(rows[None], picked[None], kind, dtype, top_v=top_v, x0_is_argmax=argmax)[0]
+    if kind == "prob" and argmax and top_v is None:     # (confidence_of's branch, without its three view ops)
+        conf = softmax_in(rows, dtype).amax(-1)
+    else:
+        conf = confidence_of(rows[None], picked[None], kind, dtype, top_v=top_v, x0_is_argmax=argmax)[0]
     return x0, placed(conf, order, (B, W), float("-inf"))
 
 

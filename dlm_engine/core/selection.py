@@ -45,26 +45,34 @@ def masked_conf(conf: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
     return torch.where(cand, conf, NEG_INF)        # one kernel (masked_fill(~cand) is two)
 
 
-def ranked_row(conf: torch.Tensor, cand: torch.Tensor, span: Optional[Tuple]) -> Tuple[torch.Tensor, int]:
+def ranked_row(conf: torch.Tensor, cand: torch.Tensor, span: Optional[Tuple],
+               masked: bool = True) -> Tuple[torch.Tensor, int]:
     """``(row, offset)``: the candidates' scores (``-inf`` elsewhere) placed at ``offset`` of a ``-inf`` row of
     ``width`` (``span = (offset, width[, lead])``): the row a reference ranks in, so that exactly tied scores
     break the way its ``torch.topk`` breaks them (``topk`` on equal values depends on the row's length and on
     ``k``). ``lead`` (per row, on the host): the row's first columns that are left padding of a batch; each row
-    is ranked without them, as in a batch of one (see :func:`row_lead`)."""
+    is ranked without them, as in a batch of one (see :func:`row_lead`). ``masked=False``: ``conf`` is already
+    ``-inf`` at every non-candidate (no operation to make it so)."""
+    scores = masked_conf(conf, cand) if masked else conf
     if span is None or (span[0] == 0 and span[1] == conf.shape[1]):
-        return masked_conf(conf, cand), 0
+        return scores, 0
     off, width = span[0], span[1]
     # the window's scores, -inf padded to the row (two kernels; a -inf row written into in place is three)
-    return torch.nn.functional.pad(masked_conf(conf, cand), (off, width - off - conf.shape[1]), value=NEG_INF), off
+    return torch.nn.functional.pad(scores, (off, width - off - conf.shape[1]), value=NEG_INF), off
 
 
-def topk_commit(conf: torch.Tensor, cand: torch.Tensor, k, span: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+def topk_commit(conf: torch.Tensor, cand: torch.Tensor, k, span: Optional[Tuple[int, int]] = None,
+                candidates_only: bool = False, masked: bool = True) -> torch.Tensor:
     """Commit the ``k[b]`` most confident candidates of each row (never a non-candidate). With ``k`` a host
     sequence of ints they are chosen as ``torch.topk(row, k[b])`` chooses them in the reference's row (``span``,
     see :func:`ranked_row`); with a device tensor (a data-dependent count) by a stable sort, without a host read
-    (exact ties then break towards the lower position)."""
-    row, off = ranked_row(conf, cand, span)
-    return topk_rows(row, k, lead=row_lead(span), cols=(off, off + conf.shape[1])) & cand
+    (exact ties then break towards the lower position). ``candidates_only``: the caller knows that every row has at
+    least ``k[b]`` candidates and that none of them scores ``-inf``; the picks are then candidates (everything else
+    in the row is ``-inf``) and the intersection with ``cand`` is left out (one operation). ``masked=False``:
+    ``conf`` is already ``-inf`` at every non-candidate (see :func:`ranked_row`)."""
+    row, off = ranked_row(conf, cand, span, masked)
+    picks = topk_rows(row, k, lead=row_lead(span), cols=(off, off + conf.shape[1]))
+    return picks if candidates_only else picks & cand
 
 
 def row_lead(span: Optional[Tuple]) -> Optional[Sequence[int]]:
@@ -367,8 +375,9 @@ def _ints(values, device) -> torch.Tensor:
 
 def masked_order(mask: torch.Tensor, count: int) -> torch.Tensor:
     """Flat indices of ``mask``'s true entries in row-major order (``mask.nonzero()`` as ``x[mask]`` visits
-    them), given their number ``count`` on the host: a stable sort instead of a host read."""
-    return torch.argsort((~mask).reshape(-1).to(torch.uint8), stable=True)[:count]
+    them), given their number ``count`` on the host: ``nonzero_static`` of that size needs no host read (on CUDA
+    too), and it is three operations where a stable sort of the inverted mask is five."""
+    return torch.nonzero_static(mask.reshape(-1), size=count).view(-1)
 
 
 def _fewer(picked: torch.Tensor, num) -> torch.Tensor:

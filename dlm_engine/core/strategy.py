@@ -180,7 +180,8 @@ class Strategy:
               scalars: Optional[dict] = None, finished: Optional[torch.Tensor] = None,
               tokens: Optional[torch.Tensor] = None, remask: Optional[torch.Tensor] = None,
               confidence: Optional[torch.Tensor] = None, masked_left: Optional[Sequence[int]] = None,
-              committed: Optional[torch.Tensor] = None) -> FrameDelta:
+              committed: Optional[torch.Tensor] = None,
+              committed_host: Optional[Sequence[int]] = None) -> FrameDelta:
         """A delta over the proposal's window committing ``commit`` (and re-masking ``remask``, applied
         first) with the proposal's tokens and confidences. Unless given, ``active`` is the rows of the call and
         ``finished`` marks the rows that have no masked generated position left once the delta is applied.
@@ -189,11 +190,18 @@ class Strategy:
         read), for a ``commit`` that only covers masked positions and no ``remask``: a row then finishes when it
         commits as many as it had left (``committed``: ``commit.sum(-1)`` if the caller has it), three
         operations instead of eight. Rows finished before are told by ``canvas.finished_host``, which the step
-        loop keeps current (a caller outside :func:`dlm_engine.core.loop.decode` must set it)."""
+        loop keeps current (a caller outside :func:`dlm_engine.core.loop.decode` must set it). ``committed_host``:
+        those counts known exactly on the host (with ``masked_left``): the finished rows are then decided on the
+        host too (``FrameDelta.finished_host``), with no operation when none finishes (:meth:`Canvas.no_rows`).
+        A caller that changes ``finished`` afterwards (an EOS stop) must clear ``finished_host``."""
         s = proposal.start
         if active is None:
             active = proposal.active if proposal.active is not None else ~canvas.finished
-        if finished is None and masked_left is not None and remask is None:
+        fin = None
+        if finished is None and masked_left is not None and remask is None and committed_host is not None:
+            fin = tuple(not f and n == m for n, m, f in zip(committed_host, masked_left, canvas.finished_host))
+            finished = host_tensor(fin, torch.bool, canvas.device) if any(fin) else canvas.no_rows()
+        elif finished is None and masked_left is not None and remask is None:
             n = commit.sum(-1) if committed is None else committed
             left = [-1 if f else m for m, f in zip(masked_left, canvas.finished_host)]   # finished rows: never again
             same = all(v == left[0] for v in left)          # (a batch of one): a scalar, no host-made tensor
@@ -205,7 +213,7 @@ class Strategy:
             step=canvas.step + 1, nfe=nfe, start=s, commit=commit,
             tokens=proposal.x0 if tokens is None else tokens,
             active=active, finished=finished, confidence=conf, remask=remask,
-            block_events=list(events or []), scalars=dict(scalars or {}),
+            block_events=list(events or []), scalars=dict(scalars or {}), finished_host=fin,
         )
 
 
@@ -249,7 +257,11 @@ def candidates(canvas: Canvas, proposal: Proposal, end: int) -> torch.Tensor:
     logits the call computed (a cache may leave some columns out: ``Proposal.valid``)."""
     s = proposal.start
     W = proposal.x0.shape[1]
-    cand = canvas.masked_cols(s, s + W)              # canvas.masked() of the window, a fresh tensor
+    cand = proposal.masked                           # the loop's comparison for the sampler, taken over ...
+    if cand is None:
+        cand = canvas.masked_cols(s, s + W)          # ... or canvas.masked() of the window, a fresh tensor
+    else:
+        proposal.masked = None                       # (written to below: not to be taken twice)
     if end < s + W:
         cand[:, max(0, end - s):] = False
     if proposal.valid is not None:
