@@ -222,10 +222,8 @@ def scored_proposal(logits: torch.Tensor, x0: Optional[torch.Tensor], kind: str,
         x0 = tokens.reshape(-1).to(torch.long, copy=True).index_copy_(0, order, picked).view(B, W)
     else:
         picked = x0.reshape(-1)[order]
-    if kind == "prob" and argmax and top_v is None:     # (confidence_of's branch, without its three view ops)
-        conf = softmax_in(rows, dtype).amax(-1)
-    else:
-        conf = confidence_of(rows[None], picked[None], kind, dtype, top_v=top_v, x0_is_argmax=argmax)[0]
+    # (positions as one leading axis: every kind but random, which is never scored, works over the last axis alone)
+    conf = confidence_of(rows, picked, kind, dtype, top_v=top_v, x0_is_argmax=argmax)
     return x0, placed(conf, order, (B, W), float("-inf"))
 
 

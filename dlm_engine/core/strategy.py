@@ -198,14 +198,15 @@ class Strategy:
         if active is None:
             active = proposal.active if proposal.active is not None else ~canvas.finished
         fin = None
-        if finished is None and masked_left is not None and remask is None and committed_host is not None:
-            fin = tuple(not f and n == m for n, m, f in zip(committed_host, masked_left, canvas.finished_host))
-            finished = host_tensor(fin, torch.bool, canvas.device) if any(fin) else canvas.no_rows()
-        elif finished is None and masked_left is not None and remask is None:
-            n = commit.sum(-1) if committed is None else committed
-            left = [-1 if f else m for m, f in zip(masked_left, canvas.finished_host)]   # finished rows: never again
-            same = all(v == left[0] for v in left)          # (a batch of one): a scalar, no host-made tensor
-            finished = n == (left[0] if same else host_tensor(left, n.dtype, n.device))
+        if finished is None and masked_left is not None and remask is None:
+            if committed_host is not None:
+                fin = tuple(not f and n == m for n, m, f in zip(committed_host, masked_left, canvas.finished_host))
+                finished = host_tensor(fin, torch.bool, canvas.device) if any(fin) else canvas.no_rows()
+            else:
+                n = commit.sum(-1) if committed is None else committed
+                left = [-1 if f else m for m, f in zip(masked_left, canvas.finished_host)]   # finished: never again
+                same = all(v == left[0] for v in left)      # (a batch of one): a scalar, no host-made tensor
+                finished = n == (left[0] if same else host_tensor(left, n.dtype, n.device))
         elif finished is None:     # ~left & ~finished, as one reduction and two in-place ops
             finished = masked_after(canvas, s, commit, remask).any(dim=-1).logical_or_(canvas.finished).logical_not_()
         conf = proposal.confidence if confidence is None else confidence   # (float64 or float32: sinks cast)
