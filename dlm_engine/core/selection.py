@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import struct
+import threading
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -53,12 +54,37 @@ def ranked_row(conf: torch.Tensor, cand: torch.Tensor, span: Optional[Tuple],
     ``k``). ``lead`` (per row, on the host): the row's first columns that are left padding of a batch; each row
     is ranked without them, as in a batch of one (see :func:`row_lead`). ``masked=False``: ``conf`` is already
     ``-inf`` at every non-candidate (no operation to make it so)."""
-    scores = masked_conf(conf, cand) if masked else conf
     if span is None or (span[0] == 0 and span[1] == conf.shape[1]):
-        return scores, 0
+        return (masked_conf(conf, cand) if masked else conf), 0
     off, width = span[0], span[1]
-    # the window's scores, -inf padded to the row (two kernels; a -inf row written into in place is three)
-    return torch.nn.functional.pad(scores, (off, width - off - conf.shape[1]), value=NEG_INF), off
+    if not masked:      # the window's scores, -inf padded to the row (one kernel)
+        return torch.nn.functional.pad(conf, (off, width - off - conf.shape[1]), value=NEG_INF), off
+    # the candidates' scores written into the window's columns of a kept -inf row (one kernel, not a where and a
+    # pad): the row is the caller's until its next ranking, which every caller finishes before it returns
+    row, view, neg_inf = _ranking_row(conf.shape[0], width, off, conf.shape[1], conf.dtype, conf.device)
+    torch.where(cand, conf, neg_inf, out=view)
+    return row, off
+
+
+_rows = threading.local()
+
+
+def _ranking_row(B: int, width: int, off: int, W: int, dtype: torch.dtype, device: torch.device):
+    """``(row, row[:, off:off + W], -inf)``: a ``[B, width]`` row that is ``-inf`` outside those columns, one per shape,
+    window, dtype and device (and thread: decodes on several threads do not share one). Only the window's columns
+    are ever written, so the others stay ``-inf``. (``torch.where`` with ``out`` takes tensors only: the third is a
+    0-dim ``-inf`` of the row's dtype.)"""
+    cache = getattr(_rows, "cache", None)
+    if cache is None:
+        cache = _rows.cache = {}
+    key = (B, width, off, W, dtype, device, torch.is_inference_mode_enabled())
+    hit = cache.get(key)
+    if hit is None:
+        if len(cache) >= 64:            # (windows that keep moving: keep it small)
+            cache.clear()
+        row = torch.full((B, width), NEG_INF, dtype=dtype, device=device)
+        hit = cache[key] = (row, row[:, off:off + W], torch.full((), NEG_INF, dtype=dtype, device=device))
+    return hit
 
 
 def topk_commit(conf: torch.Tensor, cand: torch.Tensor, k, span: Optional[Tuple[int, int]] = None,
