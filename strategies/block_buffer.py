@@ -193,11 +193,17 @@ class BlockBuffer(Strategy):
         if pad:
             commit = commit[:, :W]
         win.masked_fill_(commit, False)                 # masked_gen is now the masks after this step
-        finished = masked_gen.any(-1).logical_or_(canvas.finished).logical_not_()
-        delta = eos_stop(c, canvas, self.delta(canvas, proposal, commit, confidence=conf_w, finished=finished))
         if c.stop_at_eos:
+            finished = masked_gen.any(-1).logical_or_(canvas.finished).logical_not_()
+            delta = eos_stop(c, canvas, self.delta(canvas, proposal, commit, confidence=conf_w, finished=finished))
             masked_gen &= ~delta.finished[:, None]      # rows ended at EOS have the rest filled
-        counts = block_counts(canvas, bl, masked_gen)   # = the canvas' once the delta is applied: the sync request
+            counts = block_counts(canvas, bl, masked_gen)
+        else:
+            # = the canvas' once the delta is applied: the sync request, which also tells the finished rows (none
+            # masked left) on the host (rows finished before never again: they have none left either)
+            counts = block_counts(canvas, bl, masked_gen)
+            delta = self.delta(canvas, proposal, commit, confidence=conf_w,
+                               finished_counts=(counts, [-1 if f else 0 for f in canvas.finished_host]))
         events = list(st.events)
         for s0, e0 in (plan.cache.stored if plan.cache is not None else []):   # honoured by the cache
             events.append(BlockEvent("stored", (s0 - g) // bl, s0, e0))

@@ -389,8 +389,8 @@ class D2C(Strategy):
         # number left in every row (on the host: the eligible ones are the masked ones here) that is a count
         committed = commit.sum(-1)
         left = [sum(row) for row in st.counts] if st is not None else []
-        if len(left) == B and all(n == left[0] for n in left):
-            delta.finished = committed == left[0]
+        if len(left) == B and all(n == left[0] for n in left):      # told on the host in the loop's sync
+            delta.finished_counts = (committed, tuple(left))
         else:
             delta.finished = ~(masked > commit).any(-1)          # (masked > commit: masked and not committed)
         return delta, committed, True

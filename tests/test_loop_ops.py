@@ -287,3 +287,99 @@ def test_a_delta_that_finishes_no_row_leaves_finished_alone():
     a.apply(FrameDelta(step=2, nfe=1, start=a.gen_start, commit=commit, tokens=torch.full((2, 4), 3),
                        active=a.every_row(), finished=torch.tensor([False, True])))
     assert a.finished.tolist() == [False, True] and not a.no_rows().any()
+
+
+def test_finished_told_from_the_commit_counts_on_the_host():
+    """A delta whose ``finished`` is left to its commit counts (``FrameDelta.finished_counts``): applied by the loop
+    (``settle=False``) the device ``finished`` is untouched until ``sync_round`` reads the counts -- once, also where
+    the strategy asks for the same tensor -- and tells the rows on the host; applied elsewhere it is compared on the
+    device. Both give the finished rows a reduction over the canvas gives."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dlm_engine.core.canvas import FrameDelta
+    from dlm_engine.core.loop import sync_round
+
+    def make():
+        c = Canvas.from_prompts([[5, 6], [7], [8]], 3, 99, 0)
+        c.finished[2] = True
+        c.finished_host = (False, False, True)
+        return c
+
+    commit = torch.tensor([[True, True, True], [True, False, False], [False, False, False]])
+    n = commit.sum(-1)
+    left = (3, 3, -1)
+
+    def delta(c):
+        return FrameDelta(step=1, nfe=1, start=c.gen_start, commit=commit, tokens=torch.full((3, 3), 4),
+                          active=c.every_row(), finished=None, finished_counts=(n, left))
+
+    seen = {}
+
+    class Asks:
+        def __init__(self, parts):
+            self.parts = parts
+
+        def sync_request(self, canvas, state):
+            return self.parts
+
+        def synced(self, canvas, state, values, d):
+            seen["values"] = values
+            return state
+
+    ops = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    for parts, values in ((None, []), (n, [3, 1, 0]), ([torch.tensor([7]), n], [7, 3, 1, 0])):
+        c, ops[:] = make(), []
+        d = delta(c)
+        with Count():
+            c.apply(d, settle=False)
+            assert c.finished.tolist() == [False, False, True] and d.finished is None
+            host, _ = sync_round(c, Asks(parts), None, d)
+        assert host.finished == [True, False, True] and c.finished_host == (True, False, True)
+        assert c.finished.tolist() == [True, False, True] and d.finished.tolist() == [True, False, False]
+        assert seen["values"] == values and all(type(v) is int for v in values)
+        assert not any(".eq." in op for op in ops)        # told on the host: no comparison on the device
+        assert sum("cat" in op for op in ops) == (1 if isinstance(parts, list) else 0)
+    # nothing finishes: the shared no-rows tensor, and no `finished |=`
+    c = make()
+    d = FrameDelta(step=1, nfe=1, start=c.gen_start, commit=commit, tokens=torch.full((3, 3), 4),
+                   active=c.every_row(), finished=None, finished_counts=(n, (4, 3, -1)))
+    c.apply(d, settle=False)
+    host, _ = sync_round(c, Asks(None), None, d)
+    assert d.finished is c.no_rows() and host.finished == [False, False, True]
+    # applied outside the loop: compared on the device, the same rows
+    c = make()
+    d = delta(c)
+    c.apply(d)
+    assert d.finished.tolist() == [True, False, False] and c.finished.tolist() == [True, False, True]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_the_health_values_read_with_counts_keep_them_exact_integers(dtype):
+    """The first forward's health values (:func:`all_finite`) are read in the step's one ``cat`` with the finished
+    rows and the strategy's counts: half-precision logits give float32 values, so counts above what bfloat16 holds
+    exactly come back exact, and as ints."""
+    from dlm_engine.core.loop import all_finite, sync_round
+
+    canvas = Canvas.from_prompts([[5, 6], [7]], 4, 3, 0)
+    seen = {}
+
+    class Asks:
+        def sync_request(self, canvas, state):
+            return torch.tensor([1025, 300])
+
+        def synced(self, canvas, state, values, d):
+            seen["values"] = values
+            return state
+
+    logits = torch.randn(2, 3, 7).to(dtype)
+    host, _ = sync_round(canvas, Asks(), None, None, all_finite(logits))
+    assert not host.bad and seen["values"] == [1025, 300] and all(type(v) is int for v in seen["values"])
+    logits[1, 2, 0] = float("nan")
+    host, _ = sync_round(canvas, Asks(), None, None, all_finite(logits))
+    assert host.bad and seen["values"] == [1025, 300]

@@ -8,6 +8,8 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from dlm_engine.core.devices import host_constant, host_tensor
+
 Scalar = Union[int, float, bool, torch.Tensor]
 
 
@@ -82,7 +84,7 @@ class FrameDelta:
     commit: torch.Tensor                       # [B, W] bool
     tokens: torch.Tensor                       # [B, W] long, meaningful where commit
     active: torch.Tensor                       # [B] bool: rows that took part in this step
-    finished: torch.Tensor                     # [B] bool: rows finished after this step
+    finished: Optional[torch.Tensor]           # [B] bool: rows finished after this step (None: see finished_counts)
     confidence: Optional[torch.Tensor] = None  # [B, W] float (float32 or float64), confidence of the proposals
     remask: Optional[torch.Tensor] = None      # [B, W] bool
     block_events: List[BlockEvent] = field(default_factory=list)
@@ -94,10 +96,27 @@ class FrameDelta:
     # ``finished`` on the host, where the strategy knows it exactly (e.g. from commit counts it knows): the step
     # loop then has nothing to read back for it (None: the loop reads ``canvas.finished``)
     finished_host: Optional[Tuple[bool, ...]] = None
+    # ``finished`` still to be told from counts, with ``finished`` None: ``(counts, target)``, ``counts`` ``[B]`` or
+    # ``[B, k]`` integers on the device and ``target[b]`` a host number: row b finishes when its counts sum to it (-1:
+    # never, e.g. finished before). E.g. the step's commits per row against the masked positions the row had before
+    # the step, or the masked positions per row and block after it against 0. The step loop reads the counts in its
+    # one sync (once, when the strategy asks for the same tensor) and sets ``finished`` before any sink sees the
+    # delta, so that the step makes no comparison and no ``finished |=`` on the device; elsewhere
+    # :meth:`settle_finished` (which :meth:`Canvas.apply` calls) compares on the device
+    finished_counts: Optional[Tuple[torch.Tensor, Tuple[int, ...]]] = None
 
     @property
     def width(self) -> int:
         return int(self.commit.shape[1])
+
+    def settle_finished(self) -> torch.Tensor:
+        """``finished``, told on the device from ``finished_counts`` where it was left to them."""
+        if self.finished is None:
+            n, left = self.finished_counts
+            n = n if n.dim() == 1 else n.sum(-1)
+            same = all(v == left[0] for v in left)      # (a batch of one): a scalar, no host-made tensor
+            self.finished = n == (left[0] if same else host_tensor(left, n.dtype, n.device))
+        return self.finished
 
 
 class Canvas:
@@ -246,7 +265,24 @@ class Canvas:
         return self.cols(start, self.length if end is None else end)[1] < 0
 
     # -- update ------------------------------------------------------------------------------------
-    def apply(self, delta: FrameDelta) -> None:
+    def finish_rows(self, delta: FrameDelta, counts: Sequence) -> Tuple[bool, ...]:
+        """Tell an applied delta's ``finished`` from its ``finished_counts`` with the counts read on the host
+        (``counts``, row-major), apply it (nothing on the device when no row finishes) and return the rows finished
+        after it (``finished_host`` is the caller's to set)."""
+        target = delta.finished_counts[1]
+        k = len(counts) // len(target)
+        sums = counts if k == 1 else [sum(counts[i:i + k]) for i in range(0, len(counts), k)]
+        fin = tuple(m >= 0 and v == m for v, m in zip(sums, target))
+        if any(fin):
+            delta.finished = host_constant(fin, torch.bool, self.device)
+            self.finished |= delta.finished
+        else:
+            delta.finished = self.no_rows()
+        return tuple(a or b for a, b in zip(self.finished_host, fin))
+
+    def apply(self, delta: FrameDelta, settle: bool = True) -> None:
+        """Apply ``delta``. ``settle=False`` (the step loop): a ``finished`` left to the commit counts
+        (``FrameDelta.finished_counts``) is left for the loop to tell on the host and apply (:meth:`finish_rows`)."""
         s = delta.start
         tok, so = self.cols(s, s + delta.width)
         if delta.remask is not None:
@@ -255,8 +291,11 @@ class Canvas:
         new = delta.tokens if delta.tokens.dtype == tok.dtype else delta.tokens.to(tok.dtype)
         torch.where(delta.commit, new, tok, out=tok)     # in place, one kernel
         so.masked_fill_(delta.commit, delta.step)
-        if delta.finished is not self._no_rows:
-            self.finished |= delta.finished
+        fin = delta.finished
+        if fin is None and settle:
+            fin = delta.settle_finished()
+        if fin is not None and fin is not self._no_rows:
+            self.finished |= fin
         self.step = delta.step
         self.nfe += delta.nfe
         if delta.nfe:

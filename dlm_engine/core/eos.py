@@ -89,6 +89,7 @@ def stop_at_eos(canvas: Canvas, delta: FrameDelta, eos_id: int) -> FrameDelta:
     g, L = canvas.gen_start, canvas.length
     s, W = delta.start, delta.width
     lo = min(s, g)
+    finished = delta.settle_finished()
     B = canvas.batch_size
     # the canvas after this delta, over columns [lo, L)
     commit = torch.zeros((B, L - lo), dtype=torch.bool, device=canvas.device)
@@ -105,7 +106,7 @@ def stop_at_eos(canvas: Canvas, delta: FrameDelta, eos_id: int) -> FrameDelta:
     col = torch.arange(G, device=canvas.device)
     first = first_true(is_eos, G)
     open_before = (gen_masked & (col[None, :] < first[:, None])).any(-1)
-    done = (first < G) & ~open_before & ~canvas.finished & ~delta.finished
+    done = (first < G) & ~open_before & ~canvas.finished & ~finished
     fill = torch.zeros_like(commit)
     fill[:, g - lo:] = gen_masked & done[:, None] & (col[None, :] > first[:, None])
     out_tokens = canvas.tokens[:, lo:].clone()
@@ -119,6 +120,6 @@ def stop_at_eos(canvas: Canvas, delta: FrameDelta, eos_id: int) -> FrameDelta:
         remask = torch.zeros_like(commit)
         remask[:, s - lo:s - lo + W] = delta.remask
     return FrameDelta(step=delta.step, nfe=delta.nfe, start=lo, commit=commit | fill, tokens=out_tokens,
-                      active=delta.active, finished=delta.finished | done, confidence=conf, remask=remask,
+                      active=delta.active, finished=finished | done, confidence=conf, remask=remask,
                       block_events=delta.block_events, scalars=dict(delta.scalars, eos_stop=done),
                       wall_time=delta.wall_time)

@@ -185,7 +185,7 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
             cache.after_step(canvas, delta, call)
             if want_recomputed:
                 delta.scalars["recomputed"] = recomputed_rows(canvas, call, rows)
-            canvas.apply(delta)
+            canvas.apply(delta, settle=False)     # (finished_counts: told in sync_round)
             host, state = sync_round(canvas, strategy, state, delta, finite)
             if host.bad:
                 check_finite_logits(logits)             # describes the problem and raises
@@ -218,17 +218,38 @@ def sync_round(canvas: Canvas, strategy: Strategy, state, delta: Optional[FrameD
         fin = tuple(a or b for a, b in zip(canvas.finished_host, known))
         canvas.finished_host = fin
         return HostView(list(fin), [], False), strategy.synced(canvas, state, [], delta)
-    parts = [canvas.finished]
+    # the finished rows: read, or told on the host from the step's commit counts (FrameDelta.finished_counts)
+    counts = delta.finished_counts[0] if delta is not None and delta.finished is None else None
+    parts = [canvas.finished if counts is None else counts if counts.dim() == 1 else counts.reshape(-1)]
     if finite is not None:
         parts.append(finite)
-    if req is not None:   # a tensor or a sequence of them, read in order (one cat for the loop's and the strategy's)
-        for t in (req if isinstance(req, (tuple, list)) else (req,)):
+    asked = () if req is None else req if isinstance(req, (tuple, list)) else (req,)
+    for t in asked:       # a tensor or a sequence of them, read in order (one cat for the loop's and the strategy's)
+        if t is not counts:
             parts.append(t if t.dim() == 1 else t.reshape(-1))
     flat = torch.cat(parts).tolist() if len(parts) > 1 else parts[0].tolist()   # cat promotes to one dtype
     B = canvas.batch_size
+    head = B if counts is None else counts.numel()
     n_flag = 0 if finite is None else int(finite.shape[0])
-    host = HostView([bool(v) for v in flat[:B]], flat[B + n_flag:], finite is not None and not all(flat[B:B + n_flag]))
-    canvas.finished_host = tuple(host.finished)
+    rest = flat[head + n_flag:]
+    if counts is None:
+        fin = tuple(bool(v) for v in flat[:B])
+    else:
+        fin = canvas.finish_rows(delta, flat[:head])
+        if any(t is counts for t in asked):         # the strategy's values, its counts where it asked for them
+            values, i = [], 0
+            for t in asked:
+                if t is counts:
+                    values.extend(flat[:head])
+                else:
+                    k = t.numel()
+                    values.extend(rest[i:i + k])
+                    i += k
+            rest = values
+    if finite is not None and not any(p.is_floating_point() for p in parts if p is not finite):
+        rest = [int(v) for v in rest]       # (the health values made the cat float: the rest were integers)
+    host = HostView(list(fin), rest, finite is not None and not healthy(flat[head:head + n_flag]))
+    canvas.finished_host = fin
     return host, strategy.synced(canvas, state, host.values, delta)
 
 
@@ -258,11 +279,19 @@ def delta_logits(proposal: Proposal, delta: FrameDelta, rows: Optional[torch.Ten
 
 
 def all_finite(logits: torch.Tensor) -> torch.Tensor:
-    """``[rows]`` device flags, False for a row with NaN, +inf or a position whose logits are all -inf (read in the
-    step's one sync, already one-dimensional, and combined on the host). A position's maximum is finite exactly when
-    none of these holds (``amax`` propagates NaN). A row's largest ``|max|`` is then finite exactly when every position's
-    is: three kernels (``isfinite`` alone is four: ``x == x``, ``abs``, ``!= inf`` and their product). A call with no
-    positions is healthy (the norm has no identity to start from: decided on the shape)."""
+    """``[rows]`` on the device: each row's largest ``|max|`` over its positions' logits, a number below ``inf`` exactly
+    when the row is healthy (:func:`healthy`): no NaN, no +inf, no position whose logits are all -inf. A position's
+    maximum is finite exactly when none of these holds (``amax`` propagates NaN), and a row's largest ``|max|`` is
+    finite exactly when every position's is: two kernels, compared with ``inf`` on the host after the step's one read
+    (``isfinite`` alone is four: ``x == x``, ``abs``, ``!= inf`` and their product). Half-precision logits give a
+    float32 result, so that the read's ``cat`` keeps the counts read with it exact. A call with no positions is
+    healthy (the norm has no identity to start from: decided on the shape)."""
+    half = logits.dtype in (torch.float16, torch.bfloat16)
     if logits.shape[-2] == 0:
-        return torch.ones(logits.shape[:-2], dtype=torch.bool, device=logits.device)
-    return torch.linalg.vector_norm(logits.amax(dim=-1), ord=math.inf, dim=-1) < math.inf
+        return torch.zeros(logits.shape[:-2], dtype=torch.float32 if half else logits.dtype, device=logits.device)
+    return torch.linalg.vector_norm(logits.amax(dim=-1), ord=math.inf, dim=-1, dtype=torch.float32 if half else None)
+
+
+def healthy(values) -> bool:
+    """Whether the :func:`all_finite` values read on the host say every row is healthy (NaN compares False)."""
+    return all(v < math.inf for v in values)

@@ -181,32 +181,36 @@ class Strategy:
               tokens: Optional[torch.Tensor] = None, remask: Optional[torch.Tensor] = None,
               confidence: Optional[torch.Tensor] = None, masked_left: Optional[Sequence[int]] = None,
               committed: Optional[torch.Tensor] = None,
-              committed_host: Optional[Sequence[int]] = None) -> FrameDelta:
+              committed_host: Optional[Sequence[int]] = None,
+              finished_counts: Optional[Tuple[torch.Tensor, Sequence[int]]] = None) -> FrameDelta:
         """A delta over the proposal's window committing ``commit`` (and re-masking ``remask``, applied
         first) with the proposal's tokens and confidences. Unless given, ``active`` is the rows of the call and
         ``finished`` marks the rows that have no masked generated position left once the delta is applied.
 
         ``masked_left``: per row, on the host, the masked generated positions before this delta (the last host
         read), for a ``commit`` that only covers masked positions and no ``remask``: a row then finishes when it
-        commits as many as it had left (``committed``: ``commit.sum(-1)`` if the caller has it), three
-        operations instead of eight. Rows finished before are told by ``canvas.finished_host``, which the step
+        commits as many as it had left (``committed``: ``commit.sum(-1)`` if the caller has it). ``finished`` is
+        then left to those counts (``FrameDelta.finished_counts``): the loop reads them in its sync, no
+        operation on the device (a strategy that asks for the same ``committed`` tensor reads it once). Rows finished before are told by ``canvas.finished_host``, which the step
         loop keeps current (a caller outside :func:`dlm_engine.core.loop.decode` must set it). ``committed_host``:
         those counts known exactly on the host (with ``masked_left``): the finished rows are then decided on the
         host too (``FrameDelta.finished_host``), with no operation when none finishes (:meth:`Canvas.no_rows`).
-        A caller that changes ``finished`` afterwards (an EOS stop) must clear ``finished_host``."""
+        A caller that changes ``finished`` afterwards (an EOS stop) must clear ``finished_host``.
+        ``finished_counts``: ``finished`` left to these counts (see ``FrameDelta.finished_counts``; ``finished`` and
+        ``masked_left`` are then not given)."""
         s = proposal.start
         if active is None:
             active = proposal.active if proposal.active is not None else ~canvas.finished
-        fin = None
-        if finished is None and masked_left is not None and remask is None:
+        fin, pending = None, finished_counts
+        if pending is not None:
+            pending = (pending[0], tuple(pending[1]))
+        elif finished is None and masked_left is not None and remask is None:
             if committed_host is not None:
                 fin = tuple(not f and n == m for n, m, f in zip(committed_host, masked_left, canvas.finished_host))
                 finished = host_tensor(fin, torch.bool, canvas.device) if any(fin) else canvas.no_rows()
-            else:
+            else:   # told from the counts on the host in the loop's sync (FrameDelta.finished_counts)
                 n = commit.sum(-1) if committed is None else committed
-                left = [-1 if f else m for m, f in zip(masked_left, canvas.finished_host)]   # finished: never again
-                same = all(v == left[0] for v in left)      # (a batch of one): a scalar, no host-made tensor
-                finished = n == (left[0] if same else host_tensor(left, n.dtype, n.device))
+                pending = (n, tuple(-1 if f else m for m, f in zip(masked_left, canvas.finished_host)))
         elif finished is None:     # ~left & ~finished, as one reduction and two in-place ops
             finished = masked_after(canvas, s, commit, remask).any(dim=-1).logical_or_(canvas.finished).logical_not_()
         conf = proposal.confidence if confidence is None else confidence   # (float64 or float32: sinks cast)
@@ -215,6 +219,7 @@ class Strategy:
             tokens=proposal.x0 if tokens is None else tokens,
             active=active, finished=finished, confidence=conf, remask=remask,
             block_events=list(events or []), scalars=dict(scalars or {}), finished_host=fin,
+            finished_counts=pending,
         )
 
 
