@@ -158,7 +158,8 @@ class CadLLM(Strategy):
         if c.factor is not None:
             commit = factor_commit(conf, cand, float(c.factor), span)
         elif tau is not None:
-            commit = threshold_commit(conf, cand, tau, span, None if n is None else [n])
+            # (n known: the candidates are the block's masked columns, and no confidence kind here scores -inf)
+            commit = threshold_commit(conf, cand, tau, span, None if n is None else [n], candidates_only=n is not None)
         else:
             commit = topk_commit(conf, cand, [st.counts[i] if i < st.budget else 1], span)
         mean = gap = None

@@ -39,5 +39,5 @@ class Factor(FillBlocks):
 
     rule_within_candidates = True       # factor_commit ends with ``& cand``
 
-    def rule(self, conf, cand, cur, span=None, counts=None):
+    def rule(self, conf, cand, cur, span=None, counts=None, exact_counts=False):
         return factor_commit(conf, cand, float(self.cfg.factor), span, counts)

@@ -383,3 +383,24 @@ def test_the_health_values_read_with_counts_keep_them_exact_integers(dtype):
     logits[1, 2, 0] = float("nan")
     host, _ = sync_round(canvas, Asks(), None, None, all_finite(logits))
     assert host.bad and seen["values"] == [1025, 300]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_threshold_commit_without_the_candidate_intersection_commits_the_same(seed):
+    """``threshold_commit(candidates_only=True)`` (the host counts are exactly the candidates, none scores -inf)
+    tests the threshold on the ranking row and leaves out the ``& cand``: the same commits as the full form, exact
+    ties and a reference row wider than the window included, and never a non-candidate."""
+    from dlm_engine.core.selection import threshold_commit
+
+    g = torch.Generator().manual_seed(seed)
+    B, W = 3, 12
+    conf = (torch.randint(0, 6, (B, W), generator=g).double() / 5)       # ties, and values on the threshold
+    cand = torch.rand(B, W, generator=g) < 0.6
+    cand[:, 0] = True
+    counts = cand.sum(-1).tolist()
+    with torch.inference_mode():
+        for span in (None, (4, W + 9)):
+            for tau in (0.6, 0.999):
+                full = threshold_commit(conf, cand, tau, span, counts)
+                fast = threshold_commit(conf, cand, tau, span, counts, candidates_only=True)
+                assert torch.equal(full, fast) and not (fast & ~cand).any() and fast.any(-1).all()

@@ -94,11 +94,13 @@ class FillBlocks(Strategy):
             self.check_steps_per_block(int(c.steps), self.num_blocks)
         self.check_non_negative("temperature", c.temperature)
 
-    def rule(self, conf: torch.Tensor, cand: torch.Tensor, cur: BlockCursor, span=None, counts=None) -> torch.Tensor:
+    def rule(self, conf: torch.Tensor, cand: torch.Tensor, cur: BlockCursor, span=None, counts=None,
+             exact_counts: bool = False) -> torch.Tensor:
         """Which candidates to commit this step (``[B, W]`` bool; :meth:`select` keeps only its candidates, unless
         ``rule_within_candidates`` says the rule did); ``span`` is the row the
         reference ranks in (``Proposal.row_span``: exact ties break as its ``torch.topk`` does), ``counts`` the
-        block's masked positions per row, known on the host."""
+        block's masked positions per row, known on the host. ``exact_counts``: ``counts`` are exactly the candidates
+        per row and no candidate scores ``-inf`` (so a row's best ranked column is a candidate)."""
         raise NotImplementedError
 
     def init_state(self, canvas):
@@ -132,7 +134,10 @@ class FillBlocks(Strategy):
         cur = st.cursor
         cand = candidates(canvas, proposal, e)
         conf = eos_confidence(self.cfg, canvas, plan, proposal)
-        commit = self.rule(conf, cand, cur, proposal.row_span, plan.info["counts"])
+        # every masked position of the block is a candidate (all columns computed) and none scores -inf (that takes
+        # the EOS/EOT ranking quirk): the host counts are the candidates
+        exact = proposal.valid is None and not (self.cfg.confidence_eos_eot_inf and plan.confidence != "random")
+        commit = self.rule(conf, cand, cur, proposal.row_span, plan.info["counts"], exact_counts=exact)
         if not self.rule_within_candidates:
             commit = commit & cand
         n = commit.sum(-1)

@@ -115,11 +115,11 @@ def top1(conf: torch.Tensor, cand: torch.Tensor, span: Optional[Tuple[int, int]]
 
 
 def _top1_columns(conf: torch.Tensor, cand: torch.Tensor, span: Optional[Tuple[int, int]] = None,
-                  counts: Optional[Sequence[int]] = None) -> torch.Tensor:
+                  counts: Optional[Sequence[int]] = None, ranked: Optional[Tuple[torch.Tensor, int]] = None) -> torch.Tensor:
     """:func:`top1` before its ``& cand`` (a row whose candidates all score ``-inf`` may pick another column): for
-    callers that intersect with ``cand`` anyway."""
+    callers that intersect with ``cand`` anyway. ``ranked``: :func:`ranked_row`'s result, when the caller has it."""
     W = conf.shape[1]
-    row, off = ranked_row(conf, cand, span)
+    row, off = ranked_row(conf, cand, span) if ranked is None else ranked
     # the window's columns (as row positions) that are each row's pick: one comparison, not a scattered full row
     # that is then cut to the window
     if counts is None:
@@ -154,16 +154,33 @@ def _groups(values: Sequence, device) -> List[Tuple[object, torch.Tensor]]:
 
 
 def threshold_commit(conf: torch.Tensor, cand: torch.Tensor, tau, span: Optional[Tuple[int, int]] = None,
-                     counts: Optional[Sequence[int]] = None) -> torch.Tensor:
+                     counts: Optional[Sequence[int]] = None, candidates_only: bool = False) -> torch.Tensor:
     """Fast-dLLM: the top-1 candidate always, plus every candidate with ``conf >= tau`` (ties commit).
 
     ``tau`` is a float or a per-row tensor ``[B]``; ``counts``: candidates per row on the host (see :func:`top1`).
+    ``candidates_only``: ``counts`` are exactly the candidates of each row and none of them scores ``-inf``: the
+    top-1 is then a candidate, and the threshold is tested on the ranking row's window (``-inf`` off the
+    candidates), so that nothing needs intersecting with ``cand`` (one operation fewer).
     """
+    if candidates_only and counts is not None and not torch.is_tensor(tau):
+        row, off = ranked_row(conf, cand, span)
+        view = _window_of(row, off, conf.shape[1])
+        return (view >= tau).logical_or_(_top1_columns(conf, cand, span, counts, ranked=(row, off)))
     if not torch.is_tensor(tau):
         above = conf >= tau
     else:
         above = conf >= tau.to(conf.dtype)[:, None]
     return above.logical_or_(_top1_columns(conf, cand, span, counts)).logical_and_(cand)   # (one & for both)
+
+
+def _window_of(row: torch.Tensor, off: int, W: int) -> torch.Tensor:
+    """``row[:, off:off + W]``: the kept ranking row's cached view (no operation), the row itself when it is the
+    window."""
+    if off == 0 and row.shape[1] == W:
+        return row
+    hit = getattr(_rows, "cache", {}).get((row.shape[0], row.shape[1], off, W, row.dtype, row.device,
+                                           torch.is_inference_mode_enabled()))
+    return hit[1] if hit is not None and hit[0] is row else row[:, off:off + W]
 
 
 def factor_commit(conf: torch.Tensor, cand: torch.Tensor, factor: float,
