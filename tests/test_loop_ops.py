@@ -362,8 +362,8 @@ def test_finished_told_from_the_commit_counts_on_the_host():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_the_health_values_read_with_counts_keep_them_exact_integers(dtype):
     """The first forward's health values (:func:`all_finite`) are read in the step's one ``cat`` with the finished
-    rows and the strategy's counts: half-precision logits give float32 values, so counts above what bfloat16 holds
-    exactly come back exact, and as ints."""
+    rows and the strategy's counts: they are float64 whatever the logits' dtype, so counts above what bfloat16 or
+    float32 hold exactly come back exact, and as ints."""
     from dlm_engine.core.loop import all_finite, sync_round
 
     canvas = Canvas.from_prompts([[5, 6], [7]], 4, 3, 0)
@@ -371,7 +371,7 @@ def test_the_health_values_read_with_counts_keep_them_exact_integers(dtype):
 
     class Asks:
         def sync_request(self, canvas, state):
-            return torch.tensor([1025, 300])
+            return torch.tensor([1025, 300, 2 ** 24 + 1])
 
         def synced(self, canvas, state, values, d):
             seen["values"] = values
@@ -379,10 +379,10 @@ def test_the_health_values_read_with_counts_keep_them_exact_integers(dtype):
 
     logits = torch.randn(2, 3, 7).to(dtype)
     host, _ = sync_round(canvas, Asks(), None, None, all_finite(logits))
-    assert not host.bad and seen["values"] == [1025, 300] and all(type(v) is int for v in seen["values"])
+    assert not host.bad and seen["values"] == [1025, 300, 2 ** 24 + 1] and all(type(v) is int for v in seen["values"])
     logits[1, 2, 0] = float("nan")
     host, _ = sync_round(canvas, Asks(), None, None, all_finite(logits))
-    assert host.bad and seen["values"] == [1025, 300]
+    assert host.bad and seen["values"] == [1025, 300, 2 ** 24 + 1]
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -283,13 +283,13 @@ def all_finite(logits: torch.Tensor) -> torch.Tensor:
     when the row is healthy (:func:`healthy`): no NaN, no +inf, no position whose logits are all -inf. A position's
     maximum is finite exactly when none of these holds (``amax`` propagates NaN), and a row's largest ``|max|`` is
     finite exactly when every position's is: two kernels, compared with ``inf`` on the host after the step's one read
-    (``isfinite`` alone is four: ``x == x``, ``abs``, ``!= inf`` and their product). Half-precision logits give a
-    float32 result, so that the read's ``cat`` keeps the counts read with it exact. A call with no positions is
-    healthy (the norm has no identity to start from: decided on the shape)."""
-    half = logits.dtype in (torch.float16, torch.bfloat16)
+    (``isfinite`` alone is four: ``x == x``, ``abs``, ``!= inf`` and their product). The values are float64 (the norm
+    casts inside its kernel), so that integers read in the same ``cat`` stay exact up to 2^53. A call with no
+    positions is healthy (the norm has no identity to start from: decided on the shape)."""
+    dtype = torch.float32 if logits.device.type == "mps" else torch.float64      # (MPS has no float64)
     if logits.shape[-2] == 0:
-        return torch.zeros(logits.shape[:-2], dtype=torch.float32 if half else logits.dtype, device=logits.device)
-    return torch.linalg.vector_norm(logits.amax(dim=-1), ord=math.inf, dim=-1, dtype=torch.float32 if half else None)
+        return torch.zeros(logits.shape[:-2], dtype=dtype, device=logits.device)
+    return torch.linalg.vector_norm(logits.amax(dim=-1), ord=math.inf, dim=-1, dtype=dtype)
 
 
 def healthy(values) -> bool:

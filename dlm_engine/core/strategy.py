@@ -119,8 +119,11 @@ class Strategy:
         them (flattened and read in order: the loop concatenates them with its own parts in one op, where a
         strategy's own ``cat`` would be a second). The loop reads it together with the finished rows in its one
         host synchronisation per step (after the delta is applied) and passes the values to :meth:`synced`
-        (``cat`` promotes: with an int part, flags read as 0/1; with a float part, every value is a float).
-        None = nothing."""
+        (``cat`` promotes: with an int part, flags read as 0/1; with a float part, every value is a float; on the
+        first forward's step the loop's health values are float, and it hands back ints for a request that had no
+        float part). When the step's delta left ``finished`` to its counts (``FrameDelta.finished_counts``),
+        ``canvas.finished`` on the device does not hold this step's finished rows yet when this is called (they
+        are told from the read, before :meth:`synced`): a request must not depend on them. None = nothing."""
         return None
 
     def fresh_values(self, canvas: Canvas, state: Any) -> Optional[list]:
