@@ -54,16 +54,23 @@ def ranked_row(conf: torch.Tensor, cand: torch.Tensor, span: Optional[Tuple],
     ``k``). ``lead`` (per row, on the host): the row's first columns that are left padding of a batch; each row
     is ranked without them, as in a batch of one (see :func:`row_lead`). ``masked=False``: ``conf`` is already
     ``-inf`` at every non-candidate (no operation to make it so)."""
+    return _ranked(conf, cand, span, masked)[:2]
+
+
+def _ranked(conf: torch.Tensor, cand: torch.Tensor, span: Optional[Tuple], masked: bool = True):
+    """:func:`ranked_row` and the row's window columns ``row[:, offset:offset + W]`` where they exist without an
+    operation (the row itself, or the kept row's view), else None."""
     if span is None or (span[0] == 0 and span[1] == conf.shape[1]):
-        return (masked_conf(conf, cand) if masked else conf), 0
+        row = masked_conf(conf, cand) if masked else conf
+        return row, 0, row
     off, width = span[0], span[1]
     if not masked:      # the window's scores, -inf padded to the row (one kernel)
-        return torch.nn.functional.pad(conf, (off, width - off - conf.shape[1]), value=NEG_INF), off
+        return torch.nn.functional.pad(conf, (off, width - off - conf.shape[1]), value=NEG_INF), off, None
     # the candidates' scores written into the window's columns of a kept -inf row (one kernel, not a where and a
     # pad): the row is the caller's until its next ranking, which every caller finishes before it returns
     row, view, neg_inf = _ranking_row(conf.shape[0], width, off, conf.shape[1], conf.dtype, conf.device)
     torch.where(cand, conf, neg_inf, out=view)
-    return row, off
+    return row, off, view
 
 
 _rows = threading.local()
@@ -163,24 +170,13 @@ def threshold_commit(conf: torch.Tensor, cand: torch.Tensor, tau, span: Optional
     candidates), so that nothing needs intersecting with ``cand`` (one operation fewer).
     """
     if candidates_only and counts is not None and not torch.is_tensor(tau):
-        row, off = ranked_row(conf, cand, span)
-        view = _window_of(row, off, conf.shape[1])
+        row, off, view = _ranked(conf, cand, span)     # (masked: the view always exists)
         return (view >= tau).logical_or_(_top1_columns(conf, cand, span, counts, ranked=(row, off)))
     if not torch.is_tensor(tau):
         above = conf >= tau
     else:
         above = conf >= tau.to(conf.dtype)[:, None]
     return above.logical_or_(_top1_columns(conf, cand, span, counts)).logical_and_(cand)   # (one & for both)
-
-
-def _window_of(row: torch.Tensor, off: int, W: int) -> torch.Tensor:
-    """``row[:, off:off + W]``: the kept ranking row's cached view (no operation), the row itself when it is the
-    window."""
-    if off == 0 and row.shape[1] == W:
-        return row
-    hit = getattr(_rows, "cache", {}).get((row.shape[0], row.shape[1], off, W, row.dtype, row.device,
-                                           torch.is_inference_mode_enabled()))
-    return hit[1] if hit is not None and hit[0] is row else row[:, off:off + W]
 
 
 def factor_commit(conf: torch.Tensor, cand: torch.Tensor, factor: float,
