@@ -8,11 +8,14 @@
 #      expected to match float32 fixtures);
 #   3. experiments/bench_overhead.py on CUDA in float32 and bfloat16 (host syncs and ops a step, wall ms a step);
 #   4. experiments/bench_trace.py's recording overhead on CUDA in float32 and bfloat16 (the recorder's CUDA path
-#      under load).
+#      under load);
+#   5. (stage cpu-recording) the same recording overhead with the model on the host's CPU, torch on 2 threads as on
+#      the CI machines: a quieter machine than a shared VM for the <= 1% wall question (PAIRS pairs, default 20).
 # Each stage has its own time limit so that one slow stage cannot eat the others' time.
 #
 #     bash experiments/gpu_checks.sh OUT_DIR
 #     STAGES="overhead recording" DTYPES=float32 bash experiments/gpu_checks.sh OUT_DIR   # a subset
+#     OVERHEAD_DTYPES=bfloat16 OVERHEAD_BATCHES=1 ...      # the overhead bench in fewer settings
 #
 # Needs torch with CUDA and the package installed (pip install -e . --no-deps where the other dependencies are).
 set -u
@@ -22,6 +25,8 @@ export OMP_WAIT_POLICY=PASSIVE HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 stages=${STAGES:-tests overhead recording}
 dtypes=${DTYPES:-float32 bfloat16}
+ovh_dtypes=${OVERHEAD_DTYPES:-$dtypes}
+ovh_batches=${OVERHEAD_BATCHES:-1 8}
 want() { [[ " $stages " == *" $1 "* ]]; }
 cd "$(dirname "$0")/.."
 
@@ -54,12 +59,16 @@ done
 fi
 
 if want overhead; then
-for dtype in $dtypes; do
+for dtype in $ovh_dtypes; do
 stage "overhead bench, CUDA $dtype"
+if [[ " $ovh_batches " == *" 1 "* ]]; then
 timeout 150 $py experiments/bench_overhead.py --device cuda --dtype $dtype --model both --batches 1 --prompts 2 \
     --repeats 2 2>&1 | tee "$out/bench_overhead_b1_$dtype.log"
+fi
+if [[ " $ovh_batches " == *" 8 "* ]]; then
 timeout 80 $py experiments/bench_overhead.py --device cuda --dtype $dtype --model both --batches 8 --prompts 8 \
     --repeats 1 2>&1 | tee "$out/bench_overhead_b8_$dtype.log"
+fi
 done
 fi
 
@@ -69,5 +78,11 @@ stage "recording overhead, CUDA $dtype"
 timeout 70 $py experiments/bench_trace.py --skip sizes,replay,real --pairs 15 --overhead-runs 1:2,8:8 \
     --override device=cuda --override dtype=$dtype 2>&1 | tee "$out/bench_trace_$dtype.log"
 done
+fi
+if want cpu-recording; then
+stage "recording overhead, the host's CPU (float32, torch on 2 threads)"
+OMP_NUM_THREADS=2 timeout ${CPU_RECORDING_LIMIT:-200} $py experiments/bench_trace.py --skip sizes,replay,real,writer \
+    --pairs ${PAIRS:-20} --overhead-runs 1:2,8:8 --override device=cpu --override dtype=float32 2>&1 \
+    | tee "$out/bench_trace_cpu.log"
 fi
 stage done

@@ -100,3 +100,28 @@ def test_scored_proposal_is_the_whole_windows_at_the_masked_positions(kind, dtyp
     x0, conf = sampler.scored_proposal(logits, drawn, kind, dtype, top_v, mask, int(mask.sum()), tokens)
     full = sampler.confidence_of(logits, drawn, kind, dtype, top_v=top_v)
     assert x0 is drawn and torch.equal(conf[mask], full[mask]) and bool((conf[~mask] == float("-inf")).all())
+
+
+def test_top_v_confidences_pay_for_scoring_at_fewer_positions_on_a_cpu():
+    """CadLLM's top-V pick costs ~8x a softmax per logit on a CPU: leaving out 2 positions of a 4,096 vocabulary
+    pays for the gathering there, where a softmax needs 16; on a GPU (launch-bound) the plain count stands."""
+    cpu, gpu, V = torch.device("cpu"), torch.device("cuda"), 4096      # (device objects only: nothing runs there)
+    assert sampler.scoring_pays_off(16, V, None, cpu) and not sampler.scoring_pays_off(15, V, None, cpu)
+    assert sampler.scoring_pays_off(2, V, 100, cpu) and not sampler.scoring_pays_off(1, V, 100, cpu)
+    assert sampler.scoring_pays_off(16, V, 100, gpu) and not sampler.scoring_pays_off(15, V, 100, gpu)
+
+
+def test_the_loop_weighs_the_plans_top_v(tiny_llada, monkeypatch):
+    """The step loop asks with the plan's ``top_v``: CadLLM's steps are scored where a softmax's would not be."""
+    seen = []
+    orig = sampler.scoring_pays_off
+    monkeypatch.setattr(sampler, "scoring_pays_off", lambda *a: seen.append(a) or orig(*a))
+    V = int(tiny_llada.config.vocab_size)
+    # leaving out a single position of the tiny vocabulary pays off with the top-V weight only
+    _, n_cad = run(tiny_llada, "cadllm", {"initial_block_length": 8, "min_block": 4, "max_block": 8}, "none",
+                   V * sampler.SCORED_WEIGHT_TOP_V, monkeypatch)
+    assert seen and all(a[2] is not None for a in seen) and n_cad > 0
+    seen.clear()
+    _, n_thr = run(tiny_llada, "threshold", {"block_length": 8, "threshold": 0.7}, "none",
+                   V * sampler.SCORED_WEIGHT_TOP_V * 64, monkeypatch)
+    assert seen and all(a[2] is None for a in seen) and n_thr == 0

@@ -103,7 +103,7 @@ def sample(logits: torch.Tensor, plan: StepPlan, call: ForwardCall, rows: Option
             and plan.confidence in sampler.ROW_EXACT_KINDS):   # confidences at the window's masked positions only
         B, W, V = logits.shape
         count = sum(plan.masked) if rows is None else sum(n for n, f in zip(plan.masked, run) if f)
-        if (B * W - count) * V >= sampler.SCORED_MIN_SAVING:   # else gathering them costs more than it saves
+        if sampler.scoring_pays_off(B * W - count, V, plan.top_v, logits.device):
             mask, held = canvas.masked_cols(start, start + W), canvas.cols(start, start + W)[0]
             scored = (mask, count, held) if rows is None else (mask[rows], count, held[rows])
     proposal = propose(logits, start, temperature=plan.temperature, confidence=plan.confidence,

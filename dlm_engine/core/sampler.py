@@ -17,6 +17,12 @@ CONFIDENCE_KINDS = ("prob", "margin", "entropy", "inv_entropy", "random")
 # logits a confidence pass must leave out for computing it at chosen positions only (StepPlan.masked, the d2c
 # family's block candidates) to pay off: below this the gathering costs more than it saves (~20 us on a CPU)
 SCORED_MIN_SAVING = 1 << 16
+# ... counted in softmax elements. CadLLM's top-V pick costs far more per logit left out on a CPU ([32, 4,096]
+# float32 logits, one thread: a softmax 0.6 ns a logit, float64 ~2, the top-V pick 9-20), so it pays for the
+# gathering at fewer positions (measured on d256: its sample time a step -15%; the float64 softmax's ~3x gained
+# nothing measurable and keeps the plain count). On a GPU every pass is a few launches whatever its width: the
+# plain count stands there
+SCORED_WEIGHT_TOP_V = 8
 # confidence kinds computed per position without a sum over the vocabulary (softmax, top-k, gather): the same
 # bits for any number of positions. A sum (entropy) may split differently for few rows (CPU two-pass reduction
 # over one row with several threads, GPU reduction shapes), so those are always computed over the whole window
@@ -114,6 +120,13 @@ def gumbel_argmax(logits: torch.Tensor, temperature: float, call_len: int, offse
     l64 = logits.to(torch.float64)
     gumbel = (-torch.log(u)) ** temperature
     return row_max(l64.exp() / gumbel, values=False)
+
+
+def scoring_pays_off(left_out: int, V: int, top_v: Optional[int], device: torch.device) -> bool:
+    """Whether computing a ``prob``/``margin`` confidence at chosen positions only (``left_out`` positions of a
+    vocabulary of ``V`` skipped) saves more than gathering those positions costs (``SCORED_MIN_SAVING``)."""
+    weight = SCORED_WEIGHT_TOP_V if top_v is not None and device.type == "cpu" else 1
+    return left_out * V * weight >= SCORED_MIN_SAVING
 
 
 def softmax_in(logits: torch.Tensor, dtype: str) -> torch.Tensor:
