@@ -75,7 +75,7 @@ fi
 if want recording; then
 for dtype in $dtypes; do
 stage "recording overhead, CUDA $dtype"
-timeout 70 $py experiments/bench_trace.py --skip sizes,replay,real --pairs 15 --overhead-runs 1:2,8:8 \
+timeout 70 $py experiments/bench_trace.py --skip sizes,replay,real,writer --pairs 15 --overhead-runs 1:2,8:8 \
     --override device=cuda --override dtype=$dtype 2>&1 | tee "$out/bench_trace_$dtype.log"
 done
 fi

@@ -336,6 +336,35 @@ def test_recorder_reads_back_the_decode(tmp_path, device, dtype, capture, name, 
     assert counts[True] == counts[False]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_a_writer_replay_of_captured_items_writes_the_same_trace(tmp_path, device):
+    """What a decode's sinks hand over, captured and replayed into ``TraceRecorder(threaded=False)`` (the writer
+    bench's replay: no sink, so no ``on_start`` tells the recorder the tensors' device) writes the very bytes the
+    threaded recorder wrote during the decode; on CUDA the replay must copy the device tensors to the host."""
+    from conftest import REFPARITY
+    from dlm_engine.models.loader import load_pretrained
+    from dlm_engine.trace import TraceRecorder, open_trace
+
+    model = load_pretrained(REFPARITY / "tiny_llada", device=device, dtype="float32")[0]
+    mask = int(model.config.mask_token_id)
+    header = {"model": {"eos_id": 2, "mask_id": mask}, "tokenizer": {"kind": "char"}}
+    cls = strategy_class("threshold")
+    canvas = Canvas.from_prompts(PROMPTS[3], GEN, mask, 0, device=device)
+    rec = TraceRecorder(str(tmp_path / "live.dlmt"), header)
+    items, put = [], rec._put
+    rec._put = lambda item, urgent=False: items.append(item) or put(item, urgent)
+    decode(model, canvas, cls(cls.Config(block_length=8), GEN), sinks=[rec.sink(0, [0, 1, 2])])
+    rec.close()
+    again = TraceRecorder(str(tmp_path / "replayed.dlmt"), header, threaded=False)
+    for item in items:
+        again._put(item)
+    again.close()
+    assert any(isinstance(t, torch.Tensor) and t.device.type == device for t in items[0])
+    assert (tmp_path / "live.dlmt").read_bytes() == (tmp_path / "replayed.dlmt").read_bytes()
+    tr = open_trace(str(tmp_path / "replayed.dlmt"), recover=False)
+    assert [tr[i].tokens.tolist() for i in range(3)] == canvas.tokens[:, canvas.gen_start:].tolist()
+
+
 def test_model_info_is_read_once_per_model_and_decode_sets_it(tiny_llada):
     """``ModelInfo.of`` remembers each model's info (every decode asks; a config read costs microseconds): the
     same values as reading the config, per model object; objects that cannot be weakly referenced are read each

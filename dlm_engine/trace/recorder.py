@@ -237,7 +237,6 @@ class TraceRecorder:
         self._chan = _Channel(queue_size)
         self._batches: Dict[int, _BatchState] = {}
         self._side_stream = None
-        self._cuda = False          # set by a batch sink whose canvas lives on a CUDA device
         self._last_fsync = time.perf_counter()
         header = dict(header)
         header.setdefault("format", "dlm_engine trace")
@@ -381,9 +380,9 @@ class TraceRecorder:
                 return
 
     def _host(self, t):
-        if not self._cuda:
-            return t
-        if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+        # (the tensor's own device, not only ``_cuda``: items may reach a recorder without a sink's ``on_start``,
+        # e.g. a writer replay of captured items; ``is_cuda`` is an attribute read)
+        if isinstance(t, torch.Tensor) and t.is_cuda:
             if self._side_stream is None:
                 self._side_stream = torch.cuda.Stream(device=t.device)
             with torch.cuda.stream(self._side_stream):
@@ -392,7 +391,7 @@ class TraceRecorder:
 
     def _stack(self, tensors) -> np.ndarray:
         """One host array from same-shaped tensors (one stack + one copy instead of one per step)."""
-        if self._cuda and tensors[0].device.type == "cuda":
+        if tensors[0].is_cuda:
             if self._side_stream is None:
                 self._side_stream = torch.cuda.Stream(device=tensors[0].device)
             with torch.cuda.stream(self._side_stream):
@@ -768,8 +767,6 @@ class BatchSink(Sink):
 
     def on_start(self, canvas, info: dict) -> None:
         self._cuda = canvas.device.type == "cuda"
-        if self._cuda:
-            self.rec._cuda = True
         if len(self.rows) != canvas.batch_size:
             raise TraceError(f"batch {self.batch}: {len(self.rows)} row indices for a batch of {canvas.batch_size}")
         # generator states as tensors (host copies, no device sync); the writer thread turns them into bytes
