@@ -27,3 +27,21 @@ def test_the_writer_section_replays_a_real_decode(capsys):
     assert batches == 4 and steps >= 4 * 2          # 8 prompts in batches of 2, gen 16: some steps each
     assert per_batch > 0 and per_step > 0 and abs(per_batch * batches * 1e3 / steps - per_step) < 0.01 * per_step + 0.1
     assert len(nums) == 4 + 6
+
+
+def test_the_overhead_section_measures_the_hand_over_inside_the_decodes(capsys):
+    """The recording-overhead section times the recorder's sink calls inside the real recorded decodes (not in a
+    synthetic loop): positive per-step and per-batch hand-over figures, and no host read added by recording."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_trace", ROOT / "experiments" / "bench_trace.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        res = mod.bench_overhead(2, 16, configs=((1, 1),))
+    finally:
+        sys.path.remove(str(ROOT / "experiments"))
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("CPU spent on recording"))
+    m = re.search(r"hand-over ([0-9.]+) us/step \+ ([0-9.]+) us/batch", line)
+    assert m and float(m.group(1)) > 0 and float(m.group(2)) > 0, line
+    assert res[1]["syncs"] == 0
