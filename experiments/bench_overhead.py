@@ -215,6 +215,9 @@ def main(argv=None) -> int:
                     help="under each row, its N most expensive tensor ops outside the model per step (CPU, count, "
                          "op, the framework line that made it), from one more instrumented run")
     args = ap.parse_args(argv)
+    from dlm_engine.core.memory import keep_freed_memory
+
+    print(f"glibc thresholds fixed as in a dlm run (dlm_engine.core.memory): {keep_freed_memory()}")
     if args.ops_detail < 0:
         ap.error(f"--ops-detail={args.ops_detail} must be >= 0")
     if args.evict_mb and not args.replayed:

@@ -549,6 +549,9 @@ def main():
                     help="a dlm override for the recording-overhead runs, repeatable (e.g. --override device=cuda "
                          "--override dtype=bfloat16 to measure the recorder's CUDA path)")
     a = ap.parse_args()
+    from dlm_engine.core.memory import keep_freed_memory
+
+    keep_freed_memory()      # as a dlm run does (dlm_engine.core.memory)
     skip = set(filter(None, a.skip.split(",")))
     import torch
 

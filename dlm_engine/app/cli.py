@@ -33,6 +33,9 @@ def _hydra_main(cfg: DictConfig) -> None:
     from dlm_engine.sweeps.jobs import JobRecord
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
+    from dlm_engine.core.memory import keep_freed_memory
+
+    keep_freed_memory()      # (launcher workers are processes of their own)
     from dlm_engine.sweeps.worker import exit_with_parent, uses_local_pool
 
     if uses_local_pool():
@@ -87,9 +90,11 @@ def _run_job(job, cfg: DictConfig, out_dir) -> None:
 
 def main() -> None:
     from dlm_engine.app.config import register_configs
+    from dlm_engine.core.memory import keep_freed_memory
     from dlm_engine.core.registry import load_plugins
     from dlm_engine.errors import UserError
 
+    keep_freed_memory()      # a step's large temporaries stay with the process (dlm_engine.core.memory)
     try:
         load_plugins()
     except UserError as exc:

@@ -291,7 +291,10 @@ def main() -> None:
     """``python -m dlm_engine.integrations.lm_eval``: lm-eval's own command line with ``--model dlm_engine`` known."""
     from lm_eval.__main__ import cli_evaluate
 
+    from dlm_engine.core.memory import keep_freed_memory
     from dlm_engine.errors import UserError
+
+    keep_freed_memory()
 
     try:
         cli_evaluate()

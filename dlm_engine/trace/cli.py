@@ -300,7 +300,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     from ..errors import UserError
     from .format import TraceError
 
+    from ..core.memory import keep_freed_memory
+
     args = build_parser().parse_args(argv)
+    keep_freed_memory()      # (verify --rerun decodes)
     try:
         code = args.fn(args)
     except (TraceError, UserError) as exc:
