@@ -6,8 +6,8 @@ which blocks go back depends on the allocation history. A decode makes the same 
 model's activations, and float64 softmaxes or entropies over positions x vocabulary in the samplers. Every block
 that went back has its pages faulted in and zeroed again on the next step. On the d256 bench
 (``experiments/bench_overhead.py``) EB-Sampler took up to ~1,000 minor faults and 2 ms of system time a step that
-way. With the two fixed thresholds below it took none: its overhead went from 17.7% to 9.8%, KLASS's from 8.2% to
-7.5%, block_buffer's from 7.8% to 6.9%, and the model's own time fell a little too.
+way. With the two fixed thresholds below it took none: its overhead went from 17.8% to 9.8%, block_buffer's from
+9.7% to 6.8%, KLASS's from 9.4% to 7.8% (A/B in one sitting), and the model's own time fell a little too.
 
 The console scripts (``dlm``, ``dlm-trace``, ``dlm-lm-eval``) and the benchmarks call :func:`keep_freed_memory` at
 start; a library user may call it too. The cost is memory: up to ``TRIM_THRESHOLD`` of freed heap stays with the
