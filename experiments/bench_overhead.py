@@ -237,6 +237,7 @@ def main(argv=None) -> int:
                 f"{'wall ms':>9}" + (f"{'loop us/st':>12}" if args.replayed else "")
                 + (f"{'evicted us/st':>15}" if args.replayed and args.evict_mb else ""))
         print(head + "\n" + "-" * len(head))
+        over, sync_over, rows_b1, fixed = [], [], 0, []
         for label, name, kw, caches in SETTINGS:
             if only and label not in only:
                 continue
@@ -269,6 +270,14 @@ def main(argv=None) -> int:
                     # the budget: one read per step plus the decode's one-time setup read(s) (as the sync test)
                     sok = "ok" if syncs <= steps + 2 * decodes else "!!"
                     per = {k: 1000 * v / steps for k, v in sec.items()}
+                    if batch == 1:
+                        rows_b1 += 1
+                        if ok != "ok":
+                            over.append(f"{label} {cache} {ovh:.1%}")
+                        if steps <= 2 * decodes:
+                            fixed.append(label)
+                    if sok != "ok":
+                        sync_over.append(f"{label} {cache} B={batch}")
                     print(f"{label:<13}{cache:<6}{batch:>3}{steps:>7}{cpu:>9.3f}{mcpu:>9.3f}{ovh:>7.1%} {ok}"
                           f"{syncs / steps:>9.2f} {sok}{ops / steps:>7.1f}{per.get('plan', 0):>8.3f}{per.get('sample', 0):>8.3f}"
                           f"{per.get('select', 0):>8.3f}{per.get('apply', 0):>8.3f}{per.get('sinks', 0):>8.3f}{'':>15}"
@@ -286,6 +295,12 @@ def main(argv=None) -> int:
                                       record=args.record)[2]
                         for line in one.profile.table(steps_p, args.ops_detail):
                             print("    " + line)
+        if rows_b1:
+            print(f"batch 1 within the {budget:.0f}% budget: {rows_b1 - len(over)} of {rows_b1} rows"
+                  + (f"; over: {', '.join(over)}" if over else ""))
+        if fixed:       # one forward or two a decode: the decode's set-up and first-forward check weigh as much as a step
+            print(f"at most 2 steps a decode here (the figure is mostly a decode's fixed cost): {', '.join(sorted(set(fixed)))}")
+        print("sync budget: " + ("every row ok" if not sync_over else "over: " + ", ".join(sync_over)))
     return 0
 
 

@@ -143,3 +143,16 @@ def test_ops_detail_prints_the_costliest_ops_under_each_row(bench, capsys):
     with pytest.raises(SystemExit) as exc:
         bench.main(["--model", "tiny", "--only", "low_conf", "--ops-detail", "-1"])
     assert exc.value.code == 2 and "--ops-detail" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_main_sums_up_the_budgets(bench, capsys):
+    """Under each model's table: how many batch-1 rows meet the overhead budget (the others named), which rows
+    take at most two steps a decode (their figure is mostly the decode's fixed cost), and the sync budget."""
+    assert bench.main(["--model", "tiny", "--batches", "1", "--prompts", "2", "--repeats", "1",
+                       "--only", "threshold"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("batch 1 within the 10% budget: "))
+    kept, rows = (int(v) for v in line.split(": ")[1].split(" rows")[0].split(" of "))
+    assert rows == 2 and 0 <= kept <= 2 and (kept == 2) == ("over:" not in line)
+    assert "at most 2 steps a decode here" in out and "threshold" in out.split("at most 2 steps a decode here")[1]
+    assert "sync budget: every row ok" in out
