@@ -338,7 +338,8 @@ class D2C(Strategy):
             block_cand = block_cand & (elig if every else elig[rows])
         counts = plan.info["counts"] if cand is masked else None
         n = None if counts is None else sum(counts)
-        if n is not None and (B_a * G - n) * V >= sampler.SCORED_MIN_SAVING and self.block_scores_suffice(proposal):
+        if (n is not None and sampler.scoring_pays_off(B_a * G - n, V, None, proposal.logits.device)
+                and self.block_scores_suffice(proposal)):
             sampled = self.sample_at(proposal.logits, block_cand, n, st)
             conf = sampled.confidence                    # already -inf outside the block's candidates
         else:
