@@ -386,11 +386,11 @@ class D2C(Strategy):
             delta = self.finish(canvas, delta)
             return delta, delta.commit.sum(-1), False
         # no row was finished before this step, and nothing but the commits changes what is left (no EOS rule):
-        # a row finishes when no masked position remains. The commits are masked positions, so with the same
-        # number left in every row (on the host: the eligible ones are the masked ones here) that is a count
+        # a row finishes when no masked position remains. The commits are masked positions, so a row finishes when
+        # it commits as many as it had left (on the host: the eligible ones are the masked ones here)
         committed = commit.sum(-1)
         left = [sum(row) for row in st.counts] if st is not None else []
-        if len(left) == B and all(n == left[0] for n in left):      # told on the host in the loop's sync
+        if len(left) == B:                                  # told on the host in the loop's sync
             delta.finished_counts = (committed, tuple(left))
         else:
             delta.finished = ~(masked > commit).any(-1)          # (masked > commit: masked and not committed)
