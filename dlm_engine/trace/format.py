@@ -88,17 +88,34 @@ def check_preamble(data: bytes, name: str = "trace") -> int:
 
 # --------------------------------------------------------------------------------------------------
 # zstd with checksums and bounded decompression
-_CCTX: Dict[int, zstd.ZstdCompressor] = {}
+# A zstd context serves one operation at a time (python-zstandard's instances are not thread safe, and it releases
+# the GIL while it works): two threads compressing with one context -- two recorders' writer threads, or a writer
+# thread and a recorder opening its header -- wrote corrupt frames. Contexts are therefore taken from a pool for
+# each call and put back after it (``list.pop`` and ``append`` are atomic under the GIL): reused, never shared.
+_CCTX: Dict[int, List[zstd.ZstdCompressor]] = {}
+_DCTX: List[zstd.ZstdDecompressor] = []
 
 
 def zc(data: bytes, level: int = ZSTD_LEVEL) -> bytes:
-    c = _CCTX.get(level)
-    if c is None:
-        c = _CCTX[level] = zstd.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)
-    return c.compress(data)
+    pool = _CCTX.get(level)
+    if pool is None:
+        pool = _CCTX.setdefault(level, [])
+    try:
+        c = pool.pop()
+    except IndexError:
+        c = zstd.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)
+    try:
+        return c.compress(data)
+    finally:
+        pool.append(c)
 
 
-_DCTX = zstd.ZstdDecompressor()
+def _take_dctx() -> zstd.ZstdDecompressor:
+    """A decompression context for this caller alone (give it back with ``_DCTX.append``)."""
+    try:
+        return _DCTX.pop()
+    except IndexError:
+        return zstd.ZstdDecompressor()
 
 
 def frame_size(data) -> int:
@@ -118,10 +135,13 @@ def zd(data: bytes, limit: int = MAX_RAW, expect: Optional[int] = None) -> bytes
     size = frame_size(data)
     if size > limit or (expect is not None and size != expect):
         raise TraceError(f"zstd frame declares {size} bytes (expected {expect if expect is not None else f'<= {limit}'})")
+    d = _take_dctx()
     try:
-        out = _DCTX.decompress(data, max_output_size=max(size, 1), allow_extra_data=False)
+        out = d.decompress(data, max_output_size=max(size, 1), allow_extra_data=False)
     except (zstd.ZstdError, MemoryError) as exc:
         raise TraceError(f"bad zstd frame ({exc})") from None
+    finally:
+        _DCTX.append(d)
     if len(out) != size:
         raise TraceError("zstd frame decompressed to the wrong size")
     return out
@@ -285,8 +305,9 @@ def read_bundle_head(payload, max_index: int = MAX_JSON, max_size: Optional[int]
             raise TraceError("bundle index runs past the record")
         rest = raw[pos:pos + n]
     else:                              # large: decompress only the index's bytes
+        d = _take_dctx()
         try:
-            reader = _DCTX.stream_reader(bytes(payload) if not isinstance(payload, bytes) else payload)
+            reader = d.stream_reader(bytes(payload) if not isinstance(payload, bytes) else payload)
             first = reader.read(min(size, 10))
             n, pos = get_varint(first, 0)
             if n > max_index:
@@ -296,6 +317,8 @@ def read_bundle_head(payload, max_index: int = MAX_JSON, max_size: Optional[int]
             rest = first[pos:] + _read_exact(reader, max(0, pos + n - len(first)))
         except zstd.ZstdError as exc:
             raise TraceError(f"bad zstd frame ({exc})") from None
+        finally:
+            _DCTX.append(d)
     idx = load_json(rest[:n], "bundle index", max_bytes=max_index)
     if not isinstance(idx, dict) or not isinstance(idx.get("m"), dict) or not isinstance(idx.get("a"), list):
         raise TraceError("bundle index is not {\"m\": {...}, \"a\": [...]}")
