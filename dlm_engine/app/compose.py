@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import json
 import re
+import threading
 from typing import Any, Iterable, List, Optional
 
 from dlm_engine.errors import ConfigError
@@ -37,6 +38,9 @@ def to_override(key: str, value: Any, quote: bool = True) -> str:
     return f"{key}={text}"
 
 
+_COMPOSE_LOCK = threading.RLock()
+
+
 def compose(overrides: Iterable[str] = ()):
     """The run config ``dlm OVERRIDES`` would run (no Hydra run directory); :class:`ConfigError` on bad
     overrides, with the one line :func:`describe_config_error` gives."""
@@ -50,13 +54,17 @@ def compose(overrides: Iterable[str] = ()):
     load_plugins()
     register_configs()
     overrides = list(overrides)
-    if GlobalHydra.instance().is_initialized():
-        GlobalHydra.instance().clear()
-    try:
-        with initialize_config_module("dlm_engine.conf", version_base="1.3"):
-            return hydra_compose("config", overrides=overrides)
-    except Exception as exc:
-        raise ConfigError(one_line(exc)) from None
+    # Hydra's GlobalHydra is one per process: two threads composing at once cleared and initialised it under each
+    # other ("GlobalHydra is already initialized"), so compositions take turns
+    with _COMPOSE_LOCK:
+        if GlobalHydra.instance().is_initialized():
+            GlobalHydra.instance().clear()
+        try:
+            with initialize_config_module("dlm_engine.conf", version_base="1.3"):
+                return hydra_compose("config", overrides=overrides)
+        except Exception as exc:
+            raise ConfigError(one_line(exc)) from None
+
 
 
 def one_line(exc: Exception) -> str:

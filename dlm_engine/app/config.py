@@ -7,6 +7,7 @@ types are rejected by Hydra itself.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -116,19 +117,27 @@ def _job_dir(overrides=()) -> str:
     return job_dirname(overrides)
 
 
+_register_lock = threading.Lock()
+
+
 def register_configs() -> None:
+    """Store the schemas in Hydra's ConfigStore, once per process; thread safe (the flag is set after the work,
+    so a second thread never composes before the schemas are there)."""
     global _registered
     if _registered:
         return
-    _registered = True
-    from hydra.core.config_store import ConfigStore
+    with _register_lock:
+        if _registered:
+            return
+        from hydra.core.config_store import ConfigStore
 
-    register_resolvers()
-    cs = ConfigStore.instance()
-    cs.store(name="run_schema", node=RunConfig)
-    cs.store(group="schema", name="model", node=ModelConfig)
-    cs.store(group="schema", name="trace", node=TraceConfig)
-    cs.store(group="schema", name="task", node=TaskConfig)
+        register_resolvers()
+        cs = ConfigStore.instance()
+        cs.store(name="run_schema", node=RunConfig)
+        cs.store(group="schema", name="model", node=ModelConfig)
+        cs.store(group="schema", name="trace", node=TraceConfig)
+        cs.store(group="schema", name="task", node=TaskConfig)
+        _registered = True
 
 
 INT64_MAX = (1 << 63) - 1

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import threading
 from dataclasses import is_dataclass
 from typing import Callable, Dict, Iterator, List, Optional
 
@@ -120,14 +121,31 @@ def cache_class(name: str) -> type:
 
 
 _loaded = False
+_loading = False
+_load_lock = threading.RLock()
 
 
 def load_plugins() -> None:
-    """Import bundled and third-party plug-ins once (they register themselves on import)."""
-    global _loaded
+    """Import bundled and third-party plug-ins once (they register themselves on import).
+
+    Thread safe: a second thread waits until the first has imported everything (the "done" flag is set after the
+    work, not before: a thread that saw it early looked up an empty registry, ``unknown cache 'none'``). A plug-in
+    whose import calls back in, on the loading thread, returns at once, as before."""
+    global _loaded, _loading
     if _loaded:
         return
-    _loaded = True
+    with _load_lock:
+        if _loaded or _loading:
+            return
+        _loading = True
+        try:
+            _import_plugins()
+            _loaded = True
+        finally:
+            _loading = False
+
+
+def _import_plugins() -> None:
     for mod in ("dlm_engine.strategies", "dlm_engine.cache"):
         importlib.import_module(mod)
     try:

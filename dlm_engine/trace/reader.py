@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
@@ -28,6 +29,8 @@ import numpy as np
 from . import format as fmt
 from . import records
 from .format import SeqData, TraceError, check_float, check_int, check_type
+
+_TEXT_LOCK = threading.Lock()     # loading a trace's text decoder (Trace.tokenizer)
 
 # --------------------------------------------------------------------------------------------------
 # limits: hard caps on what a header may declare, and the defaults for headers that declare nothing
@@ -1023,10 +1026,12 @@ class Trace:
     def tokenizer(self):
         """A decoder with ``decode(ids)`` and ``token(id)``, or None (ids are shown instead of text)."""
         if not self._text_loaded:
-            self._text_loaded = True
-            from .text import text_decoder
+            with _TEXT_LOCK:     # (a Trace shared by threads: none may see the flag before the decoder is there)
+                if not self._text_loaded:
+                    from .text import text_decoder
 
-            self._text = text_decoder(self.header.get("tokenizer"), self._tokenizer_dir, self.notes)
+                    self._text = text_decoder(self.header.get("tokenizer"), self._tokenizer_dir, self.notes)
+                    self._text_loaded = True
         return self._text
 
     def decode_text(self, ids: List[int]) -> str:

@@ -1,0 +1,172 @@
+"""Process-wide state that threads share is made or changed by one thread at a time.
+
+Library users decode from several threads (a server answering requests, each decode with its own trace recorder).
+Three once-per-process initialisations set their "done" flag before doing the work, so a second thread could act
+on half-done state, and Hydra's composition clears a process-wide singleton. Each scenario runs in a child process
+(a fresh interpreter: nothing initialised yet) and is made deterministic by a plug-in or a tokenizer that signals
+when the first thread is inside the work and then holds it there, so the second thread arrives exactly then.
+(The zstd contexts' check is in ``test_trace_codecs.py``.)"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SLOW_PLUGIN = '''
+"""A plug-in that takes its time to import: it says when it has started, then registers a strategy."""
+import time
+
+import gate
+gate.started.set()
+time.sleep(0.5)
+
+from dataclasses import dataclass
+
+from dlm_engine.core.registry import register_strategy
+from dlm_engine.core.strategy import Strategy
+
+
+@dataclass
+class SlowConfig:
+    name: str = "slow_plugin_strategy"
+
+
+@register_strategy("slow_plugin_strategy", SlowConfig)
+class Slow(Strategy):
+    pass
+'''
+
+GATE = "import threading\nstarted = threading.Event()\n"
+
+
+def _child(tmp_path, code: str, env=None):
+    (tmp_path / "plug").mkdir(exist_ok=True)
+    (tmp_path / "plug" / "gate.py").write_text(GATE)
+    (tmp_path / "plug" / "slow_plugin.py").write_text(SLOW_PLUGIN)
+    full_env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "plug"), ROOT]),
+                    OMP_WAIT_POLICY="PASSIVE", **(env or {}))
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                         env=full_env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_thread_that_looks_up_a_plugin_while_another_imports_the_plugins_waits_for_them(tmp_path):
+    """``load_plugins`` set its flag before importing: a second thread returned at once and looked up an empty
+    or half-filled registry (``unknown strategy``)."""
+    got = _child(tmp_path, """
+        import json, threading
+        import gate
+        from dlm_engine.core.registry import load_plugins, strategy_class
+        first = threading.Thread(target=load_plugins)
+        first.start()
+        gate.started.wait(60)             # the first thread is inside the plug-in imports
+        try:
+            result = strategy_class("slow_plugin_strategy").name
+        except Exception as exc:
+            result = f"{type(exc).__name__}: {exc}"
+        first.join()
+        print(json.dumps({"result": result}))
+    """, env={"DLM_ENGINE_PLUGINS": "slow_plugin"})
+    assert got["result"] == "slow_plugin_strategy"
+
+
+def test_a_plugin_that_fails_to_import_fails_every_lookup_not_only_the_first(tmp_path):
+    """With the flag set after the work, a failed import leaves the plug-ins unloaded: every call says why,
+    instead of the first one alone and silence (an incomplete registry) after it."""
+    got = _child(tmp_path, """
+        import json
+        from dlm_engine.core.registry import load_plugins
+        seen = []
+        for _ in range(2):
+            try:
+                load_plugins()
+                seen.append("ok")
+            except Exception as exc:
+                seen.append(str(exc))
+        print(json.dumps(seen))
+    """, env={"DLM_ENGINE_PLUGINS": "no_such_plugin_module"})
+    assert len(got) == 2 and all("DLM_ENGINE_PLUGINS: cannot import 'no_such_plugin_module'" in s for s in got)
+
+
+def test_two_threads_compose_run_configs_at_once(tmp_path):
+    """``compose`` clears and re-initialises Hydra's process-wide GlobalHydra: a second thread composing while the
+    first was inside failed with "GlobalHydra is already initialized". The first composition is held inside Hydra
+    (its config search path is read slowly) while the second starts."""
+    got = _child(tmp_path, """
+        import json, threading, time
+        from hydra.core.global_hydra import GlobalHydra
+        from dlm_engine.app.compose import compose
+        compose([])                                     # plug-ins and schemas in place: only Hydra's state is left
+        inside = threading.Event()
+        orig = GlobalHydra.initialize
+
+        def slow_initialize(self, *a, **kw):
+            out = orig(self, *a, **kw)
+            if threading.current_thread().name == "first":
+                inside.set()
+                time.sleep(0.5)
+            return out
+
+        GlobalHydra.initialize = slow_initialize
+        results = {}
+
+        def run(name, overrides):
+            try:
+                results[name] = compose(overrides).strategy.name
+            except Exception as exc:
+                results[name] = f"{type(exc).__name__}: {exc}"
+
+        first = threading.Thread(target=run, args=("first", ["strategy=threshold"]), name="first")
+        first.start()
+        inside.wait(60)
+        run("second", ["strategy=factor"])
+        first.join()
+        print(json.dumps(results))
+    """)
+    assert got == {"first": "threshold", "second": "factor"}
+
+
+def test_a_trace_shared_by_threads_gives_every_thread_its_text(tmp_path):
+    """``Trace.tokenizer`` set its flag before the decoder existed: a second thread reading text then got token ids
+    (no decoder) instead of text. The decoder's loading is held open while the second thread reads."""
+    got = _child(tmp_path, f"""
+        import json, os, threading, time
+        import torch
+        from dlm_engine.core.canvas import Canvas, FrameDelta
+        from dlm_engine.trace import TraceRecorder, loads
+        from dlm_engine.trace import text as text_mod
+
+        path = os.path.join({str(tmp_path)!r}, "t.dlmt")
+        c = Canvas.from_prompts([[77, 78]], 4, 3, 0)
+        with TraceRecorder(path, {{"model": {{"eos_id": 2, "mask_id": 3}}, "tokenizer": {{"kind": "char"}}}}) as rec:
+            s = rec.sink(0, [0])
+            s.on_start(c, {{}})
+            d = FrameDelta(step=1, nfe=1, start=2, commit=torch.ones(1, 4, dtype=torch.bool),
+                           tokens=torch.tensor([[40, 41, 42, 43]]), active=torch.ones(1, dtype=torch.bool),
+                           finished=torch.ones(1, dtype=torch.bool))
+            c.apply(d)
+            s.on_delta(d, c)
+            s.on_end(c)
+        tr = loads(open(path, "rb").read())
+        inside = threading.Event()
+        orig = text_mod.text_decoder
+
+        def slow_decoder(*a, **kw):
+            inside.set()
+            time.sleep(0.5)
+            return orig(*a, **kw)
+
+        text_mod.text_decoder = slow_decoder
+        out = {{}}
+        first = threading.Thread(target=lambda: out.__setitem__("first", tr[0].text))
+        first.start()
+        inside.wait(60)
+        out["second"] = tr[0].text
+        first.join()
+        print(json.dumps(out))
+    """)
+    assert got["first"] == got["second"]
+    assert not got["second"].startswith("40 ")        # text, not the ids shown when no decoder exists
