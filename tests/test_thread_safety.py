@@ -5,7 +5,7 @@ Three once-per-process initialisations set their "done" flag before doing the wo
 on half-done state, and Hydra's composition clears a process-wide singleton. Each scenario runs in a child process
 (a fresh interpreter: nothing initialised yet) and is made deterministic by a plug-in or a tokenizer that signals
 when the first thread is inside the work and then holds it there, so the second thread arrives exactly then.
-(The zstd contexts' check is in ``test_trace_codecs.py``.)"""
+(The zstd contexts' check is in ``test_trace_codecs.py``.) Last, two threads decode and record at once, end to end."""
 import json
 import os
 import subprocess
@@ -170,3 +170,67 @@ def test_a_trace_shared_by_threads_gives_every_thread_its_text(tmp_path):
     """)
     assert got["first"] == got["second"]
     assert not got["second"].startswith("40 ")        # text, not the ids shown when no decoder exists
+
+
+def test_two_threads_decode_and_record_at_once_and_every_trace_replays_their_tokens(tmp_path):
+    """End to end: two threads, each decoding two settings (a batch of 1 and a batch of 3) with its own recorder at
+    the same time, the embedded model shared. Greedy decodes: every trace must verify, replay (without the model)
+    to its decode's final tokens, and the tokens must equal a one-thread run's."""
+    import threading
+
+    import numpy as np
+    import torch
+
+    from dlm_engine.app.api import load_model, run_prompts
+    from dlm_engine.app.compose import compose
+    from dlm_engine.app.run import load_inputs, validate
+    from dlm_engine.trace import open_trace
+    from dlm_engine.trace.runtime import open_run_recorder
+    from dlm_engine.trace.tools import verify_integrity
+
+    jobs, lm, ids = [], None, None
+    for name, over in (("threshold_b1", ["strategy=threshold", "batch_size=1"]),
+                       ("d2c_b3", ["strategy=d2c", "batch_size=3"])):
+        cfg = compose(over + ["gen_length=16", "device=cpu", "dtype=float32"])
+        ms, mc = validate(cfg)
+        if lm is None:
+            lm = load_model(cfg.model, cfg.device, cfg.dtype)
+            ids = load_inputs(cfg, lm)["ids"][:4]
+        jobs.append((name, cfg, ms, mc))
+
+    def run(job, out_dir):
+        name, cfg, ms, mc = job
+        os.makedirs(out_dir, exist_ok=True)
+        rec = open_run_recorder(cfg, out_dir, lm, ids)
+        with rec:
+            st = run_prompts(lm, ids, ms, mc, cfg.gen_length, cfg.batch_size,
+                             sinks_for_batch=lambda b, rows: [rec.sink(b, rows)], warmup=False)
+        return [r.tokens for r in st.rows], rec.written_path
+
+    with torch.inference_mode():
+        reference = {job[0]: run(job, str(tmp_path / "ref" / job[0]))[0] for job in jobs}
+    results, errors = [], []
+    barrier = threading.Barrier(2)
+
+    def worker(i):
+        try:
+            barrier.wait()
+            for job in jobs[i:] + jobs[:i]:            # the two threads run different settings at the same time
+                results.append((job[0], *run(job, str(tmp_path / f"t{i}" / job[0]))))
+        except BaseException as exc:
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(results) == 4
+    for name, tokens, path in results:
+        assert tokens == reference[name], name
+        tr = open_trace(path, recover=False)
+        verify_integrity(tr)
+        assert tr.status == "complete" and [s.row for s in tr] == list(range(len(ids)))
+        for s, want in zip(tr, tokens):
+            assert s.tokens.tolist() == want
+            assert np.array_equal(s.state_at(s.n_steps), np.asarray(want))
