@@ -66,7 +66,6 @@ def compose(overrides: Iterable[str] = ()):
             raise ConfigError(one_line(exc)) from None
 
 
-
 def one_line(exc: Exception) -> str:
     """:func:`describe_config_error`, re-raising ``exc`` when it is not a config error."""
     message = describe_config_error(exc)
