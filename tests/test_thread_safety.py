@@ -234,3 +234,37 @@ def test_two_threads_decode_and_record_at_once_and_every_trace_replays_their_tok
         for s, want in zip(tr, tokens):
             assert s.tokens.tolist() == want
             assert np.array_equal(s.state_at(s.n_steps), np.asarray(want))
+
+
+def test_a_thread_never_composes_before_another_has_stored_the_schemas(tmp_path):
+    """``register_configs`` set its flag before storing the schemas: a second thread went on to compose with
+    ``run_schema`` not yet in Hydra's ConfigStore. The first thread's stores are held open while the second
+    registers and composes."""
+    got = _child(tmp_path, """
+        import json, threading, time
+        from hydra.core.config_store import ConfigStore
+        from dlm_engine.core.registry import load_plugins
+        load_plugins()                                   # (the plug-ins' schemas: not what this test is about)
+        from dlm_engine.app import config as app_config
+        from dlm_engine.app.compose import compose
+        inside = threading.Event()
+        orig = ConfigStore.store
+
+        def slow_store(self, *a, **kw):
+            if threading.current_thread().name == "first" and not inside.is_set():
+                inside.set()
+                time.sleep(0.5)
+            return orig(self, *a, **kw)
+
+        ConfigStore.store = slow_store
+        first = threading.Thread(target=app_config.register_configs, name="first")
+        first.start()
+        inside.wait(60)
+        try:
+            result = compose(["strategy=threshold"]).strategy.name
+        except Exception as exc:
+            result = f"{type(exc).__name__}: {exc}"
+        first.join()
+        print(json.dumps({"result": result}))
+    """)
+    assert got["result"] == "threshold"
