@@ -3,9 +3,10 @@
 Library users decode from several threads (a server answering requests, each decode with its own trace recorder).
 Three once-per-process initialisations set their "done" flag before doing the work, so a second thread could act
 on half-done state, and Hydra's composition clears a process-wide singleton. Each scenario runs in a child process
-(a fresh interpreter: nothing initialised yet) and is made deterministic by a plug-in or a tokenizer that signals
-when the first thread is inside the work and then holds it there, so the second thread arrives exactly then.
-(The zstd contexts' check is in ``test_trace_codecs.py``.) Last, two threads decode and record at once, end to end."""
+(a fresh interpreter: nothing initialised yet) and is made deterministic by slowing one step of the work (a
+plug-in's import, a ConfigStore store, Hydra's initialise, the text decoder's load), which signals when the first
+thread is inside it, so the second thread arrives exactly then. One more test has two threads decode and record at
+once, end to end. (The zstd contexts' check is in ``test_trace_codecs.py``.)"""
 import json
 import os
 import subprocess
