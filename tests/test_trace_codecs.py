@@ -202,8 +202,9 @@ if sys.argv[1] == "compress":        # every frame written on 4 threads at once 
     bad = sum(check.decompress(f) != p for i in data for f, p in zip(frames[i], data[i]))
 else:                                # frames read on 4 threads at once (format.zd) give their own bytes
     frames = {i: [fmt.zc(p) for p in data[i]] for i in data}
-    errors = run(lambda i: [fmt.zd(f, limit=len(p), expect=len(p)) == p or 1 / 0 for f, p in zip(frames[i], data[i])])
-    bad = 0
+    got = {i: [] for i in data}
+    errors = run(lambda i: got[i].extend(fmt.zd(f, limit=len(p), expect=len(p)) for f, p in zip(frames[i], data[i])))
+    bad = sum(g != p for i in data for g, p in zip(got[i], data[i]))
 print("errors", len(errors), errors[:2], "bad", bad)
 """
 
