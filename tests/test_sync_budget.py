@@ -336,6 +336,64 @@ def test_recorder_reads_back_the_decode(tmp_path, device, dtype, capture, name, 
     assert counts[True] == counts[False]
 
 
+class FakeEvent:
+    """A stand-in for ``torch.cuda.Event`` on a CPU: counts how many are made and recorded."""
+    made = recorded = 0
+
+    def __init__(self):
+        FakeEvent.made += 1
+        self.device = None
+        self.waits = 0
+
+    def record(self, stream=None):
+        assert stream is not None, "the sink records on the stream it took at on_start"
+        FakeEvent.recorded += 1
+        self.device, self.pending = stream.device, True
+
+    def synchronize(self):
+        assert self.pending, "the writer waits once per record"
+        self.pending = False
+
+
+class FakeStream:
+    device = torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_the_sinks_reuse_cuda_events_the_writer_has_waited_on(tiny_llada, tmp_path, monkeypatch, threaded):
+    """A CUDA sink records an event a step for the writer to wait on; an event the writer has waited on goes back
+    to the recorder's pool and is recorded again, so a step costs the loop a record, not a create as well (a CPU
+    decode whose sinks take the CUDA path with a fake event; the CUDA tests above run real ones). With the writer
+    on the caller's thread every event is back before the next step: one event for the whole decode."""
+    from dlm_engine.trace import TraceRecorder, open_trace
+    from dlm_engine.trace.recorder import BatchSink
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(FakeEvent, "made", 0)
+    monkeypatch.setattr(FakeEvent, "recorded", 0)
+    start = BatchSink.on_start
+
+    def on_start_as_cuda(self, canvas, info):
+        start(self, canvas, info)          # (the begin item goes over without an event: the CPU path)
+        self._cuda, self._stream = True, FakeStream()
+        self._spare = self.rec._spare_events.setdefault(0, [])
+
+    monkeypatch.setattr(BatchSink, "on_start", on_start_as_cuda)
+    mask = int(tiny_llada.config.mask_token_id)
+    header = {"model": {"eos_id": 2, "mask_id": mask}, "tokenizer": {"kind": "char"}}
+    rec = TraceRecorder(str(tmp_path / "t.dlmt"), header, threaded=threaded)
+    cls = strategy_class("low_confidence")
+    steps = 0
+    for b in range(2):
+        canvas = Canvas.from_prompts(PROMPTS[3], GEN, mask, 0)
+        decode(tiny_llada, canvas, cls(cls.Config(block_length=8, steps=GEN), GEN), sinks=[rec.sink(b, [3 * b, 3 * b + 1, 3 * b + 2])])
+        steps += canvas.step
+    rec.close()
+    assert FakeEvent.recorded == steps + 2           # a delta's each step and each batch's end
+    assert FakeEvent.made == 1 if not threaded else 1 <= FakeEvent.made < FakeEvent.recorded
+    assert open_trace(str(tmp_path / "t.dlmt"), recover=False).ok
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 def test_a_writer_replay_of_captured_items_writes_the_same_trace(tmp_path, device):
     """What a decode's sinks hand over, captured and replayed into ``TraceRecorder(threaded=False)`` (the writer

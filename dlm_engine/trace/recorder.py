@@ -237,6 +237,9 @@ class TraceRecorder:
         self._chan = _Channel(queue_size)
         self._batches: Dict[int, _BatchState] = {}
         self._side_stream = None
+        # CUDA events the writer has waited on, kept for the sinks to record again: a fresh event costs the step
+        # loop a create (and the writer a destroy) on top of its record (per device: an event records on one)
+        self._spare_events: Dict[int, List] = {}
         self._last_fsync = time.perf_counter()
         header = dict(header)
         header.setdefault("format", "dlm_engine trace")
@@ -398,12 +401,17 @@ class TraceRecorder:
                 return _np(torch.stack(tensors).to("cpu"))
         return _np(torch.stack(tensors))
 
+    def _waited(self, event) -> None:
+        """Wait for a sink's event (the step's work is done on the device), then keep it for reuse."""
+        if event is not None:
+            event.synchronize()
+            self._spare_events.setdefault(event.device.index, []).append(event)   # (append: atomic under the GIL)
+
     def _handle(self, item) -> None:
         kind = item[0]
         if kind == "delta":
             _, batch, delta, event = item
-            if event is not None:
-                event.synchronize()
+            self._waited(event)
             st = self._batches[batch]
             if self.wants_logits or delta.remask is not None:
                 self._flush_held(st)
@@ -485,8 +493,7 @@ class TraceRecorder:
         self._flush_full(st)
 
     def _on_begin(self, batch, rows, tokens, step_of, attn, gen_start, mask_id, info, rng, event) -> None:
-        if event is not None:
-            event.synchronize()
+        self._waited(event)
         tokens, step_of, attn = (_np(self._host(t)) for t in (tokens, step_of, attn))
         self._check_shape(batch, tokens.shape[0], gen_start, tokens.shape[1])
         st = _BatchState(batch, rows, tokens, step_of, gen_start, mask_id, self.capture, self.topk)
@@ -665,8 +672,7 @@ class TraceRecorder:
         return None
 
     def _on_end(self, batch, tokens, step_of, row_nfe, event) -> None:
-        if event is not None:
-            event.synchronize()
+        self._waited(event)
         st = self._batches.pop(batch)
         table = self._flush_steps(st, final=True)
         tokens, step_of, row_nfe = (_np(self._host(t)) for t in (tokens, step_of, row_nfe))
@@ -757,16 +763,27 @@ class BatchSink(Sink):
         self.wants_logits = rec.wants_logits
         self.wants_recomputed = rec.recomputed
         self._cuda = False
+        self._stream = self._spare = None
 
     def _event(self):
+        """A CUDA event recorded on the decode's stream after the step's work (None on other devices): the writer
+        waits on it, not the step loop. A spare one from the recorder's pool when there is one (``list.pop`` is
+        atomic under the GIL; the writer returns each event after its wait), recorded on the stream taken at
+        ``on_start`` (``torch.cuda.current_stream`` builds a Python object a call)."""
         if not self._cuda:
             return None
-        ev = torch.cuda.Event()
-        ev.record()
+        try:
+            ev = self._spare.pop()
+        except IndexError:
+            ev = torch.cuda.Event()
+        ev.record(self._stream)
         return ev
 
     def on_start(self, canvas, info: dict) -> None:
         self._cuda = canvas.device.type == "cuda"
+        if self._cuda:
+            self._stream = torch.cuda.current_stream(canvas.device)
+            self._spare = self.rec._spare_events.setdefault(self._stream.device.index, [])
         if len(self.rows) != canvas.batch_size:
             raise TraceError(f"batch {self.batch}: {len(self.rows)} row indices for a batch of {canvas.batch_size}")
         # generator states as tensors (host copies, no device sync); the writer thread turns them into bytes
