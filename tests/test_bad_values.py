@@ -105,7 +105,7 @@ def test_non_finite_logits_at_the_first_forward_stop_the_decode(tiny_llada):
     assert isinstance(err.value, UserError) and canvas.nfe == 1 and seen.deltas == 0
 
 
-HEALTH_CASES = [("cpu", torch.float32), ("cpu", torch.bfloat16), ("cpu", torch.float16)] + [
+HEALTH_CASES = [("cpu", torch.float32), ("cpu", torch.bfloat16), ("cpu", torch.float16), ("cpu", torch.float64)] + [
     pytest.param("cuda", dt, marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                       reason="needs a CUDA device (runs where one is lent)"))
     for dt in (torch.float32, torch.bfloat16)]
@@ -127,6 +127,9 @@ def test_the_first_forward_health_flag(device, dtype):
     ok[1, 0, 4] = torch.finfo(dtype).max
     ok[..., 1] = float("-inf")
     assert flags(ok) == [True, True]        # one flag per row (read in the step's one sync as is)
+    big = ok.clone()
+    big[0, :, 0] = torch.finfo(dtype).max   # every position at the largest value: no overflow to a false alarm
+    assert flags(big) == [True, True]
     for value, where in ((float("nan"), (1, 2, 3)), (float("inf"), (0, 0, 0))):
         bad = ok.clone()
         bad[where] = value
