@@ -342,8 +342,7 @@ class FakeEvent:
 
     def __init__(self):
         FakeEvent.made += 1
-        self.device = None
-        self.waits = 0
+        self.device, self.pending = None, False
 
     def record(self, stream=None):
         assert stream is not None, "the sink records on the stream it took at on_start"
@@ -386,7 +385,8 @@ def test_the_sinks_reuse_cuda_events_the_writer_has_waited_on(tiny_llada, tmp_pa
     steps = 0
     for b in range(2):
         canvas = Canvas.from_prompts(PROMPTS[3], GEN, mask, 0)
-        decode(tiny_llada, canvas, cls(cls.Config(block_length=8, steps=GEN), GEN), sinks=[rec.sink(b, [3 * b, 3 * b + 1, 3 * b + 2])])
+        sink = rec.sink(b, [3 * b, 3 * b + 1, 3 * b + 2])
+        decode(tiny_llada, canvas, cls(cls.Config(block_length=8, steps=GEN), GEN), sinks=[sink])
         steps += canvas.step
     rec.close()
     assert FakeEvent.recorded == steps + 2           # a delta's each step and each batch's end
