@@ -5,8 +5,10 @@ runs on CPU caches the forward has just emptied: ~10-35 us an operation instead 
 measures. This script takes one of those rules -- Fast-dLLM's threshold commit as the threshold strategy calls
 it (``threshold_commit(..., candidates_only=True)`` and the commit count) -- builds the same rule as one fused
 C++ function (``torch.utils.cpp_extension.load_inline``; needs a C++ compiler and the ``ninja`` package),
-checks that both give the same commits and counts on random rows (ties, ``-inf`` and NaN included), and times
-each call on cold caches (right after a real forward of the embedded model) and warm (called back to back).
+checks that both give the same commits and counts on random windows (exact ties included, and a row holding a
+NaN), and times each call on cold caches (right after a real forward of the embedded model) and warm (called back
+to back). Where a row's top score is tied the native rule defers to the eager one: ``torch.topk`` orders exact
+ties its own way, not by first index.
 
     python experiments/bench_native_rule.py [--calls 300] [--width 16]
 
