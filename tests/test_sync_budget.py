@@ -337,8 +337,10 @@ def test_recorder_reads_back_the_decode(tmp_path, device, dtype, capture, name, 
 
 
 class FakeEvent:
-    """A stand-in for ``torch.cuda.Event`` on a CPU: counts how many are made and recorded."""
+    """A stand-in for ``torch.cuda.Event`` on a CPU: counts how many are made and recorded, and fails when one is
+    recorded again before the writer waited on it, or is back in the recorder's pool before that wait."""
     made = recorded = 0
+    pools: dict = {}
 
     def __init__(self):
         FakeEvent.made += 1
@@ -346,11 +348,14 @@ class FakeEvent:
 
     def record(self, stream=None):
         assert stream is not None, "the sink records on the stream it took at on_start"
+        assert not self.pending, "an event recorded again before the writer waited on it"
         FakeEvent.recorded += 1
         self.device, self.pending = stream.device, True
 
     def synchronize(self):
         assert self.pending, "the writer waits once per record"
+        assert not any(e is self for pool in FakeEvent.pools.values() for e in pool), \
+            "an event back in the pool before the writer waited on it"
         self.pending = False
 
 
@@ -358,38 +363,49 @@ class FakeStream:
     device = torch.device("cuda", 0)
 
 
+class CudaLooking:
+    """A CPU canvas that tells ``on_start`` it is on CUDA (everything else is the canvas')."""
+
+    device = torch.device("cuda", 0)
+
+    def __init__(self, canvas):
+        self._canvas = canvas
+
+    def __getattr__(self, name):
+        return getattr(self._canvas, name)
+
+
 @pytest.mark.parametrize("threaded", [False, True])
 def test_the_sinks_reuse_cuda_events_the_writer_has_waited_on(tiny_llada, tmp_path, monkeypatch, threaded):
     """A CUDA sink records an event a step for the writer to wait on; an event the writer has waited on goes back
     to the recorder's pool and is recorded again, so a step costs the loop a record, not a create as well (a CPU
-    decode whose sinks take the CUDA path with a fake event; the CUDA tests above run real ones). With the writer
-    on the caller's thread every event is back before the next step: one event for the whole decode."""
+    decode whose sinks take the CUDA path of ``on_start`` with a stand-in event and stream; the CUDA tests above run
+    real ones). With the writer on the caller's thread every event is back before the next step: one event for the
+    whole decode; with the writer thread, the second batch reuses what the first one's waits gave back."""
     from dlm_engine.trace import TraceRecorder, open_trace
     from dlm_engine.trace.recorder import BatchSink
 
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device=None: torch.zeros(16, dtype=torch.uint8))
     monkeypatch.setattr(FakeEvent, "made", 0)
     monkeypatch.setattr(FakeEvent, "recorded", 0)
     start = BatchSink.on_start
-
-    def on_start_as_cuda(self, canvas, info):
-        start(self, canvas, info)          # (the begin item goes over without an event: the CPU path)
-        self._cuda, self._stream = True, FakeStream()
-        self._spare = self.rec._spare_events.setdefault(0, [])
-
-    monkeypatch.setattr(BatchSink, "on_start", on_start_as_cuda)
+    monkeypatch.setattr(BatchSink, "on_start", lambda self, canvas, info: start(self, CudaLooking(canvas), info))
     mask = int(tiny_llada.config.mask_token_id)
     header = {"model": {"eos_id": 2, "mask_id": mask}, "tokenizer": {"kind": "char"}}
     rec = TraceRecorder(str(tmp_path / "t.dlmt"), header, threaded=threaded)
+    monkeypatch.setattr(FakeEvent, "pools", rec._spare_events)
     cls = strategy_class("low_confidence")
     steps = 0
     for b in range(2):
         canvas = Canvas.from_prompts(PROMPTS[3], GEN, mask, 0)
         sink = rec.sink(b, [3 * b, 3 * b + 1, 3 * b + 2])
         decode(tiny_llada, canvas, cls(cls.Config(block_length=8, steps=GEN), GEN), sinks=[sink])
+        assert sink._cuda and sink._spare is rec._spare_events[0]       # (on_start's CUDA branch ran)
         steps += canvas.step
     rec.close()
-    assert FakeEvent.recorded == steps + 2           # a delta's each step and each batch's end
+    assert FakeEvent.recorded == steps + 4           # each batch's begin, a delta's each step, each batch's end
     assert FakeEvent.made == 1 if not threaded else 1 <= FakeEvent.made < FakeEvent.recorded
     assert open_trace(str(tmp_path / "t.dlmt"), recover=False).ok
 
