@@ -110,6 +110,7 @@ class BlockBuffer(Strategy):
         # host constants of synced / gates (per block): its index, its predecessor (block 0: itself), and the most
         # masked positions that predecessor may hold for the block to force its top-1 (block 0 always may)
         self.cols = np.arange(self.num_blocks)
+        self.sizes_f32 = np.array(self.sizes, dtype=np.float32)   # (block_progress, made on the host in synced)
         self.prev = np.maximum(self.cols - 1, 0)
         self.force_max = self.semi_max[self.prev]
         self.force_max[0] = np.iinfo(np.int64).max
@@ -209,7 +210,7 @@ class BlockBuffer(Strategy):
             events.append(BlockEvent("stored", (s0 - g) // bl, s0, e0))
         delta.block_events = events            # + completed / admitted, once the host knows (synced)
         # the buffers after this step are decided on the host (synced fills the placeholders, keeping this order)
-        delta.scalars.update({"committed": commit.sum(-1), "block_progress": torch.rsub(counts / st.sizes, 1.0),
+        delta.scalars.update({"committed": commit.sum(-1), "block_progress": None,
                               "buffer_first": None, "buffer_count": None})
         return delta, evolve(st, counts=counts, in_buf=None, may_force=None, events=())
 
@@ -246,6 +247,10 @@ class BlockBuffer(Strategy):
             new = np.flatnonzero(admit)
             if new.size:
                 delta.block_events += self.event_list("admitted", list(zip(new.tolist(), end[new].tolist())), B, g)
+            # the fraction of each block committed, from the counts read (those ``select`` left for the read): float32
+            # division and ``1 - x`` on the host, the bits ``torch.rsub(counts / sizes, 1.0)`` gives on the device
+            delta.scalars["block_progress"] = host_tensor(np.float32(1.0) - masked.astype(np.float32) / self.sizes_f32,
+                                                          torch.float32, st.sizes.device)
             delta.scalars["buffer_first"], delta.scalars["buffer_count"] = \
                 host_tensor(np.stack([first, count]), torch.long, st.sizes.device).unbind(0)
             events = st.events

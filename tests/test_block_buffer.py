@@ -84,6 +84,9 @@ def test_buffer_of_four_decodes_blocks_concurrently(tiny_llada):
         prog = d.scalars["block_progress"][0]
         want = (state[0, g:] != 1000).view(4, 8).float().mean(-1)
         assert torch.allclose(prog.float(), want)
+        # bit for bit what the device's float32 ``1 - masked / size`` gives (made on the host from the step's read)
+        left = (state[0, g:] == 1000).view(4, 8).sum(-1)
+        assert prog.dtype == torch.float32 and torch.equal(prog, torch.rsub(left / torch.full((4,), 8), 1.0))
     # directives: the buffer range, refreshed when it changes; completed blocks handed over for storing
     stored = [r for p in plans for r in p.cache.store]
     assert stored == [(g + 8 * b, g + 8 * b + 8) for b in range(3)]      # the last one completes on the final step
@@ -145,3 +148,19 @@ def test_defaults_are_diffulex_defaults():
 def test_bad_values_name_the_key(kw, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         BB(BB.Config(**kw), 16)
+
+
+def test_block_progress_has_the_bits_of_the_devices_float32_formula(tiny_llada):
+    """``block_progress`` is made on the host from the step's read of the masked positions per block: in a ragged
+    batch with blocks of 6 and a last block of 2 (fractions that float32 and float64 round differently), every row's
+    value after every step is bit for bit ``torch.rsub(masked / size, 1.0)`` over the canvas after that step."""
+    canvas, rec, _ = _run(tiny_llada, "block_buffer", PROMPTS, gen=20, buffer_size=2, block_length=6,
+                          accept_threshold=0.6)
+    g, sizes = canvas.gen_start, torch.tensor([6, 6, 6, 2])
+    for d, state in zip(rec.deltas, rec.states):
+        if d.step == 0:
+            continue
+        left = torch.nn.functional.pad(state[:, g:] == 1000, (0, 4)).view(3, 4, 6).sum(-1)
+        prog = d.scalars["block_progress"]
+        assert prog.dtype == torch.float32 and torch.equal(prog, torch.rsub(left / sizes, 1.0))
+    assert any(0 < float(v) < 1 and float(v) * 6 % 1 for d in rec.deltas if d.step for v in d.scalars["block_progress"].flatten())
