@@ -404,3 +404,22 @@ def test_threshold_commit_without_the_candidate_intersection_commits_the_same(se
                 full = threshold_commit(conf, cand, tau, span, counts)
                 fast = threshold_commit(conf, cand, tau, span, counts, candidates_only=True)
                 assert torch.equal(full, fast) and not (fast & ~cand).any() and fast.any(-1).all()
+
+
+@pytest.mark.parametrize("G, bl", [(5, 8), (16, 32), (16, 16), (13, 4), (12, 4), (20, 6)])
+def test_block_counts_are_the_masked_positions_per_block_one_op_for_one_block(G, bl):
+    """``block_counts``: masked positions per row and block (the last block may be short); a generation that is one
+    (possibly short) block is one sum, with no pad to the block's width first."""
+    from dlm_engine.core.blockwise import block_counts
+    from dlm_engine.core.instrument import SyncCounter
+
+    g = torch.Generator().manual_seed(G * 100 + bl)
+    canvas = Canvas.from_prompts([[5, 6, 7], [8]], G, 99, 0)
+    canvas.step_of[:, canvas.gen_start:] = torch.where(torch.rand((2, G), generator=g) < 0.5, -1, 1)
+    m = canvas.step_of[:, canvas.gen_start:] < 0
+    want = [[int(m[r, b:b + bl].sum()) for b in range(0, G, bl)] for r in range(2)]
+    with SyncCounter() as sc:
+        got = block_counts(canvas, bl, m)
+    assert got.tolist() == want and got.dtype == torch.long
+    if G <= bl:
+        assert sc.ops == 1

@@ -38,6 +38,8 @@ def block_counts(canvas, block_length: int, masked: Optional[torch.Tensor] = Non
     m = canvas.masked_cols(canvas.gen_start) if masked is None else masked
     B, G = m.shape
     nb = -(-G // block_length)
+    if nb == 1:                 # one (possibly short) block: one sum, no pad to the block's width first
+        return m.sum(-1, keepdim=True)
     if nb * block_length != G:
         m = torch.nn.functional.pad(m, (0, nb * block_length - G))
     return m.view(B, nb, block_length).sum(-1)
