@@ -48,7 +48,6 @@ class BlockBufferConfig(EosOptions):
 
 @dataclass(frozen=True)
 class BufferState:
-    sizes: torch.Tensor                    # [num_blocks] positions per block (on the canvas device)
     counts: Optional[torch.Tensor]         # [B, num_blocks] masked positions per block after the last select (device;
                                            # None before the first step: counted then, or known on the host)
     # host arrays (numpy, never written), as of the last host read: per row the buffer's first block (= the first
@@ -65,10 +64,11 @@ class BufferState:
     stored: int = 0                        # blocks [0, stored) were handed to the cache as complete
 
 
-def host_progress(masked: int, size: int) -> float:
-    """``1.0 - masked / size`` as float32 tensors compute it (integer true division in float32, then ``rsub``):
-    exact, since float32 results of ``/`` and ``-`` rounded from double are the correctly rounded ones."""
-    return f32(1.0 - f32(masked / size))
+def host_progress(masked, size):
+    """``1.0 - masked / size`` as float32 tensors compute it (integer true division in float32, then ``rsub``), for
+    host numbers or numpy arrays: the same float32 operations on the host, so the same bits (a float32 scalar or
+    array)."""
+    return np.float32(1.0) - np.asarray(masked, np.float32) / np.asarray(size, np.float32)
 
 
 @functools.lru_cache(maxsize=256)          # (per block size and threshold: every batch builds a strategy)
@@ -77,13 +77,6 @@ def progress_max(size: int, threshold: float) -> int:
     with a Python scalar: rounded to float32), or -1: ``m <= progress_max(size, t)`` is the device's test."""
     t = f32(float(threshold))
     return max([m for m in range(size + 1) if host_progress(m, size) >= t], default=-1)
-
-
-@functools.lru_cache(maxsize=64)
-def _sizes_tensor(sizes: Tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """``[num_blocks]`` positions per block on ``device``, made once per layout (read only; every batch builds a
-    strategy, and a tensor from a host list costs more than the rest of the set-up)."""
-    return host_tensor(list(sizes), torch.long, device)
 
 
 @register_strategy("block_buffer", BlockBufferConfig)
@@ -110,7 +103,7 @@ class BlockBuffer(Strategy):
         # host constants of synced / gates (per block): its index, its predecessor (block 0: itself), and the most
         # masked positions that predecessor may hold for the block to force its top-1 (block 0 always may)
         self.cols = np.arange(self.num_blocks)
-        self.sizes_f32 = np.array(self.sizes, dtype=np.float32)   # (block_progress, made on the host in synced)
+        self.sizes_f32 = np.array(self.sizes, dtype=np.float32)   # (host_progress of every block, in synced)
         self.prev = np.maximum(self.cols - 1, 0)
         self.force_max = self.semi_max[self.prev]
         self.force_max[0] = np.iinfo(np.int64).max
@@ -143,7 +136,7 @@ class BlockBuffer(Strategy):
     # of its window each row may commit in and which may force a top-1 (None: all of them).
     def init_state(self, canvas):
         check_eos_options(self.cfg, canvas)
-        return BufferState(_sizes_tensor(self.sizes, canvas.device), None)
+        return BufferState(None)
 
     def plan(self, canvas, st: BufferState):
         w = st.host_win
@@ -247,15 +240,14 @@ class BlockBuffer(Strategy):
             new = np.flatnonzero(admit)
             if new.size:
                 delta.block_events += self.event_list("admitted", list(zip(new.tolist(), end[new].tolist())), B, g)
-            # the fraction of each block committed, from the counts read (those ``select`` left for the read): float32
-            # division and ``1 - x`` on the host, the bits ``torch.rsub(counts / sizes, 1.0)`` gives on the device
-            delta.scalars["block_progress"] = host_tensor(np.float32(1.0) - masked.astype(np.float32) / self.sizes_f32,
-                                                          torch.float32, st.sizes.device)
+            # the fraction of each block committed, from the counts read (those ``select`` left for the read)
+            delta.scalars["block_progress"] = host_tensor(host_progress(masked, self.sizes_f32), torch.float32,
+                                                          canvas.device)
             delta.scalars["buffer_first"], delta.scalars["buffer_count"] = \
-                host_tensor(np.stack([first, count]), torch.long, st.sizes.device).unbind(0)
+                host_tensor(np.stack([first, count]), torch.long, canvas.device).unbind(0)
             events = st.events
         w = self.host_window(first, count)
-        in_buf, may_force = self.gates(w, first, count, masked, st.sizes.device)
+        in_buf, may_force = self.gates(w, first, count, masked, canvas.device)
         return evolve(st, host_first=first, host_count=count, host_masked=masked, host_win=w, in_buf=in_buf,
                       may_force=may_force, events=events)
 

@@ -13,6 +13,7 @@ def test_host_progress_and_threshold_tests_match_float32_tensors():
         prog = 1.0 - masked / torch.tensor([size] * (size + 1))
         host = [host_progress(m, size) for m in range(size + 1)]
         assert prog.tolist() == host, size
+        assert torch.equal(torch.from_numpy(host_progress(masked.numpy(), size)), prog), size   # (arrays too)
         for t in THRESHOLDS + [k / size for k in range(size + 1)]:
             want = (prog >= t).tolist()
             assert want == [p >= f32(t) for p in host], (size, t)
