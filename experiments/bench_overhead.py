@@ -20,7 +20,10 @@ same tokens). Without the model's work between steps the loop runs with warm CPU
 plain figure, but it varies far less from run to run: use it to compare changes to the loop itself.
 ``--evict-mb N`` (with ``--replayed``) adds ``evicted us/st``: the same replayed loop with N MB streamed through the
 caches before every forward, as the model's weights are (how much of the plain figure is the loop running on caches
-the forward emptied). ``--record`` attaches a trace recorder to every decode, as a ``dlm`` run does; the ``sinks``
+the forward emptied). ``--between sleep:MS`` or ``spin:MS`` (with ``--replayed``) adds ``sleep us/st`` or ``spin us/st``: the replayed loop
+with the thread sleeping, or spinning in a bare Python loop, MS ms before every forward instead (no data streamed):
+how much of the plain figure the forward's time alone costs the loop, whatever fills it.
+``--record`` attaches a trace recorder to every decode, as a ``dlm`` run does; the ``sinks``
 column is the step loop's hand-over to it. ``--ops-detail N`` prints under each row its N most expensive tensor
 operations outside the model, per step: CPU, count, op and the framework line that made it
 (:class:`dlm_engine.core.instrument.OpProfile`, one more instrumented run).
@@ -35,6 +38,7 @@ import shutil
 import sys
 import tempfile
 import time
+from typing import Optional, Tuple
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -45,6 +49,8 @@ from dlm_engine.core.capabilities import incompatibility  # noqa: E402
 from dlm_engine.core.instrument import ModelTimer, OpProfile, Sections, SyncCounter  # noqa: E402
 from dlm_engine.core.loop import decode  # noqa: E402
 from dlm_engine.core.registry import cache_class, load_plugins, strategy_class  # noqa: E402
+
+BETWEEN_KINDS = ("sleep", "spin")     # --between: what fills a replayed forward's time
 
 # (label, strategy, config overrides, caches to try)
 SETTINGS = [
@@ -151,8 +157,14 @@ class ReplayedForwards:
     warm, a lower bound) and with far less run-to-run noise, so that small changes to the loop can be compared.
     Cache ``none`` only: a cache's hooks run inside the forward and keep state."""
 
-    def __init__(self, model, evict_mb: int = 0):
+    def __init__(self, model, evict_mb: int = 0, between: Optional[Tuple[str, float]] = None):
         self.model, self.store = model, {}
+        # ``between = (kind, ms)``: before every replayed forward (timed as the model), ``sleep`` that long (the
+        # thread idle, no work at all) or ``spin`` in a bare Python loop (other code run, no data streamed): what
+        # the passage of a forward's time, rather than the forward's own data, leaves cold for the loop
+        if between is not None and (between[0] not in BETWEEN_KINDS or not 0 <= between[1] <= 1000):
+            raise ValueError(f"between={between}: a kind of {', '.join(BETWEEN_KINDS)} and 0-1000 ms")
+        self.between = between
         # ``evict_mb``: stream a buffer this large through the caches before every replayed forward (timed as the
         # model, like the forward it stands for), as the model's weights and activations do: the loop then runs
         # after its code and data were evicted, and its CPU a step shows how much of the plain figure is that
@@ -164,6 +176,14 @@ class ReplayedForwards:
     def __call__(self, ids, **kw):
         if self.evict is not None:
             self.evict.add_(1.0)
+        if self.between is not None:
+            kind, ms = self.between
+            if kind == "sleep":
+                time.sleep(ms / 1e3)
+            else:
+                until = time.perf_counter() + ms / 1e3
+                while time.perf_counter() < until:
+                    pass
         request = kw.get("request")
         if request is not None and request.aux is not None:      # extra query columns: not keyed, run them
             return self.model(ids, **kw)
@@ -176,11 +196,12 @@ class ReplayedForwards:
         return dataclasses.replace(call, logits=call.logits.clone(), memo={})
 
 
-def replayed_loop_us(model, prompts, gen, name, kw, batch, repeats, evict_mb: int = 0):
+def replayed_loop_us(model, prompts, gen, name, kw, batch, repeats, evict_mb: int = 0,
+                     between: Optional[Tuple[str, float]] = None):
     """``(loop us/step, same tokens)``: CPU outside the model per step with the forwards replayed (the smallest of
     ``repeats`` runs after one run that records them with the real model), and whether every replayed decode made
-    the recording run's tokens. ``evict_mb``: see :class:`ReplayedForwards`."""
-    rep = ReplayedForwards(model, evict_mb)
+    the recording run's tokens. ``evict_mb``, ``between``: see :class:`ReplayedForwards`."""
+    rep = ReplayedForwards(model, evict_mb, between)
     steps0 = one(rep, prompts, gen, name, kw, "none", batch, instrument=())[2]
     tokens0, best, same = one.tokens, None, True
     for _ in range(repeats):
@@ -208,6 +229,11 @@ def main(argv=None) -> int:
                          "this many MB is streamed through the caches before every forward (as the model does): "
                          "between 'loop us/st' and the plain figure, it shows how much of the overhead is the loop "
                          "running on caches the forward emptied")
+    ap.add_argument("--between", default=None, metavar="KIND:MS",
+                    help="with --replayed: also print 'KIND us/st', the replayed loop's CPU a step when the thread "
+                         "sleeps (KIND sleep: no work at all) or spins in a bare Python loop (spin: other code, no "
+                         "data) for MS ms before every forward: how much of the plain figure a forward's time alone, "
+                         "rather than its data, costs the loop (e.g. sleep:2)")
     ap.add_argument("--record", action="store_true",
                     help="record every decode with a trace recorder (default capture), as a `dlm` run does: the "
                          "'sinks' column is the step loop's hand-over to it; the writer thread's CPU is not counted")
@@ -224,6 +250,18 @@ def main(argv=None) -> int:
         ap.error("--evict-mb measures the replayed loop: add --replayed")
     if args.evict_mb < 0:
         ap.error(f"--evict-mb={args.evict_mb} must be >= 0")
+    between = None
+    if args.between is not None:
+        if not args.replayed:
+            ap.error("--between measures the replayed loop: add --replayed")
+        kind, _, ms = args.between.partition(":")
+        try:
+            between = (kind, float(ms))
+        except ValueError:
+            between = None
+        if between is None or kind not in BETWEEN_KINDS or not 0 <= between[1] <= 1000:
+            ap.error(f"--between={args.between} must be KIND:MS with KIND one of {', '.join(BETWEEN_KINDS)} "
+                     "and MS between 0 and 1000")
     torch.set_num_threads(1)
     load_plugins()
     only = set(args.only.split(",")) if args.only else None
@@ -235,7 +273,8 @@ def main(argv=None) -> int:
         head = (f"{'strategy':<13}{'cache':<6}{'B':>3}{'steps':>7}{'decode s':>9}{'model s':>9}{'ovh':>7}{'':>3}"
                 f"{'syncs/st':>9}{'':>3}{'ops/st':>7}{'plan':>8}{'sample':>8}{'select':>8}{'apply':>8}{'sinks':>8}  (CPU ms/step)"
                 f"{'wall ms':>9}" + (f"{'loop us/st':>12}" if args.replayed else "")
-                + (f"{'evicted us/st':>15}" if args.replayed and args.evict_mb else ""))
+                + (f"{'evicted us/st':>15}" if args.replayed and args.evict_mb else "")
+                + (f"{between[0] + ' us/st':>12}" if between else ""))
         print(head + "\n" + "-" * len(head))
         over, sync_over, rows_b1, fixed = [], [], 0, []
         for label, name, kw, caches in SETTINGS:
@@ -289,6 +328,10 @@ def main(argv=None) -> int:
                             us, same = replayed_loop_us(model, prompts, gen, name, kw, batch, args.repeats,
                                                         args.evict_mb)
                             print(f"{us:>15.1f}" + ("" if same else " (replay diverged!)"), end="")
+                        if between:
+                            us, same = replayed_loop_us(model, prompts, gen, name, kw, batch, args.repeats,
+                                                        between=between)
+                            print(f"{us:>12.1f}" + ("" if same else " (replay diverged!)"), end="")
                     print(flush=True)
                     if args.ops_detail:
                         steps_p = one(model, prompts, gen, name, kw, cache, batch, instrument=("ops",),

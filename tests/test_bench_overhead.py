@@ -94,6 +94,38 @@ def test_replayed_forwards_with_eviction_make_the_recorded_decodes(bench, tiny):
     assert rep.evict.numel() == 1 << 18 and bool((rep.evict > before).all())     # touched at every forward
 
 
+@pytest.mark.parametrize("kind", ["sleep", "spin"])
+def test_replayed_forwards_with_time_between_make_the_recorded_decodes_and_time_it_as_the_model(bench, tiny, kind):
+    """``--replayed --between KIND:MS``: the replayed decodes (the thread sleeping or spinning before each forward)
+    make the tokens of the run that recorded the forwards, and that time is the model's, not the loop's."""
+    import time
+
+    model, gen, block, prompts = tiny
+    kw = {"block_length": block}
+    us, same = bench.replayed_loop_us(model, prompts[:2], gen, "low_confidence", kw, 1, 1, between=(kind, 0.5))
+    assert same and us > 0
+    rep = bench.ReplayedForwards(model, between=(kind, 3.0))
+    bench.one(rep, prompts[:1], gen, "low_confidence", kw, "none", 1, instrument=())      # records the forwards
+    w0 = time.perf_counter()
+    cpu, mcpu, steps = bench.one(rep, prompts[:1], gen, "low_confidence", kw, "none", 1, instrument=())[:3]
+    assert steps > 0 and time.perf_counter() - w0 >= steps * 3e-3          # every forward waited 3 ms
+    if kind == "spin":
+        assert mcpu >= 0.9 * steps * 3e-3          # on the model's clock ...
+    assert cpu - mcpu < 0.5 * steps * 3e-3         # ... and never on the loop's
+
+
+@pytest.mark.parametrize("argv, key", [(["--between", "sleep:2"], "--replayed"),
+                                       (["--replayed", "--between", "spin:-1"], "--between"),
+                                       (["--replayed", "--between", "nap:2"], "--between"),
+                                       (["--replayed", "--between", "sleep"], "--between")])
+def test_between_without_replayed_or_malformed_is_a_one_line_error(bench, argv, key, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(argv + ["--model", "tiny", "--only", "low_conf"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert key in err[-1] and "Traceback" not in "\n".join(err)
+
+
 @pytest.mark.parametrize("argv, key", [(["--evict-mb", "8"], "--replayed"), (["--replayed", "--evict-mb", "-1"], "--evict-mb")])
 def test_evict_without_replayed_or_negative_is_a_one_line_error(bench, argv, key, capsys):
     with pytest.raises(SystemExit) as exc:
