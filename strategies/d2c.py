@@ -29,6 +29,7 @@ import torch
 
 from dlm_engine.core.blockwise import block_counts, counts_after, fresh_block_counts, host_rows
 from dlm_engine.core.canvas import FrameDelta
+from dlm_engine.core.devices import host_constant, host_tensor
 from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.eos import stop_at_eos
 from dlm_engine.core.priors import CertaintyDensity, FrequencyTable, FrequencyWeights
@@ -88,6 +89,8 @@ class BlockState:
     blk_of: int = -1
     committed: Optional[torch.Tensor] = None
     committed_step: int = -1
+    # the same commits per row known on the host (the fixed rate: :meth:`D2C.host_commits`): nothing is read back
+    committed_host: Optional[Tuple[int, ...]] = None
     density: Optional[CertaintyDensity] = None  # the certainty prior's reused rows (sigma set), one per decode
     # (within a step, select -> pick) the scores when they are ``-inf`` exactly where the step's confidences are:
     # the confidences times a density known to be positive (see ranked); None otherwise and between steps
@@ -205,7 +208,14 @@ class D2C(Strategy):
         rule), so they update the host counts; otherwise the canvas is recounted."""
         return st.committed is not None and st.committed_step == canvas.step
 
+    @staticmethod
+    def knows_commits(canvas, st: BlockState) -> bool:
+        """:meth:`reads_commits` with the counts known on the host already (:meth:`host_commits`): no read."""
+        return st.committed_host is not None and st.committed_step == canvas.step
+
     def sync_request(self, canvas, st: BlockState):
+        if self.knows_commits(canvas, st):
+            return None
         if self.reads_commits(canvas, st):
             return st.committed
         elig = self.eligible(canvas, canvas.masked_cols(canvas.gen_start)) & ~canvas.finished[:, None]
@@ -216,14 +226,16 @@ class D2C(Strategy):
         return fresh_block_counts(canvas, self.block_len)
 
     def synced(self, canvas, st: BlockState, values, delta):
-        if self.reads_commits(canvas, st):
+        if self.knows_commits(canvas, st):
+            counts = counts_after(st.counts, st.block, st.committed_host)
+        elif self.reads_commits(canvas, st):
             counts = counts_after(st.counts, st.block, values)
         else:
             counts = host_rows(values, canvas.batch_size)
         if delta is not None and st.block < self.num_blocks and not any(row[st.block] for row in counts):
             # the step finished the block
-            return evolve(st, block=st.block + 1, step=0, counts=counts, committed=None)
-        return evolve(st, counts=counts, committed=None)
+            return evolve(st, block=st.block + 1, step=0, counts=counts, committed=None, committed_host=None)
+        return evolve(st, counts=counts, committed=None, committed_host=None)
 
     def sampler_options(self, st: BlockState) -> dict:
         """The keyword arguments of :func:`sample_tokens` for this config (and the loaded PC-Sampler table)."""
@@ -292,6 +304,20 @@ class D2C(Strategy):
         return BlockSampled(placed(part.confidence, order, (B, G), float("-inf")), placed(part.x0, order, (B, G), 0),
                             None)
 
+    def host_commits(self, counts) -> Optional[Tuple[int, ...]]:
+        """Per call row, how many positions :meth:`pick` commits when the host knows it (None otherwise): the fixed
+        rate (no threshold, factor or EB budget) of this class's own ``pick``, with the block's candidates per call
+        row known (``counts``), commits the top ``min(num_transfer_tokens, candidates)`` of each row. Every
+        candidate ranks above the ``-inf`` of the other positions: a probability, a margin, an entropy or a uniform
+        draw, times a clipped frequency weight or a certainty prior, is never ``-inf`` (a NaN ranks first, and is a
+        candidate too), so ``topk`` takes exactly that many candidates."""
+        c = self.cfg
+        if (counts is None or type(self).pick is not D2C.pick
+                or c.threshold is not None or c.factor is not None or c.gamma is not None):
+            return None
+        k = int(c.num_transfer_tokens)
+        return tuple(min(k, int(n)) for n in counts)
+
     def pick(self, scores, cand, block_cand, sampled: Sampled, st: BlockState, rows, counts):
         """``[B_a, G]`` commits of the call's rows (``rows``; None: every row) and the new state (subclasses: KLASS,
         AR); ``counts``: the
@@ -352,20 +378,28 @@ class D2C(Strategy):
             if st.density.positive:                      # -inf exactly where conf is (and NaN where it is NaN)
                 st = evolve(st, ranked_scores=scores)
         commit_a, st = self.pick(scores, cand, block_cand, sampled, st, rows, counts)
-        delta, committed, only_commits = self.frame(canvas, rows, commit_a, sampled.x0, conf, masked_all, st)
+        n_call = self.host_commits(counts)
+        if n_call is not None and len(n_call) != B_a:      # (cannot happen: the counts are the call rows')
+            n_call = None
+        delta, committed, only_commits, n_host = self.frame(canvas, rows, commit_a, sampled.x0, conf, masked_all, st,
+                                                            n_call=n_call, run=plan.rows)
         delta.scalars.update(block=st.block, committed=committed)
         # the block ends in synced, on the host read; ``only_commits`` (the fast path) says the commits were all
-        # that changed the eligible positions
-        return delta, evolve(st, step=st.step + 1, committed=committed if only_commits else None,
+        # that changed the eligible positions (``n_host``: and the host knows how many: nothing to read)
+        return delta, evolve(st, step=st.step + 1, committed=committed if only_commits and n_host is None else None,
+                             committed_host=n_host,
                              committed_step=delta.step, ranked_scores=None)
 
     def frame(self, canvas, rows, commit_a, x0_a, conf_a, masked: Optional[torch.Tensor] = None,
-              st: Optional[BlockState] = None):
-        """``(delta, committed, only_commits)``: the full-batch delta over the generation from the call rows'
+              st: Optional[BlockState] = None, n_call: Optional[Tuple[int, ...]] = None, run=None):
+        """``(delta, committed, only_commits, n_host)``: the full-batch delta over the generation from the call rows'
         commits, tokens and confidences (``rows`` None: the call ran every row), its commits per row, and whether
         they were all that changed the eligible positions (``masked``: the generation's masked positions before
         it, given when the fast path may apply; ``st``: the step's state, whose host counts (masked positions per
-        row and block then) can tell the finished rows without a reduction)."""
+        row and block then) can tell the finished rows without a reduction; ``n_call``: the commits per call row known
+        on the host (:meth:`host_commits`), ``run`` the plan's host flags of the rows that ran (None: every row):
+        the fast path then counts and finishes on the host (``delta.finished_host``) and ``n_host`` is those counts
+        over the full batch, None otherwise)."""
         g, B, dev = canvas.gen_start, canvas.batch_size, canvas.device
         conf_a = conf_a if conf_a.dtype == torch.float32 else conf_a.float()
         if rows is None:
@@ -384,17 +418,27 @@ class D2C(Strategy):
         if masked is None or c.eos_fill or c.stop_until_eos or any(canvas.finished_host):
             delta.finished = torch.zeros(B, dtype=torch.bool, device=dev)
             delta = self.finish(canvas, delta)
-            return delta, delta.commit.sum(-1), False
+            return delta, delta.commit.sum(-1), False, None
         # no row was finished before this step, and nothing but the commits changes what is left (no EOS rule):
         # a row finishes when no masked position remains. The commits are masked positions, so a row finishes when
         # it commits as many as it had left (on the host: the eligible ones are the masked ones here)
-        committed = commit.sum(-1)
         left = [sum(row) for row in st.counts] if st is not None else []
+        if n_call is not None and len(left) == B:           # counted on the host: no reduction, nothing to read
+            if run is None:
+                n_host = tuple(n_call)
+            else:
+                it = iter(n_call)
+                n_host = tuple(next(it) if f else 0 for f in run)
+            fin = tuple(n == m for n, m in zip(n_host, left))
+            delta.finished = host_tensor(fin, torch.bool, dev) if any(fin) else canvas.no_rows()
+            delta.finished_host = fin
+            return delta, host_constant(n_host, torch.long, dev), True, n_host
+        committed = commit.sum(-1)
         if len(left) == B:                                  # told on the host in the loop's sync
             delta.finished_counts = (committed, tuple(left))
         else:
             delta.finished = ~(masked > commit).any(-1)          # (masked > commit: masked and not committed)
-        return delta, committed, True
+        return delta, committed, True, None
 
     def finish(self, canvas, delta: FrameDelta) -> FrameDelta:
         """Mark rows with nothing left to decode finished (with ``eos_fill``, fill what follows an EOS)."""

@@ -415,12 +415,68 @@ def test_d2c_host_counts_follow_the_canvas(tiny_llada, name, kw, cache):
         elig = s.eligible(canvas, canvas.step_of[:, canvas.gen_start:] < 0) & ~canvas.finished[:, None]
         return block_counts(canvas, s.block_len, elig)
 
+    def how(s, canvas, st):
+        return "host" if s.knows_commits(canvas, st) else "read" if s.reads_commits(canvas, st) else None
+
     cls = strategy_class(name)
-    checked = host_counts_checked(tiny_llada, cls, cls.Config(block_length=4, **kw), cache, recount,
-                                  lambda s, canvas, st: s.reads_commits(canvas, st))
+    checked = host_counts_checked(tiny_llada, cls, cls.Config(block_length=4, **kw), cache, recount, how)
     assert checked and all(ok for _, ok in checked)
     eos_rules = kw.get("stop_until_eos") or kw.get("eos_fill")
-    assert any(used for used, _ in checked) != bool(eos_rules)      # the commit counts were the read
+    used = {u for u, _ in checked} - {None}
+    assert bool(used) != bool(eos_rules)      # the commit counts, read or known, updated the host counts
+    # the fixed rate of d2c's own pick knows its counts on the host (nothing read back); the rules that count on
+    # the device (threshold, EB, KLASS, AR) read them
+    fixed = name == "d2c" and not ({"threshold", "gamma", "factor"} & set(kw))
+    assert used == (set() if eos_rules else {"host"} if fixed else {"read"})
+
+
+@pytest.mark.parametrize("kw", [dict(block_length=8), dict(block_length=4, num_transfer_tokens=3), dict(sigma=10.0),
+                                dict(debias=True, freq_table="llada", block_length=8)])
+@pytest.mark.parametrize("cache", ["none", "dual"])
+def test_d2c_fixed_rate_knows_its_commit_counts_on_the_host(tiny_llada, kw, cache):
+    """The fixed rate of d2c's own pick commits ``min(num_transfer_tokens, candidates)`` a row, so its counts, the
+    rows it finishes and the next host counts are known on the host: a decode reads the device once (the first
+    step's read, with the forward's health check), not once a step, and every delta's ``committed`` scalar and
+    ``finished`` flags are what its commits and the canvas say. The same decode with the counts read back (the
+    threshold rule's path, forced) makes the same tokens."""
+    from dlm_engine.app.sinks import RecordingSink
+    from dlm_engine.core.canvas import Canvas
+    from dlm_engine.core.instrument import ModelTimer, SyncCounter
+    from dlm_engine.core.loop import decode
+    from dlm_engine.core.registry import cache_class, strategy_class
+
+    cls = strategy_class("d2c")
+    timer = ModelTimer(tiny_llada)      # (reads inside the forward, a cache's, are not the loop's)
+
+    class ReadBack(cls):
+        def host_commits(self, counts):
+            return None
+
+    def run(klass):
+        canvas = Canvas.from_prompts([[5, 6, 7, 8], [9, 10, 11, 12]], 16, int(tiny_llada.config.mask_token_id), 0)
+        rec = RecordingSink()
+        with torch.inference_mode(), SyncCounter(timer) as counter:
+            decode(timer, canvas, klass(cls.Config(**kw), 16), cache_class(cache)(), sinks=[rec])
+        return canvas, rec, counter
+
+    canvas, rec, counter = run(cls)
+    reads = counter.total - counter.counts.get("host-tensor", 0)     # (PC-Sampler's table upload is no read)
+    assert canvas.step > 2 and reads == 1, (canvas.step, counter.counts)
+    left = None
+    for d, tokens in zip(rec.deltas, rec.states):
+        assert d.finished_host is not None
+        assert d.scalars["committed"].tolist() == d.commit.sum(-1).tolist()
+        still = (tokens[:, canvas.gen_start:] == canvas.mask_id).sum(-1)
+        assert d.finished.tolist() == (still == 0).tolist() == list(d.finished_host)
+        assert left is None or (left - d.commit.sum(-1)).tolist() == still.tolist()
+        left = still
+    assert bool(canvas.finished.all())
+    plain, plain_rec, plain_counter = run(ReadBack)
+    assert torch.equal(plain.tokens, canvas.tokens) and plain.step == canvas.step
+    assert plain_counter.total - plain_counter.counts.get("host-tensor", 0) == plain.step     # (one read a step)
+    for a, b in zip(rec.deltas, plain_rec.deltas):
+        assert a.scalars["committed"].tolist() == b.scalars["committed"].tolist()
+        assert torch.equal(a.finished, b.finished)
 
 
 def _spec_klass(base):
