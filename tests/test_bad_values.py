@@ -138,3 +138,104 @@ def test_the_first_forward_health_flag(device, dtype):
     dead[1, 1, :] = float("-inf")
     assert flags(dead) == [True, False]
     assert flags(ok[:, :0]) == [True, True]     # a call with no positions
+
+
+@pytest.mark.parametrize("device,dtype", HEALTH_CASES)
+@pytest.mark.parametrize("kind", ["prob", "margin", "entropy", "inv_entropy"])
+def test_the_health_flag_from_the_first_steps_confidences(device, dtype, kind):
+    """The loop reads the first forward's health from the step's confidences where they come from the softmax of
+    every position's logits (:func:`confidence_health`): the same flags as the logits' own check
+    (:func:`all_finite`) for NaN, +inf, an all -inf position, suppressed tokens and logits at the dtype's largest
+    value, whatever the softmax dtype and temperature; no flags (the logits are checked) where the confidences do
+    not cover every position that way."""
+    from dlm_engine.core.loop import all_finite, confidence_health, healthy
+    from dlm_engine.core.sampler import propose
+    from dlm_engine.core.strategy import StepPlan
+
+    def flags(values):
+        return [healthy([x]) for x in values.tolist()]
+
+    ok = torch.randn(3, 4, 6).to(device=device, dtype=dtype)
+    ok[..., 1] = float("-inf")                  # a suppressed token: healthy
+    ok[2, 0, 4] = torch.finfo(dtype).max        # a finite logit at the dtype's largest value: healthy
+    cases = [ok]
+    for value, where in ((float("nan"), (1, 2, 3)), (float("inf"), (0, 0, 0)), (float("nan"), (2, 3, 1))):
+        bad = ok.clone()
+        bad[where] = value
+        cases.append(bad)
+    dead = ok.clone()
+    dead[1, 1, :] = float("-inf")
+    cases.append(dead)
+    for logits in cases:
+        want = flags(all_finite(logits))
+        for softmax_dtype in ("model", "float64"):
+            for temperature in (0.0, 0.7):
+                plan = StepPlan(window=(0, 4), confidence=kind, softmax_dtype=softmax_dtype, temperature=temperature)
+                proposal = propose(logits, 0, temperature=temperature, confidence=kind, softmax_dtype=softmax_dtype)
+                got = confidence_health(plan, proposal)
+                if proposal.confidence.dtype == torch.float16 and "entropy" in kind:
+                    # a float16 entropy is NaN wherever a probability underflows to 0 (a suppressed token here):
+                    # it cannot tell, so the logits are checked
+                    assert got is None and not all(flags(proposal.confidence.sum(-1, dtype=torch.float64)))
+                    continue
+                assert got is not None and got.dtype == torch.float64 and got.shape == (3,)
+                assert flags(got) == want, (kind, softmax_dtype, temperature, want)
+    assert sum(not f for c in cases for f in flags(all_finite(c))) == 4        # (the cases are unhealthy as meant)
+    # confidences that do not tell: the logits are checked instead
+    plain = dict(window=(0, 4), confidence=kind)
+    proposal = propose(ok, 0, temperature=0.0, confidence=kind)
+    assert confidence_health(StepPlan(**plain, sample=False), proposal) is None
+    assert confidence_health(StepPlan(**{**plain, "confidence": "random"}),
+                             propose(ok, 0, temperature=0.0, confidence="random")) is None
+    if kind in ("prob", "inv_entropy"):
+        cut = propose(ok, 0, temperature=0.0, confidence=kind, top_v=3)
+        assert confidence_health(StepPlan(**plain, top_v=3), cut) is None
+    valid = torch.ones(3, 4, dtype=torch.bool, device=device)
+    valid[0, 1] = False
+    assert confidence_health(StepPlan(**plain), propose(ok, 0, temperature=0.0, confidence=kind, valid=valid)) is None
+    proposal.masked_confidence = True
+    assert confidence_health(StepPlan(**plain), proposal) is None
+
+
+@pytest.mark.parametrize("name, poison", [("threshold", "nan"), ("threshold", "inf"), ("threshold", "dead"),
+                                          ("low_confidence", "inf"), ("factor", "dead"), ("d2c", "nan"),
+                                          ("cadllm", "inf")])
+def test_every_kind_of_bad_first_forward_stops_the_decode(tiny_llada, name, poison):
+    """Whether the health comes from the confidences (threshold, low_confidence, factor) or from the logits (d2c samples
+    itself, CadLLM cuts to a top-V), a first forward with a NaN, a +inf or an all -inf position (one position of one
+    row) stops the decode with one NonFiniteError, before any sink sees a step."""
+    from dlm_engine.core.canvas import Canvas
+    from dlm_engine.core.loop import Sink, decode
+    from dlm_engine.core.registry import strategy_class
+    from dlm_engine.errors import NonFiniteError
+
+    class Poisoned:
+        logits_shift = 0
+
+        def __call__(self, *a, **kw):
+            call = tiny_llada(*a, **kw)
+            lg = call.logits.clone()
+            if poison == "dead":
+                lg[-1, -1, :] = float("-inf")
+            else:
+                lg[-1, -1, 3] = float(poison)
+            call.logits = lg
+            return call
+
+        def __getattr__(self, key):
+            return getattr(tiny_llada, key)
+
+    class Seen(Sink):
+        deltas = 0
+
+        def on_delta(self, delta, canvas):
+            self.deltas += 1
+
+    cls = strategy_class(name)
+    kw = {"initial_block_length": 8, "min_block": 4, "max_block": 8} if name == "cadllm" else {"block_length": 8}
+    prompts = [[5, 6, 7], [8, 9, 10]][:cls.max_batch or 2]        # (CadLLM decodes one row at a time)
+    canvas = Canvas.from_prompts(prompts, 8, int(tiny_llada.config.mask_token_id), 0)
+    seen = Seen()
+    with pytest.raises(NonFiniteError, match="non-finite logits at the first forward"):
+        decode(Poisoned(), canvas, cls(cls.Config(**kw), 8), sinks=[seen])
+    assert canvas.nfe == 1 and seen.deltas == 0

@@ -171,10 +171,14 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
                 proposal = idle_proposal(canvas, plan.window, active.vocab)
             else:
                 logits, call = forward(model, canvas, plan, cache, rows=rows, live=live)
-                if active.vocab is None:    # the first forward: NaN weights or fp16 overflow end the decode
-                    finite = all_finite(logits)
+                first = active.vocab is None    # the first forward: NaN weights or fp16 overflow end the decode
+                if first:
                     active.seen(logits)
                 proposal = sample(logits, plan, call, rows, canvas, active.run, all_conf)
+                if first:
+                    finite = confidence_health(plan, proposal)
+                    if finite is None:
+                        finite = all_finite(logits)
                 if rows is not None and plan.sample:
                     proposal = expand_proposal(proposal, rows, canvas)
             proposal.active, proposal.pads, proposal.all_confidences = active.mask, canvas.pads, all_conf
@@ -296,6 +300,29 @@ def all_finite(logits: torch.Tensor) -> torch.Tensor:
     if logits.dtype == torch.float64 or dtype != torch.float64:
         return torch.linalg.vector_norm(logits.amax(dim=-1), ord=math.inf, dim=-1, dtype=dtype)
     return logits.amax(dim=-1).sum(-1, dtype=torch.float64)
+
+
+# confidence kinds made from the softmax of a position's logits (without a top-V cut): NaN exactly where the position
+# is unhealthy (see :func:`confidence_health`)
+HEALTH_FROM_CONFIDENCE = ("prob", "margin", "entropy", "inv_entropy")
+
+
+def confidence_health(plan: StepPlan, proposal: Proposal) -> Optional[torch.Tensor]:
+    """:func:`all_finite`'s values from the first step's confidences instead of its logits: one kernel over ``[B, W]``
+    for two over ``[B, W, V]``. A confidence made from the softmax of a position's logits (``prob``, ``margin``,
+    ``entropy``, ``inv_entropy``, none cut to a top-V) is NaN exactly where the position is unhealthy (a NaN or a +inf
+    logit, or every logit -inf, makes the whole softmax NaN) and a finite number in ``[0, 1]`` elsewhere, so the
+    float64 sum of a row's confidences is finite exactly when the row is healthy. None where the confidences do
+    not cover the call's positions that way (random draws, a top-V cut, columns left out or scored, a plan that
+    samples itself, MPS without float64) and for an entropy made in float16, whose ``log`` of a probability that
+    underflowed to 0 (the clamp's 1e-30 and CadLLM's 1e-12 are 0 there) makes healthy positions NaN too: the logits
+    are checked then."""
+    conf = proposal.confidence
+    if (conf is None or not plan.sample or plan.confidence not in HEALTH_FROM_CONFIDENCE or plan.top_v is not None
+            or proposal.valid is not None or proposal.masked_confidence or conf.device.type == "mps"
+            or conf.dim() != 2 or (conf.dtype == torch.float16 and plan.confidence in ("entropy", "inv_entropy"))):
+        return None
+    return conf.sum(-1, dtype=torch.float64)
 
 
 def healthy(values) -> bool:
