@@ -56,6 +56,26 @@ def test_confidence_kinds():
     assert float(topv[0, 1]) == 0.0  # proposal outside the top-2 gets 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_entropy_confidence_is_finite_when_probabilities_underflow(dtype):
+    """The ``entropy`` confidence of a distribution with probabilities that underflow to 0 (a suppressed token; in
+    float16 any probability below 2^-24, i.e. most of a large vocabulary) is a number, close to the float64
+    value; its floor is 1e-30 wherever the dtype holds that (the bits there are as before)."""
+    from dlm_engine.core.sampler import entropy_floor
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 4096) * 4
+    logits[..., 7] = float("-inf")
+    logits[1, 2, 11] = 40.0                     # a nearly certain position
+    x0 = logits.argmax(-1)
+    got = confidence_of(logits.to(dtype), x0, "entropy")
+    ref = confidence_of(logits.double(), x0, "entropy")
+    assert got.dtype == dtype and bool(torch.isfinite(got).all())
+    tol = {torch.float16: 2e-2, torch.bfloat16: 5e-2}.get(dtype, 1e-5)
+    assert torch.allclose(got.double(), ref, rtol=tol, atol=tol)
+    assert entropy_floor(dtype) == (2.0 ** -24 if dtype == torch.float16 else 1e-30)
+
+
 def test_transfer_schedule_front_loaded():
     assert transfer_schedule(torch.tensor([10]), 4).tolist() == [[3, 3, 2, 2]]
     assert transfer_schedule(torch.tensor([3]), 5).tolist() == [[1, 1, 1, 0, 0]]

@@ -314,13 +314,13 @@ def confidence_health(plan: StepPlan, proposal: Proposal) -> Optional[torch.Tens
     logit, or every logit -inf, makes the whole softmax NaN) and a finite number in ``[0, 1]`` elsewhere, so the
     float64 sum of a row's confidences is finite exactly when the row is healthy. None where the confidences do
     not cover the call's positions that way (random draws, a top-V cut, columns left out or scored, a plan that
-    samples itself, MPS without float64) and for an entropy made in float16, whose ``log`` of a probability that
-    underflowed to 0 (the clamp's 1e-30 and CadLLM's 1e-12 are 0 there) makes healthy positions NaN too: the logits
-    are checked then."""
+    samples itself, MPS without float64) and for CadLLM's ``inv_entropy`` made in float16, whose ``log(p + 1e-12)``
+    of a probability that underflowed to 0 (1e-12 is 0 there: the spec's formula) makes healthy positions NaN too:
+    the logits are checked then."""
     conf = proposal.confidence
     if (conf is None or not plan.sample or plan.confidence not in HEALTH_FROM_CONFIDENCE or plan.top_v is not None
             or proposal.valid is not None or proposal.masked_confidence or conf.device.type == "mps"
-            or conf.dim() != 2 or (conf.dtype == torch.float16 and plan.confidence in ("entropy", "inv_entropy"))):
+            or conf.dim() != 2 or (conf.dtype == torch.float16 and plan.confidence == "inv_entropy")):
         return None
     return conf.sum(-1, dtype=torch.float64)
 

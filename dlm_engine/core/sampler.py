@@ -135,6 +135,15 @@ def softmax_in(logits: torch.Tensor, dtype: str) -> torch.Tensor:
     return torch.softmax(logits, dim=-1)
 
 
+def entropy_floor(dtype: torch.dtype) -> float:
+    """The floor of the probabilities whose log the ``entropy`` confidence takes: 1e-30, or the dtype's smallest
+    positive number where 1e-30 is 0 (float16: 2^-24). A probability that underflowed to 0 then adds ``0 * log
+    floor = 0`` to the entropy; with a floor of 0 it adds ``0 * -inf = NaN`` (every float16 softmax over a large
+    vocabulary has such zeros, so its entropies were all NaN)."""
+    fi = torch.finfo(dtype)
+    return max(1e-30, fi.tiny * fi.eps)
+
+
 def confidence_of(logits: torch.Tensor, x0: torch.Tensor, kind: str, dtype: str = "model",
                   call_len: Optional[int] = None, offset: int = 0, top_v: Optional[int] = None,
                   x0_is_argmax: bool = False) -> torch.Tensor:
@@ -143,7 +152,8 @@ def confidence_of(logits: torch.Tensor, x0: torch.Tensor, kind: str, dtype: str 
     * ``prob``: clean probability of ``x0`` (softmax in model dtype or float64). With ``top_v`` the
       softmax runs over the top-``top_v`` logits only (float64) and a proposal outside them gets 0.
     * ``margin``: top-1 minus top-2 clean probability.
-    * ``entropy``: ``exp(-H)`` of the clean distribution (1 = certain).
+    * ``entropy``: ``exp(-H)`` of the clean distribution (1 = certain), ``H = -sum p log max(p, floor)`` with
+      :func:`entropy_floor`'s floor.
     * ``inv_entropy``: CadLLM's ``1 / (1 + H)`` with ``H = -sum p log(p + 1e-12)`` over the softmax (model
       dtype) of the top-``top_v`` logits (all logits when ``top_v`` is None); independent of ``x0``.
     * ``random``: ``torch.rand((B, call_len))`` float32, sliced to the window (LLaDA's random remasking).
@@ -178,7 +188,7 @@ def confidence_of(logits: torch.Tensor, x0: torch.Tensor, kind: str, dtype: str 
         return top2[..., 0] - top2[..., 1]
     if kind == "entropy":
         p = softmax_in(logits, dtype)
-        h = -(p * torch.log(p.clamp_min(1e-30))).sum(-1)
+        h = -(p * torch.log(p.clamp_min(entropy_floor(p.dtype)))).sum(-1)
         return torch.exp(-h)
     raise ValueError(f"unknown confidence kind '{kind}' (choose from {', '.join(CONFIDENCE_KINDS)})")
 
