@@ -457,3 +457,33 @@ def test_a_recorder_without_its_thread_writes_the_same_records(lm, tmp_path):
     with pytest.raises(fmt.TraceError, match="writer failed"):
         rec.close()
     assert not os.path.exists(tmp_path / "small.dlmt")
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="per-thread nice values are Linux's")
+def test_the_writer_thread_runs_at_the_lowest_priority_and_the_loop_keeps_its_own(lm, tmp_path):
+    """The writer thread takes nice 19 for itself alone (the model's threads get a core before it); the step loop's
+    thread keeps its priority; ``writer_nice=None`` leaves the writer at the process' own; the trace is the same."""
+    import threading
+
+    from dlm_engine.trace.recorder import WRITER_NICE
+
+    me = threading.get_native_id()
+    before = os.getpriority(os.PRIO_PROCESS, me)
+    for nice in (WRITER_NICE, None):
+        path = tmp_path / f"{nice}.dlmt"
+        rec = TraceRecorder(str(path), HEADER, writer_nice=nice)
+        for _ in range(200):                                 # (the thread sets it when it starts)
+            if rec.writer_tid is not None or nice is None:
+                break
+            __import__("time").sleep(0.01)
+        if nice is None:
+            assert rec.writer_tid is None
+        else:
+            assert rec.writer_tid not in (None, me)
+            assert os.getpriority(os.PRIO_PROCESS, rec.writer_tid) == WRITER_NICE == 19
+        assert os.getpriority(os.PRIO_PROCESS, me) == before
+        rec.close()
+        assert open_trace(path, recover=False) is not None
+    assert os.getpriority(os.PRIO_PROCESS, me) == before
+    _, _, rec = record_run(lm, tmp_path / "run.dlmt", "low_confidence", PROMPTS)
+    assert rec.writer_tid is not None and os.getpriority(os.PRIO_PROCESS, me) == before
