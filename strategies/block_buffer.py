@@ -171,19 +171,24 @@ class BlockBuffer(Strategy):
         cand = win if proposal.valid is None else win & proposal.valid
         conf_w = eos_confidence(c, canvas, plan, proposal)
         conf = conf_w
+        one = n_win == 1        # one block in the window: its [B, W] rows are the blocks (no reshapes, no views)
         if pad:
             cand, conf = F.pad(cand, (0, pad)), F.pad(conf_w, (0, pad), value=float("-inf"))
-        cand, conf = cand.reshape(B, n_win, bw), conf.reshape(B, n_win, bw)     # cand may be a view of ``win``
+        if not one:
+            cand, conf = cand.reshape(B, n_win, bw), conf.reshape(B, n_win, bw)     # cand may be a view of ``win``
         if st.in_buf is not None:
-            cand = cand & st.in_buf[..., None]
+            cand = cand & (st.in_buf if one else st.in_buf[..., None])
         accept = cand & (conf >= c.accept_threshold)
-        need = cand.any(-1) ^ accept.any(-1)           # = cand.any & ~accept.any: accept is a part of cand
+        # = cand.any & ~accept.any (accept is a part of cand), per block: [B, n_win] ([B, 1] for one block)
+        need = cand.any(-1, keepdim=one) ^ accept.any(-1, keepdim=one)
         if st.may_force is not None:
             need &= st.may_force
-        top = masked_conf(conf, cand).argmax(-1)
+        top = masked_conf(conf, cand).argmax(-1, keepdim=one)
         # accept | one_hot(top) where a block needs its top-1 (-1 matches no column)
-        commit = accept.logical_or_(column_indices(bw, conf.device) == torch.where(need, top, -1)[..., None])
-        commit = commit.view(B, n_win * bw)
+        hit = torch.where(need, top, -1)
+        commit = accept.logical_or_(column_indices(bw, conf.device) == (hit if one else hit[..., None]))
+        if not one:
+            commit = commit.view(B, n_win * bw)
         if pad:
             commit = commit[:, :W]
         win.masked_fill_(commit, False)                 # masked_gen is now the masks after this step
@@ -202,8 +207,13 @@ class BlockBuffer(Strategy):
         for s0, e0 in (plan.cache.stored if plan.cache is not None else []):   # honoured by the cache
             events.append(BlockEvent("stored", (s0 - g) // bl, s0, e0))
         delta.block_events = events            # + completed / admitted, once the host knows (synced)
-        # the buffers after this step are decided on the host (synced fills the placeholders, keeping this order)
-        delta.scalars.update({"committed": commit.sum(-1), "block_progress": None,
+        # the buffers after this step are decided on the host (synced fills the placeholders, keeping this order);
+        # so are the commits per row where they are masked positions and nothing else changed the masks (no EOS
+        # stop; no candidate scoring -inf, which could make a block's forced top-1 a column that is not masked):
+        # the read's counts against the last ones
+        exact = not c.stop_at_eos and proposal.valid is None and not (
+            c.confidence_eos_eot_inf and plan.confidence != "random")
+        delta.scalars.update({"committed": None if exact else commit.sum(-1), "block_progress": None,
                               "buffer_first": None, "buffer_count": None})
         return delta, evolve(st, counts=counts, in_buf=None, may_force=None, events=())
 
@@ -243,8 +253,13 @@ class BlockBuffer(Strategy):
             # the fraction of each block committed, from the counts read (those ``select`` left for the read)
             delta.scalars["block_progress"] = host_tensor(host_progress(masked, self.sizes_f32), torch.float32,
                                                           canvas.device)
-            delta.scalars["buffer_first"], delta.scalars["buffer_count"] = \
-                host_tensor(np.stack([first, count]), torch.long, canvas.device).unbind(0)
+            if delta.scalars.get("committed", 0) is None:       # the masked positions the step's commits took
+                committed = st.host_masked.sum(1) - masked.sum(1)
+                delta.scalars["committed"], delta.scalars["buffer_first"], delta.scalars["buffer_count"] = \
+                    host_tensor(np.stack([committed, first, count]), torch.long, canvas.device).unbind(0)
+            else:
+                delta.scalars["buffer_first"], delta.scalars["buffer_count"] = \
+                    host_tensor(np.stack([first, count]), torch.long, canvas.device).unbind(0)
             events = st.events
         w = self.host_window(first, count)
         in_buf, may_force = self.gates(w, first, count, masked, canvas.device)

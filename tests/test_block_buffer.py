@@ -164,3 +164,27 @@ def test_block_progress_has_the_bits_of_the_devices_float32_formula(tiny_llada):
         prog = d.scalars["block_progress"]
         assert prog.dtype == torch.float32 and torch.equal(prog, torch.rsub(left / sizes, 1.0))
     assert any(0 < float(v) < 1 and float(v) * 6 % 1 for d in rec.deltas if d.step for v in d.scalars["block_progress"].flatten())
+
+
+@pytest.mark.parametrize("kw", [dict(buffer_size=1, block_length=8), dict(buffer_size=4, block_length=8),
+                                dict(buffer_size=2, block_length=6), dict(buffer_size=2, block_length=32),
+                                dict(buffer_size=2, block_length=8, stop_at_eos=True),
+                                dict(buffer_size=2, block_length=8, confidence_eos_eot_inf=True)])
+def test_committed_is_each_steps_commits_per_row(tiny_llada, kw):
+    """The ``committed`` scalar is the step's commits per row, int64: made on the host from the step's read (the
+    masked positions it took) where commits are all that changed the masks, on the device otherwise (an EOS stop,
+    confidences that may be -inf); with an EOS stop it counts the rule's commits, not the stop's fill."""
+    canvas = Canvas.from_prompts(PROMPTS, 20, 1000, 1001, eos_id=int(tiny_llada.config.eos_token_id))
+    rec = RecordingSink()
+    decode(tiny_llada, canvas, BB(BB.Config(accept_threshold=0.6, **kw), 20), sinks=[rec])
+    steps = [d for d in rec.deltas if d.step]
+    assert steps and bool(canvas.finished.all())
+    for d in steps:
+        n, total = d.scalars["committed"], d.commit.sum(-1)
+        assert n.dtype == torch.long
+        if kw.get("stop_at_eos"):       # the rule's commits; an EOS stop's fill widens the delta beyond them
+            assert bool((n <= total).all())
+        else:
+            assert n.tolist() == total.tolist()
+    if kw.get("stop_at_eos"):
+        assert any(bool((d.scalars["committed"] < d.commit.sum(-1)).any()) for d in steps)   # (a stop happened)
