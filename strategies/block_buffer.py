@@ -27,7 +27,8 @@ from dlm_engine.core.blockwise import block_counts, fresh_block_counts
 from dlm_engine.core.canvas import BlockEvent
 from dlm_engine.core.devices import host_tensor
 from dlm_engine.core.capabilities import Cap, caps
-from dlm_engine.core.eos import EosOptions, check_eos_options, eos_confidence, eos_stop, eos_suppress
+from dlm_engine.core.eos import (EosOptions, check_eos_options, eos_confidence, eos_stop, eos_suppress,
+                                 no_candidate_scores_neg_inf)
 from dlm_engine.core.registry import register_strategy
 from dlm_engine.core.selection import column_indices, f32, masked_conf
 from dlm_engine.core.strategy import CacheDirective, Remasking, StepPlan, Strategy, evolve
@@ -211,8 +212,7 @@ class BlockBuffer(Strategy):
         # so are the commits per row where they are masked positions and nothing else changed the masks (no EOS
         # stop; no candidate scoring -inf, which could make a block's forced top-1 a column that is not masked):
         # the read's counts against the last ones
-        exact = not c.stop_at_eos and proposal.valid is None and not (
-            c.confidence_eos_eot_inf and plan.confidence != "random")
+        exact = not c.stop_at_eos and no_candidate_scores_neg_inf(c, plan, proposal)
         delta.scalars.update({"committed": None if exact else commit.sum(-1), "block_progress": None,
                               "buffer_first": None, "buffer_count": None})
         return delta, evolve(st, counts=counts, in_buf=None, may_force=None, events=())
@@ -253,13 +253,11 @@ class BlockBuffer(Strategy):
             # the fraction of each block committed, from the counts read (those ``select`` left for the read)
             delta.scalars["block_progress"] = host_tensor(host_progress(masked, self.sizes_f32), torch.float32,
                                                           canvas.device)
+            names, rows = ["buffer_first", "buffer_count"], [first, count]
             if delta.scalars.get("committed", 0) is None:       # the masked positions the step's commits took
-                committed = st.host_masked.sum(1) - masked.sum(1)
-                delta.scalars["committed"], delta.scalars["buffer_first"], delta.scalars["buffer_count"] = \
-                    host_tensor(np.stack([committed, first, count]), torch.long, canvas.device).unbind(0)
-            else:
-                delta.scalars["buffer_first"], delta.scalars["buffer_count"] = \
-                    host_tensor(np.stack([first, count]), torch.long, canvas.device).unbind(0)
+                names.insert(0, "committed")
+                rows.insert(0, st.host_masked.sum(1) - masked.sum(1))
+            delta.scalars.update(zip(names, host_tensor(np.stack(rows), torch.long, canvas.device).unbind(0)))
             events = st.events
         w = self.host_window(first, count)
         in_buf, may_force = self.gates(w, first, count, masked, canvas.device)

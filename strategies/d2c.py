@@ -378,11 +378,8 @@ class D2C(Strategy):
             if st.density.positive:                      # -inf exactly where conf is (and NaN where it is NaN)
                 st = evolve(st, ranked_scores=scores)
         commit_a, st = self.pick(scores, cand, block_cand, sampled, st, rows, counts)
-        n_call = self.host_commits(counts)
-        if n_call is not None and len(n_call) != B_a:      # (cannot happen: the counts are the call rows')
-            n_call = None
         delta, committed, only_commits, n_host = self.frame(canvas, rows, commit_a, sampled.x0, conf, masked_all, st,
-                                                            n_call=n_call, run=plan.rows)
+                                                            n_call=self.host_commits(counts), run=plan.rows)
         delta.scalars.update(block=st.block, committed=committed)
         # the block ends in synced, on the host read; ``only_commits`` (the fast path) says the commits were all
         # that changed the eligible positions (``n_host``: and the host knows how many: nothing to read)

@@ -16,7 +16,8 @@ import torch
 
 from dlm_engine.core.canvas import BlockEvent
 from dlm_engine.core.capabilities import Cap, caps
-from dlm_engine.core.eos import EosOptions, check_eos_options, eos_confidence, eos_stop, eos_suppress
+from dlm_engine.core.eos import (EosOptions, check_eos_options, eos_confidence, eos_stop, eos_suppress,
+                                 no_candidate_scores_neg_inf)
 from dlm_engine.core.strategy import (BlockCursor, CacheDirective, Remasking, StepPlan, Strategy, block_range,
                                       candidates)
 
@@ -138,7 +139,7 @@ class FillBlocks(Strategy):
         conf = eos_confidence(self.cfg, canvas, plan, proposal)
         # every masked position of the block is a candidate (all columns computed) and none scores -inf (that takes
         # the EOS/EOT ranking quirk): the host counts are the candidates
-        exact = proposal.valid is None and not (self.cfg.confidence_eos_eot_inf and plan.confidence != "random")
+        exact = no_candidate_scores_neg_inf(self.cfg, plan, proposal)
         commit = self.rule(conf, cand, cur, proposal.row_span, plan.info["counts"], exact_counts=exact)
         if not self.rule_within_candidates:
             commit = commit & cand
