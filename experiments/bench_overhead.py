@@ -52,6 +52,11 @@ from dlm_engine.core.registry import cache_class, load_plugins, strategy_class  
 
 BETWEEN_KINDS = ("sleep", "spin")     # --between: what fills a replayed forward's time
 
+
+def between_ok(between: Tuple[str, float]) -> bool:
+    """A ``--between`` setting ``(kind, ms)`` the replayed loop takes: a kind of ``BETWEEN_KINDS``, 0-1000 ms."""
+    return between[0] in BETWEEN_KINDS and 0 <= between[1] <= 1000
+
 # (label, strategy, config overrides, caches to try)
 SETTINGS = [
     ("low_conf", "low_confidence", {}, ("none", "dual")),
@@ -162,7 +167,7 @@ class ReplayedForwards:
         # ``between = (kind, ms)``: before every replayed forward (timed as the model), ``sleep`` that long (the
         # thread idle, no work at all) or ``spin`` in a bare Python loop (other code run, no data streamed): what
         # the passage of a forward's time, rather than the forward's own data, leaves cold for the loop
-        if between is not None and (between[0] not in BETWEEN_KINDS or not 0 <= between[1] <= 1000):
+        if between is not None and not between_ok(between):
             raise ValueError(f"between={between}: a kind of {', '.join(BETWEEN_KINDS)} and 0-1000 ms")
         self.between = between
         # ``evict_mb``: stream a buffer this large through the caches before every replayed forward (timed as the
@@ -259,7 +264,7 @@ def main(argv=None) -> int:
             between = (kind, float(ms))
         except ValueError:
             between = None
-        if between is None or kind not in BETWEEN_KINDS or not 0 <= between[1] <= 1000:
+        if between is None or not between_ok(between):
             ap.error(f"--between={args.between} must be KIND:MS with KIND one of {', '.join(BETWEEN_KINDS)} "
                      "and MS between 0 and 1000")
     torch.set_num_threads(1)
