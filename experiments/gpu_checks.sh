@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks of issue 17, item 7, as one script for a lent CUDA machine (never part of CI or the test suite):
-#   1. the CUDA tests (sync budget of every strategy x cache on CUDA in float32 and bfloat16, the first forward's
+#   1. every test whose name says CUDA (sync budget of every strategy x cache on CUDA in float32 and bfloat16, the first forward's
 #      health flag, the recorder's CUDA path, cached decodes with rows sitting out, host_tensor, device/dtype
 #      resolution);
 #   2. the three fixture folders through experiments/parity.py on CUDA in float32 and bfloat16, each compared
@@ -39,8 +39,7 @@ git rev-parse --short HEAD 2>/dev/null || true
 
 if want tests; then
 stage "CUDA tests and parity (in parallel)"
-timeout 200 $py -m pytest -q -p no:cacheprovider tests/test_sync_budget.py tests/test_dtype_device.py tests/test_bad_values.py \
-    -k "cuda or CUDA" >"$out/pytest_cuda.log" 2>&1 &
+timeout 200 $py -m pytest -q -p no:cacheprovider tests -k "cuda or CUDA" >"$out/pytest_cuda.log" 2>&1 &
 for dtype in $dtypes; do
   for f in refparity dreamparity d2cparity; do
     ( timeout 200 $py experiments/parity.py tests/fixtures/$f "$out/parity_${f}_$dtype.json" --device cuda \
