@@ -10,11 +10,15 @@
 #   4. experiments/bench_trace.py's recording overhead on CUDA in float32 and bfloat16 (the recorder's CUDA path
 #      under load);
 #   5. (stage cpu-recording) the same recording overhead with the model on the host's CPU, torch on 2 threads as on
-#      the CI machines: a quieter machine than a shared VM for the <= 1% wall question (PAIRS pairs, default 20).
+#      the CI machines: a quieter machine than a shared VM for the <= 1% wall question (PAIRS pairs, default 20);
+#   6. (stage cpu-overhead) experiments/bench_overhead.py with the model on the host's CPU (float32, batch 1, both
+#      models): whether item 1's CPU figures are the 2-core VM's or the loop's (on the VM a 2 ms sleep before each
+#      forward alone reproduces the loop's cold cost, bench_overhead.py --between).
 # Each stage has its own time limit so that one slow stage cannot eat the others' time.
 #
 #     bash experiments/gpu_checks.sh OUT_DIR
 #     STAGES="overhead recording" DTYPES=float32 bash experiments/gpu_checks.sh OUT_DIR   # a subset
+#     STAGES="tests overhead cpu-overhead" ...            # stages 5 and 6 run only when named
 #     OVERHEAD_DTYPES=bfloat16 OVERHEAD_BATCHES=1 ...      # the overhead bench in fewer settings
 #
 # Needs torch with CUDA and the package installed (pip install -e . --no-deps where the other dependencies are).
@@ -83,5 +87,10 @@ stage "recording overhead, the host's CPU (float32, torch on 2 threads)"
 OMP_NUM_THREADS=2 timeout ${CPU_RECORDING_LIMIT:-200} $py experiments/bench_trace.py --skip sizes,replay,real,writer \
     --pairs ${PAIRS:-20} --overhead-runs 1:2,8:8 --override device=cpu --override dtype=float32 2>&1 \
     | tee "$out/bench_trace_cpu.log"
+fi
+if want cpu-overhead; then
+stage "overhead bench, the host's CPU (float32, batch 1)"
+timeout ${CPU_OVERHEAD_LIMIT:-240} $py experiments/bench_overhead.py --device cpu --dtype float32 --model both \
+    --batches 1 --prompts ${CPU_OVERHEAD_PROMPTS:-2} --repeats 2 2>&1 | tee "$out/bench_overhead_cpu.log"
 fi
 stage done
