@@ -7,18 +7,20 @@ framework adds: no FrameDelta, no per-position step record, no finished flags, n
 caches, rows or EOS options, no strategy object. Each calls the model exactly as the step loop does (the window's
 logits only), so the model's CPU is the same work, and each must make the very tokens dlm_engine makes (checked,
 every prompt). The CPU outside the model, over decode CPU, is then measured with ``bench_overhead.py``'s protocol
-(one torch thread, thread CPU, the smallest of ``--repeats`` runs) for both.
+(one torch thread, thread CPU, the smallest of ``--repeats`` runs) for both, and the tensor operations a step
+outside the model are counted the same way for both (``SyncCounter``, one more run each).
 
     python experiments/bench_minimal_loop.py [--model tiny|d256|both] [--prompts 8] [--repeats 5]
 
 What the difference says: the part of dlm_engine's overhead that is the framework's own (its generality: the
 trace-ready deltas, the health check, one host read serving loop and strategy, the policy interfaces), against
-the part that is the algorithm's tensor operations, which any implementation pays. Nothing in the engine uses
-these loops.
+the part that is the algorithm's tensor operations, which any implementation pays; with the operation counts
+beside it, whether that part is operations or Python. Nothing in the engine uses these loops.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -29,7 +31,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_overhead  # noqa: E402
-from dlm_engine.core.instrument import ModelTimer  # noqa: E402
+from dlm_engine.core.instrument import ModelTimer, SyncCounter  # noqa: E402
 from dlm_engine.core.registry import load_plugins  # noqa: E402
 
 NEG_INF = float("-inf")
@@ -89,19 +91,32 @@ def minimal_low_confidence(model, prompt, gen, block, mask_id):
 LOOPS = {"threshold": minimal_threshold, "low_confidence": minimal_low_confidence}
 
 
-def run_minimal(model, prompts, gen, block, name):
-    """Decode every prompt with the minimal loop: (decode CPU s, model CPU s, steps, tokens per prompt)."""
+def run_minimal(model, prompts, gen, block, name, count_ops=False):
+    """Decode every prompt with the minimal loop: (decode CPU s, model CPU s, steps, tokens per prompt).
+    ``count_ops``: count the tensor operations outside the model instead (``run_minimal.ops``; the CPU figures of
+    such a run include the counter's own work)."""
     timer = ModelTimer(model)
     mask_id = int(model.config.mask_token_id)
     cpu, steps, tokens = 0.0, 0, []
-    with torch.inference_mode():
+    counter = SyncCounter(timer) if count_ops else contextlib.nullcontext()
+    with torch.inference_mode(), counter:
         for p in prompts:
             t0 = time.thread_time()
             x, n = LOOPS[name](timer, p, gen, block, mask_id)
             cpu += time.thread_time() - t0
             steps += n
             tokens.append(x.tolist())
+    run_minimal.ops = counter.ops if count_ops else None
     return cpu, timer.cpu, steps, tokens
+
+
+def ops_per_step(model, prompts, gen, block, name):
+    """(minimal, dlm_engine) tensor operations a step outside the model, counted the same way
+    (:class:`dlm_engine.core.instrument.SyncCounter`, views and host-made tensors included), one run each."""
+    steps = run_minimal(model, prompts, gen, block, name, count_ops=True)[2]
+    mini = run_minimal.ops / steps
+    res = bench_overhead.one(model, prompts, gen, name, {"block_length": block}, "none", 1, instrument=("syncs",))
+    return mini, res[6] / res[2]
 
 
 def compare(model, prompts, gen, block, name, repeats):
@@ -138,12 +153,14 @@ def main(argv=None) -> int:
         prompts = prompts[:args.prompts]
         print(f"\nmodel {mname}: gen {gen}, block {block}, {len(prompts)} prompts one by one, cache none, "
               f"budget {budget:.0f}%")
-        print(f"{'strategy':<16}{'loop':<12}{'steps':>6}{'outside ms':>12}{'model ms':>10}{'ovh':>8}{'us/step':>9}")
+        print(f"{'strategy':<16}{'loop':<12}{'steps':>6}{'outside ms':>12}{'model ms':>10}{'ovh':>8}{'us/step':>9}"
+              f"{'ops/step':>10}")
         for name in LOOPS:
             mini, eng = compare(model, prompts, gen, block, name, args.repeats)
-            for label, (o, m, n) in (("minimal", mini), ("dlm_engine", eng)):
+            ops = ops_per_step(model, prompts, gen, block, name)
+            for label, (o, m, n), k in (("minimal", mini, ops[0]), ("dlm_engine", eng, ops[1])):
                 print(f"{name:<16}{label:<12}{n:>6}{o * 1e3:>12.3f}{m * 1e3:>10.3f}{o / (o + m):>8.1%}"
-                      f"{o / n * 1e6:>9.0f}")
+                      f"{o / n * 1e6:>9.0f}{k:>10.1f}")
             print(f"{'':<16}{'ratio':<12}{'':>6}{eng[0] / mini[0]:>11.2f}x  (same tokens and steps)")
     return 0
 

@@ -48,3 +48,15 @@ def test_main_prints_both_loops_and_their_ratio(bench, capsys):
     for name in ("threshold", "low_confidence"):
         assert f"{name:<16}minimal" in out and f"{name:<16}dlm_engine" in out
     assert out.count("(same tokens and steps)") == 2
+    assert "ops/step" in out
+
+
+def test_ops_are_counted_the_same_way_for_both_loops(bench, tiny):
+    """The operation counts compare like with like: the engine's is bench_overhead's own count, and the bare loop's
+    counter sees its operations (a loop of at least argmax, softmax, where and a commit a step)."""
+    model, gen, block, prompts = tiny
+    mini, eng = bench.ops_per_step(model, prompts, gen, block, "low_confidence")
+    res = bench.bench_overhead.one(model, prompts, gen, "low_confidence", {"block_length": block}, "none", 1,
+                                   instrument=("syncs",))
+    assert eng == res[6] / res[2]
+    assert mini >= 4
