@@ -37,28 +37,33 @@ from dlm_engine.core.registry import load_plugins  # noqa: E402
 NEG_INF = float("-inf")
 
 
-def _call(model, x, pos, s, e):
-    return model(x, position_ids=pos, logits_range=(s, e)).logits
+def _fresh(prompt, gen, mask_id):
+    """(prompt length, the canvas ``[1, P + gen]`` with the generation masked, its positions)."""
+    P = len(prompt)
+    return P, torch.tensor([list(prompt) + [mask_id] * gen]), torch.arange(P + gen)[None]
+
+
+def _proposal(model, x, pos, s, e, masked, softmax_dtype=None):
+    """The window's argmax tokens and, at its masked positions, their probabilities (``-inf`` elsewhere): the model
+    called for the window's logits only, as the step loop calls it."""
+    logits = model(x, position_ids=pos, logits_range=(s, e)).logits
+    x0 = logits.argmax(-1)
+    p = torch.softmax(logits, -1, dtype=softmax_dtype)
+    return x0, torch.where(masked, p.gather(-1, x0[..., None])[..., 0], NEG_INF)
 
 
 def minimal_threshold(model, prompt, gen, block, mask_id, tau=0.9):
     """Fast-dLLM's threshold decode, bare: per block, until it holds no mask, the top-1 masked position and every
     masked position whose float64 probability of its argmax token is >= ``tau``. Returns (tokens, steps)."""
-    P = len(prompt)
-    x = torch.tensor([list(prompt) + [mask_id] * gen])
-    pos = torch.arange(P + gen)[None]
+    P, x, pos = _fresh(prompt, gen, mask_id)
     steps = 0
     for s in range(P, P + gen, block):
-        e = s + block
-        xs = x[:, s:e]
+        xs = x[:, s:s + block]
         while True:
             m = xs == mask_id
             if not bool(m.any()):
                 break
-            logits = _call(model, x, pos, s, e)
-            x0 = logits.argmax(-1)
-            p = torch.softmax(logits, -1, dtype=torch.float64)
-            conf = torch.where(m, p.gather(-1, x0[..., None])[..., 0], NEG_INF)
+            x0, conf = _proposal(model, x, pos, s, s + block, m, torch.float64)
             sel = conf >= tau
             sel[0, conf.argmax(-1)] = True
             torch.where(sel, x0, xs, out=xs)
@@ -69,19 +74,12 @@ def minimal_threshold(model, prompt, gen, block, mask_id, tau=0.9):
 def minimal_low_confidence(model, prompt, gen, block, mask_id):
     """LLaDA's low-confidence remasking, bare, one token a step (steps = gen): per block, ``block`` steps, each
     committing the masked position whose model-dtype probability of its argmax token is highest."""
-    P = len(prompt)
-    x = torch.tensor([list(prompt) + [mask_id] * gen])
-    pos = torch.arange(P + gen)[None]
+    P, x, pos = _fresh(prompt, gen, mask_id)
     steps = 0
     for s in range(P, P + gen, block):
-        e = s + block
-        xs = x[:, s:e]
+        xs = x[:, s:s + block]
         for _ in range(block):
-            m = xs == mask_id
-            logits = _call(model, x, pos, s, e)
-            x0 = logits.argmax(-1)
-            p = torch.softmax(logits, -1)
-            conf = torch.where(m, p.gather(-1, x0[..., None])[..., 0], NEG_INF)
+            x0, conf = _proposal(model, x, pos, s, s + block, xs == mask_id)
             i = conf.topk(1, dim=-1).indices
             xs.scatter_(1, i, x0.gather(1, i))
             steps += 1

@@ -40,16 +40,27 @@ def run_dlm(args, cwd, env=None, timeout=300, exe="dlm"):
                           timeout=timeout)
 
 
-@pytest.fixture(scope="session")
-def parity():
-    """``experiments/parity.py`` (a script, not a package module) loaded once per session."""
+def load_experiment(script: str, name: str = None):
+    """``experiments/<script>.py`` (a script, not a package module) loaded as module ``name`` (default: the
+    script's), with ``experiments/`` on the import path while it loads (the scripts import each other)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("dlm_parity", ROOT / "experiments" / "parity.py")
+    name = name or script
+    spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{script}.py")
     mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod          # dataclasses resolve string annotations through sys.modules
-    spec.loader.exec_module(mod)
+    sys.modules[name] = mod               # dataclasses resolve string annotations through sys.modules
+    sys.path.insert(0, str(ROOT / "experiments"))
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(ROOT / "experiments"))
     return mod
+
+
+@pytest.fixture(scope="session")
+def parity():
+    """``experiments/parity.py`` loaded once per session."""
+    return load_experiment("parity", "dlm_parity")
 
 
 def watch_calls(cache, what=lambda c: c):

@@ -4,19 +4,14 @@ The figures are machine-dependent and not tested; what is tested is that the fra
 what the engine decodes (so the comparison is of the same work), in one block and in several, and that a loop that
 decodes something else is caught.
 """
-import importlib.util
-
 import pytest
 
-from conftest import ROOT
+from conftest import load_experiment
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_minimal_loop", ROOT / "experiments" / "bench_minimal_loop.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_experiment("bench_minimal_loop")
 
 
 @pytest.fixture(scope="module")

@@ -4,22 +4,18 @@ The benchmark's numbers are not tested (they are machine-dependent); its bookkee
 every delta to a trace recorder (a complete, readable trace with the decode's tokens), times that hand-over as
 the ``sinks`` section, adds no host read, and leaves no file behind.
 """
-import importlib.util
 import os
 
 import pytest
 
-from conftest import ROOT
+from conftest import load_experiment
 from dlm_engine.trace import format as fmt
 
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_overhead", ROOT / "experiments" / "bench_overhead.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_experiment("bench_overhead")
 
 
 @pytest.fixture(scope="module")

@@ -4,22 +4,14 @@ Its numbers are machine-dependent and not tested; what is: the section captures 
 it through a recorder without its thread, and prints one row per run with the batches and steps of that decode
 and positive times.
 """
-import importlib.util
 import re
-import sys
 
-from conftest import ROOT
+from conftest import load_experiment
 
 
 def test_the_writer_section_replays_a_real_decode(capsys):
-    sys.path.insert(0, str(ROOT / "experiments"))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_trace", ROOT / "experiments" / "bench_trace.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        mod.bench_writer(16, reps=2, configs=(("batch 2", ["batch_size=2"]),))
-    finally:
-        sys.path.remove(str(ROOT / "experiments"))
+    mod = load_experiment("bench_trace")
+    mod.bench_writer(16, reps=2, configs=(("batch 2", ["batch_size=2"]),))
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("batch 2"))
     nums = [float(x) for x in re.findall(r"[0-9]+(?:\.[0-9]+)?", row[len("batch 2"):])]
@@ -32,14 +24,8 @@ def test_the_writer_section_replays_a_real_decode(capsys):
 def test_the_overhead_section_measures_the_hand_over_inside_the_decodes(capsys):
     """The recording-overhead section times the recorder's sink calls inside the real recorded decodes (not in a
     synthetic loop): positive per-step and per-batch hand-over figures, and no host read added by recording."""
-    sys.path.insert(0, str(ROOT / "experiments"))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_trace", ROOT / "experiments" / "bench_trace.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        res = mod.bench_overhead(2, 16, configs=((1, 1),))
-    finally:
-        sys.path.remove(str(ROOT / "experiments"))
+    mod = load_experiment("bench_trace")
+    res = mod.bench_overhead(2, 16, configs=((1, 1),))
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("CPU spent on recording"))
     m = re.search(r"hand-over ([0-9.]+) us/step \+ ([0-9.]+) us/batch", line)
