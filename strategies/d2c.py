@@ -29,7 +29,7 @@ import torch
 
 from dlm_engine.core.blockwise import block_counts, counts_after, fresh_block_counts, host_rows
 from dlm_engine.core.canvas import FrameDelta
-from dlm_engine.core.devices import host_constant, host_tensor
+from dlm_engine.core.devices import host_constant
 from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.eos import stop_at_eos
 from dlm_engine.core.priors import CertaintyDensity, FrequencyTable, FrequencyWeights
@@ -38,7 +38,7 @@ from dlm_engine.core.rows import full_batch
 from dlm_engine.core import sampler
 from dlm_engine.core.sampler import Sampled, placed, sample_tokens
 from dlm_engine.core.selection import d2c_commit, first_true, masked_order
-from dlm_engine.core.strategy import CacheDirective, StepPlan, Strategy, evolve, masked_after
+from dlm_engine.core.strategy import CacheDirective, StepPlan, Strategy, evolve, host_finished, masked_after
 from dlm_engine.errors import ConfigError
 
 
@@ -426,9 +426,7 @@ class D2C(Strategy):
             else:
                 it = iter(n_call)
                 n_host = tuple(next(it) if f else 0 for f in run)
-            fin = tuple(n == m for n, m in zip(n_host, left))
-            delta.finished = host_tensor(fin, torch.bool, dev) if any(fin) else canvas.no_rows()
-            delta.finished_host = fin
+            delta.finished_host, delta.finished = host_finished(canvas, n_host, left)
             return delta, host_constant(n_host, torch.long, dev), True, n_host
         committed = commit.sum(-1)
         if len(left) == B:                                  # told on the host in the loop's sync

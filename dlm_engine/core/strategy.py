@@ -209,8 +209,7 @@ class Strategy:
             pending = (pending[0], tuple(pending[1]))
         elif finished is None and masked_left is not None and remask is None:
             if committed_host is not None:
-                fin = tuple(not f and n == m for n, m, f in zip(committed_host, masked_left, canvas.finished_host))
-                finished = host_tensor(fin, torch.bool, canvas.device) if any(fin) else canvas.no_rows()
+                fin, finished = host_finished(canvas, committed_host, masked_left)
             else:   # told from the counts on the host in the loop's sync (FrameDelta.finished_counts)
                 n = commit.sum(-1) if committed is None else committed
                 pending = (n, tuple(-1 if f else m for m, f in zip(masked_left, canvas.finished_host)))
@@ -224,6 +223,15 @@ class Strategy:
             block_events=list(events or []), scalars=dict(scalars or {}), finished_host=fin,
             finished_counts=pending,
         )
+
+
+def host_finished(canvas: Canvas, committed: Sequence[int], masked_left: Sequence[int]):
+    """``(rows, tensor)``: the rows a step finishes, told on the host from its commits per row (``committed``, all
+    masked positions) and the masked positions each row had left (``masked_left``): a row not finished before
+    finishes when it commits all it had left. The tensor is ``[B]`` bool (:meth:`Canvas.no_rows`, no operation,
+    when none finishes)."""
+    fin = tuple(not f and n == m for n, m, f in zip(committed, masked_left, canvas.finished_host))
+    return fin, (host_tensor(fin, torch.bool, canvas.device) if any(fin) else canvas.no_rows())
 
 
 def evolve(state, **changes):
