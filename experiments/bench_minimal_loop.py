@@ -29,8 +29,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_overhead  # noqa: E402
+import bench_overhead  # noqa: E402  (a script's folder is on the import path: run as a script, or tests' load_experiment)
 from dlm_engine.core.instrument import ModelTimer, SyncCounter  # noqa: E402
 from dlm_engine.core.registry import load_plugins  # noqa: E402
 
