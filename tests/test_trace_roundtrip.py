@@ -462,7 +462,7 @@ def test_a_recorder_without_its_thread_writes_the_same_records(lm, tmp_path):
 @pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="per-thread nice values are Linux's")
 def test_the_writer_thread_runs_at_the_lowest_priority_and_the_loop_keeps_its_own(lm, tmp_path):
     """The writer thread takes nice 19 for itself alone (the model's threads get a core before it); the step loop's
-    thread keeps its priority; ``writer_nice=None`` leaves the writer at the process' own; the trace is the same."""
+    thread keeps its priority; ``writer_nice=None`` leaves the writer at the process' own; each trace opens."""
     import threading
 
     from dlm_engine.trace.recorder import WRITER_NICE
