@@ -62,7 +62,7 @@ def test_fresh_values_are_what_the_device_read_returns(name, kw, gen):
         assert setup is not None or name not in OFFER, f"{name} {kw}: no host values on a fresh canvas"
         return
     host, _ = sync_round(canvas, strategy, state, None)
-    assert host.finished == [False] * canvas.batch_size
+    assert host.finished == (False,) * canvas.batch_size
     assert len(values) == len(host.values) and all(a == b and type(a) is type(b) for a, b in zip(values, host.values))
 
 

@@ -198,7 +198,7 @@ def test_a_sync_request_given_as_parts_is_read_in_order_in_one_cat():
 
     with Count():
         host, state = sync_round(canvas, Parts(), None, None)
-    assert host.finished == [False, True] and state == "next"
+    assert host.finished == (False, True) and state == "next"
     assert seen["values"] == [1, 2, 3, 4, 1, 0, 1] and all(type(v) is int for v in seen["values"])
     assert sum("cat" in op for op in ops) == 1
 
@@ -340,7 +340,7 @@ def test_finished_told_from_the_commit_counts_on_the_host():
             c.apply(d, settle=False)
             assert c.finished.tolist() == [False, False, True] and d.finished is None
             host, _ = sync_round(c, Asks(parts), None, d)
-        assert host.finished == [True, False, True] and c.finished_host == (True, False, True)
+        assert host.finished == (True, False, True) and c.finished_host == (True, False, True)
         assert c.finished.tolist() == [True, False, True] and d.finished.tolist() == [True, False, False]
         assert seen["values"] == values and all(type(v) is int for v in values)
         assert not any(".eq." in op for op in ops)        # told on the host: no comparison on the device
@@ -351,7 +351,7 @@ def test_finished_told_from_the_commit_counts_on_the_host():
                    active=c.every_row(), finished=None, finished_counts=(n, (4, 3, -1)))
     c.apply(d, settle=False)
     host, _ = sync_round(c, Asks(None), None, d)
-    assert d.finished is c.no_rows() and host.finished == [False, False, True]
+    assert d.finished is c.no_rows() and host.finished == (False, False, True)
     # applied outside the loop: compared on the device, the same rows
     c = make()
     d = delta(c)
@@ -383,6 +383,55 @@ def test_the_health_values_read_with_counts_keep_them_exact_integers(dtype):
     logits[1, 2, 0] = float("nan")
     host, _ = sync_round(canvas, Asks(), None, None, all_finite(logits))
     assert host.bad and seen["values"] == [1025, 300, 2 ** 24 + 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_step_counts_read_with_the_health_values_come_back_exact(dtype):
+    """The block strategies' usual read: the strategy asks for the very commit counts the loop tells the finished
+    rows from (``FrameDelta.finished_counts``). ``sync_round`` reads them alone, or in one ``cat`` with the first
+    forward's health values: exact ints either way (counts past float32's exact range included), the finished rows
+    told on the host, and a NaN row flagged."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dlm_engine.core.canvas import FrameDelta
+    from dlm_engine.core.loop import all_finite, sync_round
+
+    big = 2 ** 24 + 1
+    n = torch.tensor([big, 2])
+    seen = {}
+
+    class Asks:
+        def sync_request(self, canvas, state):
+            return n
+
+        def synced(self, canvas, state, values, d):
+            seen["values"] = values
+            return state
+
+    ops = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    for nan in (None, False, True):
+        c = Canvas.from_prompts([[5, 6], [7]], 3, 99, 0)
+        d = FrameDelta(step=1, nfe=1, start=c.gen_start, commit=torch.ones(2, 3, dtype=torch.bool),
+                       tokens=torch.full((2, 3), 4), active=c.every_row(), finished=None,
+                       finished_counts=(n, (big, 3)))
+        logits = torch.randn(2, 3, 7).to(dtype)
+        if nan:
+            logits[1, 0, 2] = float("nan")
+        finite = None if nan is None else all_finite(logits)
+        ops[:] = []
+        with Count():
+            host, _ = sync_round(c, Asks(), None, d, finite)
+        assert seen["values"] == [big, 2] and all(type(v) is int for v in seen["values"])
+        assert host.values == [big, 2] and host.bad is bool(nan)
+        assert host.finished == (True, False) and c.finished_host == (True, False)
+        assert c.finished.tolist() == [True, False] and d.finished.tolist() == [True, False]
+        assert sum("cat" in op for op in ops) == (0 if nan is None else 1)
 
 
 @pytest.mark.parametrize("seed", range(6))

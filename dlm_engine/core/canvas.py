@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import operator
 import weakref
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple, Union
@@ -276,9 +277,9 @@ class Canvas:
         if any(fin):
             delta.finished = host_constant(fin, torch.bool, self.device)
             self.finished |= delta.finished
-        else:
-            delta.finished = self.no_rows()
-        return tuple(a or b for a, b in zip(self.finished_host, fin))
+            return tuple(map(operator.or_, self.finished_host, fin))
+        delta.finished = self.no_rows()
+        return self.finished_host
 
     def apply(self, delta: FrameDelta, settle: bool = True) -> None:
         """Apply ``delta``. ``settle=False`` (the step loop): a ``finished`` left to the commit counts

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 import time
 from typing import Iterable, Optional, Tuple
 
@@ -136,8 +137,10 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
     if canvas.model_info is NO_MODEL_INFO or canvas.model_info == NO_MODEL_INFO:
         canvas.model_info = ModelInfo.of(model)
     sinks = list(sinks)
-    want_logits = any(getattr(s, "wants_logits", False) for s in sinks)  # e.g. trace capture=topk|logits
-    want_recomputed = any(getattr(s, "wants_recomputed", False) for s in sinks)   # e.g. trace.recomputed=true
+    want_logits = want_recomputed = False
+    if sinks:
+        want_logits = any(getattr(s, "wants_logits", False) for s in sinks)  # e.g. trace capture=topk|logits
+        want_recomputed = any(getattr(s, "wants_recomputed", False) for s in sinks)   # e.g. trace.recomputed=true
     all_conf = bool(getattr(cache, "reads_confidence", False))
     cache.begin(canvas)
     for s in sinks:
@@ -202,7 +205,8 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
 
 
 class HostView:
-    """What the loop read from the device in a step's one synchronisation."""
+    """What the loop read from the device in a step's one synchronisation (``finished``: a tuple of flags, one per
+    row)."""
 
     __slots__ = ("finished", "values", "bad")
 
@@ -217,13 +221,28 @@ def sync_round(canvas: Canvas, strategy: Strategy, state, delta: Optional[FrameD
     whose delta says on the host which rows it finished (``FrameDelta.finished_host``), with nothing else to read,
     reads nothing."""
     req = strategy.sync_request(canvas, state)
-    known = None if delta is None else delta.finished_host
-    if known is not None and finite is None and req is None:    # nothing to read: the host knows it all
-        fin = tuple(a or b for a, b in zip(canvas.finished_host, known))
-        canvas.finished_host = fin
-        return HostView(list(fin), [], False), strategy.synced(canvas, state, [], delta)
-    # the finished rows: read, or told on the host from the step's commit counts (FrameDelta.finished_counts)
-    counts = delta.finished_counts[0] if delta is not None and delta.finished is None else None
+    counts = None
+    if delta is not None:
+        known = delta.finished_host
+        if known is not None and finite is None and req is None:    # nothing to read: the host knows it all
+            fin = tuple(map(operator.or_, canvas.finished_host, known))
+            canvas.finished_host = fin
+            return HostView(fin, [], False), strategy.synced(canvas, state, [], delta)
+        # the finished rows: read, or told on the host from the step's commit counts (FrameDelta.finished_counts)
+        if delta.finished is None:
+            counts = delta.finished_counts[0]
+            if req is counts and counts.dim() == 1 and not counts.is_floating_point():
+                # the common case (the block strategies): the strategy asks for the very counts the loop tells the
+                # finished rows from, one number per row: read them (with the first step's health values) as they are
+                if finite is None:
+                    values, bad = counts.tolist(), False
+                else:                       # (the cat is float: the counts come back as exact floats)
+                    flat = torch.cat((counts, finite)).tolist()
+                    B = counts.shape[0]
+                    values, bad = [int(v) for v in flat[:B]], not healthy(flat[B:])
+                fin = canvas.finish_rows(delta, values)
+                canvas.finished_host = fin
+                return HostView(fin, values, bad), strategy.synced(canvas, state, values, delta)
     parts = [canvas.finished if counts is None else counts if counts.dim() == 1 else counts.reshape(-1)]
     if finite is not None:
         parts.append(finite)
@@ -252,7 +271,7 @@ def sync_round(canvas: Canvas, strategy: Strategy, state, delta: Optional[FrameD
             rest = values
     if finite is not None and not any(p.is_floating_point() for p in parts if p is not finite):
         rest = [int(v) for v in rest]       # (the health values made the cat float: the rest were integers)
-    host = HostView(list(fin), rest, finite is not None and not healthy(flat[head:head + n_flag]))
+    host = HostView(fin, rest, finite is not None and not healthy(flat[head:head + n_flag]))
     canvas.finished_host = fin
     return host, strategy.synced(canvas, state, host.values, delta)
 
@@ -263,8 +282,8 @@ def first_sync(canvas: Canvas, strategy: Strategy, state):
     values = strategy.fresh_values(canvas, state) if canvas.is_fresh() else None
     if values is None:
         return sync_round(canvas, strategy, state, None)
-    host = HostView([False] * canvas.batch_size, values, False)
-    canvas.finished_host = tuple(host.finished)
+    host = HostView((False,) * canvas.batch_size, values, False)
+    canvas.finished_host = host.finished
     return host, strategy.synced(canvas, state, values, None)
 
 

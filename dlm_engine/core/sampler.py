@@ -80,8 +80,8 @@ def row_max(x: torch.Tensor, values: bool = True):
     """``x.max(dim=-1)`` -- ``(values, indices)``, or the indices alone with ``values=False`` (``x.argmax(-1)``)
     -- computed by chunks on a CPU where that is faster (see ``MAX_CHUNK``); the same results bit for bit."""
     V = x.shape[-1]
-    if (x.device.type != "cpu" or V % MAX_CHUNK or V < CHUNKED_MAX_MIN_V or x.numel() < CHUNKED_MAX_MIN
-            or not x.is_floating_point() or not x.is_contiguous()):
+    if (V < CHUNKED_MAX_MIN_V or V % MAX_CHUNK or x.numel() < CHUNKED_MAX_MIN or x.device.type != "cpu"
+            or not x.is_floating_point() or not x.is_contiguous()):     # (the cheapest tests first)
         return x.max(dim=-1) if values else x.argmax(dim=-1)
     return chunked_max(x, values)
 
