@@ -14,6 +14,32 @@ from dlm_engine.core.sampler import ALGS, sample_tokens
 from dlm_engine.core.selection import NEG_INF, column_range, top1, topk_commit, topk_rows
 
 
+def op_recorder(ops: list):
+    """A dispatch mode that appends the name of every tensor operation run inside it to ``ops``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    return Record()
+
+
+class Asks:
+    """A strategy's host-read side only: asks for ``parts`` and keeps the values it is handed in ``seen``."""
+
+    def __init__(self, parts, seen: dict, after=None):
+        self.parts, self.seen, self.after = parts, seen, after
+
+    def sync_request(self, canvas, state):
+        return self.parts
+
+    def synced(self, canvas, state, values, delta):
+        self.seen["values"] = values
+        return self.after
+
+
 def test_canvas_cols_are_cached_views_renewed_when_a_tensor_is_replaced():
     c = Canvas.from_prompts([[5, 6], [7]], 6, 3, 0)
     tok, so = c.cols(2, 5)
@@ -173,31 +199,14 @@ def test_rules_that_skip_the_candidate_intersection_keep_to_the_candidates(name)
 def test_a_sync_request_given_as_parts_is_read_in_order_in_one_cat():
     """``Strategy.sync_request`` may return a list: its parts (any shape) are flattened and read after the loop's
     own (finished rows), promoted together, in one host read."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from dlm_engine.core.loop import sync_round
 
     canvas = Canvas.from_prompts([[5, 6], [7]], 4, 3, 0)
     canvas.finished[1] = True
-    seen = {}
-
-    class Parts:
-        def sync_request(self, canvas, state):
-            return [torch.tensor([[1, 2], [3, 4]]), torch.tensor(True), torch.tensor([False, True])]
-
-        def synced(self, canvas, state, values, delta):
-            seen["values"] = values
-            return "next"
-
-    ops = []
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
-    with Count():
-        host, state = sync_round(canvas, Parts(), None, None)
+    seen, ops = {}, []
+    parts = Asks([torch.tensor([[1, 2], [3, 4]]), torch.tensor(True), torch.tensor([False, True])], seen, "next")
+    with op_recorder(ops):
+        host, state = sync_round(canvas, parts, None, None)
     assert host.finished == (False, True) and state == "next"
     assert seen["values"] == [1, 2, 3, 4, 1, 0, 1] and all(type(v) is int for v in seen["values"])
     assert sum("cat" in op for op in ops) == 1
@@ -294,8 +303,6 @@ def test_finished_told_from_the_commit_counts_on_the_host():
     (``settle=False``) the device ``finished`` is untouched until ``sync_round`` reads the counts -- once, also where
     the strategy asks for the same tensor -- and tells the rows on the host; applied elsewhere it is compared on the
     device. Both give the finished rows a reduction over the canvas gives."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from dlm_engine.core.canvas import FrameDelta
     from dlm_engine.core.loop import sync_round
 
@@ -313,33 +320,14 @@ def test_finished_told_from_the_commit_counts_on_the_host():
         return FrameDelta(step=1, nfe=1, start=c.gen_start, commit=commit, tokens=torch.full((3, 3), 4),
                           active=c.every_row(), finished=None, finished_counts=(n, left))
 
-    seen = {}
-
-    class Asks:
-        def __init__(self, parts):
-            self.parts = parts
-
-        def sync_request(self, canvas, state):
-            return self.parts
-
-        def synced(self, canvas, state, values, d):
-            seen["values"] = values
-            return state
-
-    ops = []
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
+    seen, ops = {}, []
     for parts, values in ((None, []), (n, [3, 1, 0]), ([torch.tensor([7]), n], [7, 3, 1, 0])):
         c, ops[:] = make(), []
         d = delta(c)
-        with Count():
+        with op_recorder(ops):
             c.apply(d, settle=False)
             assert c.finished.tolist() == [False, False, True] and d.finished is None
-            host, _ = sync_round(c, Asks(parts), None, d)
+            host, _ = sync_round(c, Asks(parts, seen), None, d)
         assert host.finished == (True, False, True) and c.finished_host == (True, False, True)
         assert c.finished.tolist() == [True, False, True] and d.finished.tolist() == [True, False, False]
         assert seen["values"] == values and all(type(v) is int for v in values)
@@ -350,7 +338,7 @@ def test_finished_told_from_the_commit_counts_on_the_host():
     d = FrameDelta(step=1, nfe=1, start=c.gen_start, commit=commit, tokens=torch.full((3, 3), 4),
                    active=c.every_row(), finished=None, finished_counts=(n, (4, 3, -1)))
     c.apply(d, settle=False)
-    host, _ = sync_round(c, Asks(None), None, d)
+    host, _ = sync_round(c, Asks(None, seen), None, d)
     assert d.finished is c.no_rows() and host.finished == (False, False, True)
     # applied outside the loop: compared on the device, the same rows
     c = make()
@@ -368,20 +356,12 @@ def test_the_health_values_read_with_counts_keep_them_exact_integers(dtype):
 
     canvas = Canvas.from_prompts([[5, 6], [7]], 4, 3, 0)
     seen = {}
-
-    class Asks:
-        def sync_request(self, canvas, state):
-            return torch.tensor([1025, 300, 2 ** 24 + 1])
-
-        def synced(self, canvas, state, values, d):
-            seen["values"] = values
-            return state
-
+    asks = Asks(torch.tensor([1025, 300, 2 ** 24 + 1]), seen)
     logits = torch.randn(2, 3, 7).to(dtype)
-    host, _ = sync_round(canvas, Asks(), None, None, all_finite(logits))
+    host, _ = sync_round(canvas, asks, None, None, all_finite(logits))
     assert not host.bad and seen["values"] == [1025, 300, 2 ** 24 + 1] and all(type(v) is int for v in seen["values"])
     logits[1, 2, 0] = float("nan")
-    host, _ = sync_round(canvas, Asks(), None, None, all_finite(logits))
+    host, _ = sync_round(canvas, asks, None, None, all_finite(logits))
     assert host.bad and seen["values"] == [1025, 300, 2 ** 24 + 1]
 
 
@@ -391,30 +371,12 @@ def test_the_step_counts_read_with_the_health_values_come_back_exact(dtype):
     rows from (``FrameDelta.finished_counts``). ``sync_round`` reads them alone, or in one ``cat`` with the first
     forward's health values: exact ints either way (counts past float32's exact range included), the finished rows
     told on the host, and a NaN row flagged."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from dlm_engine.core.canvas import FrameDelta
     from dlm_engine.core.loop import all_finite, sync_round
 
     big = 2 ** 24 + 1
     n = torch.tensor([big, 2])
-    seen = {}
-
-    class Asks:
-        def sync_request(self, canvas, state):
-            return n
-
-        def synced(self, canvas, state, values, d):
-            seen["values"] = values
-            return state
-
-    ops = []
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
+    seen, ops = {}, []
     for nan in (None, False, True):
         c = Canvas.from_prompts([[5, 6], [7]], 3, 99, 0)
         d = FrameDelta(step=1, nfe=1, start=c.gen_start, commit=torch.ones(2, 3, dtype=torch.bool),
@@ -425,8 +387,8 @@ def test_the_step_counts_read_with_the_health_values_come_back_exact(dtype):
             logits[1, 0, 2] = float("nan")
         finite = None if nan is None else all_finite(logits)
         ops[:] = []
-        with Count():
-            host, _ = sync_round(c, Asks(), None, d, finite)
+        with op_recorder(ops):
+            host, _ = sync_round(c, Asks(n, seen), None, d, finite)
         assert seen["values"] == [big, 2] and all(type(v) is int for v in seen["values"])
         assert host.values == [big, 2] and host.bad is bool(nan)
         assert host.finished == (True, False) and c.finished_host == (True, False)
