@@ -137,10 +137,8 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
     if canvas.model_info is NO_MODEL_INFO or canvas.model_info == NO_MODEL_INFO:
         canvas.model_info = ModelInfo.of(model)
     sinks = list(sinks)
-    want_logits = want_recomputed = False
-    if sinks:
-        want_logits = any(getattr(s, "wants_logits", False) for s in sinks)  # e.g. trace capture=topk|logits
-        want_recomputed = any(getattr(s, "wants_recomputed", False) for s in sinks)   # e.g. trace.recomputed=true
+    want_logits = any(getattr(s, "wants_logits", False) for s in sinks)  # e.g. trace capture=topk|logits
+    want_recomputed = any(getattr(s, "wants_recomputed", False) for s in sinks)   # e.g. trace.recomputed=true
     all_conf = bool(getattr(cache, "reads_confidence", False))
     cache.begin(canvas)
     for s in sinks:

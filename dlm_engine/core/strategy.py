@@ -212,9 +212,7 @@ class Strategy:
                 fin, finished = host_finished(canvas, committed_host, masked_left)
             else:   # told from the counts on the host in the loop's sync (FrameDelta.finished_counts)
                 n = commit.sum(-1) if committed is None else committed
-                done = canvas.finished_host
-                pending = (n, tuple(-1 if f else m for m, f in zip(masked_left, done)) if any(done)
-                           else tuple(masked_left))
+                pending = (n, tuple(-1 if f else m for m, f in zip(masked_left, canvas.finished_host)))
         elif finished is None:     # ~left & ~finished, as one reduction and two in-place ops
             finished = masked_after(canvas, s, commit, remask).any(dim=-1).logical_or_(canvas.finished).logical_not_()
         conf = proposal.confidence if confidence is None else confidence   # (float64 or float32: sinks cast)
