@@ -1,6 +1,7 @@
 """Python API: load a model, decode prompts in batches, collect per-row results and metrics."""
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -202,7 +203,7 @@ class RunStats:
 
 def run_prompts(lm: LoadedModel, prompt_ids: Sequence[Union[str, Sequence[int]]], make_strategy, make_cache,
                 gen_length: int, batch_size: int, sinks_for_batch=None, prompts: Optional[Sequence[str]] = None,
-                canvas_hook=None, warmup: bool = True) -> RunStats:
+                canvas_hook=None, warmup: bool = True, threads: Optional[int] = None) -> RunStats:
     """Decode all prompts in batches of ``batch_size`` (a strategy may cap it with ``max_batch``).
 
     ``prompt_ids``: token-id lists, or strings (encoded with ``lm.encode``; they are then also the rows'
@@ -210,7 +211,34 @@ def run_prompts(lm: LoadedModel, prompt_ids: Sequence[Union[str, Sequence[int]]]
 
     ``make_strategy()``/``make_cache()`` build fresh per-batch objects; ``sinks_for_batch(i, rows)`` returns
     the sinks of batch ``i``. Wall time covers decoding only (device synchronised, after a warm-up call).
+    ``threads``: torch's intra-op CPU threads while decoding (see :func:`torch_threads`; None leaves them).
     """
+    with torch_threads(threads):
+        return _run_prompts(lm, prompt_ids, make_strategy, make_cache, gen_length, batch_size, sinks_for_batch,
+                            prompts, canvas_hook, warmup)
+
+
+@contextlib.contextmanager
+def torch_threads(n: Optional[int]):
+    """torch's intra-op CPU threads set to ``n`` for the block, then put back (None: left as they are). The run
+    option ``threads``: on a small model or next to other busy processes (parallel sweep jobs, the trace writer)
+    fewer threads than torch's one per core are often faster, and CPU reductions may split differently with
+    another count, so a run's count is part of its config."""
+    if n is None:
+        yield
+        return
+    if int(n) <= 0:
+        raise ValueError(f"threads={n} must be a positive integer")
+    before = torch.get_num_threads()
+    torch.set_num_threads(int(n))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run_prompts(lm, prompt_ids, make_strategy, make_cache, gen_length, batch_size, sinks_for_batch, prompts,
+                 canvas_hook, warmup) -> RunStats:
     prompt_ids_given, prompt_ids = prompt_ids, as_token_ids(lm, prompt_ids, gen_length)
     if prompts is None and any(isinstance(p, str) for p in prompt_ids_given):
         prompts = [p if isinstance(p, str) else None for p in prompt_ids_given]

@@ -63,6 +63,7 @@ class RunConfig:
     device: str = "auto"
     dtype: str = "auto"
     batch_size: int = 8
+    threads: Optional[int] = None            # torch's intra-op CPU threads while decoding; null = torch's default
     progress: bool = True                    # a bar on a terminal; elsewhere a log line every progress_interval s
     progress_interval: float = 30.0          # seconds between progress log lines without a terminal
     print_outputs: Optional[bool] = None     # one line per prompt; null = yes for a single run, no in a multirun

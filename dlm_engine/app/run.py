@@ -39,6 +39,8 @@ def validate(cfg: DictConfig):
         raise ConfigError(f"gen_length={cfg.gen_length} must be a positive integer")
     if cfg.batch_size <= 0:
         raise ConfigError(f"batch_size={cfg.batch_size} must be a positive integer")
+    if cfg.threads is not None and cfg.threads <= 0:
+        raise ConfigError(f"threads={cfg.threads} must be a positive integer (or null: torch's default)")
     make_strategy = build_strategy(cfg)
     strategy = make_strategy()  # runs the strategy's cross-field validation
     make_cache = build_cache(cfg)
@@ -152,7 +154,7 @@ def run(cfg: DictConfig, out_dir: Path) -> Dict[str, Any]:
     with recorder if recorder is not None else contextlib.nullcontext():  # closed (flushed) on errors and Ctrl-C too
         stats = run_prompts(lm, ids, make_strategy, make_cache, cfg.gen_length, cfg.batch_size,
                             sinks_for_batch=lambda b, rows: [progress] + ([recorder.sink(b, rows)] if recorder else []),
-                            prompts=prompts)
+                            prompts=prompts, threads=cfg.threads)
     progress.close()
 
     correct = None

@@ -176,7 +176,8 @@ class Session:
         with recorder if recorder is not None else contextlib.nullcontext():
             stats = run_prompts(lm, ids, build_strategy(cfg), build_cache(cfg), int(cfg.gen_length),
                                 int(cfg.batch_size), prompts=[p.shown for p in items],
-                                sinks_for_batch=(lambda b, rows: [recorder.sink(b, rows)]) if recorder else None)
+                                sinks_for_batch=(lambda b, rows: [recorder.sink(b, rows)]) if recorder else None,
+                                threads=cfg.threads)
         for row, p in zip(stats.rows, items):
             if p.messages:
                 row.extra["messages"] = p.messages

@@ -210,7 +210,7 @@ def rerun(tr: Trace, device: Optional[str] = None, model_path: Optional[str] = N
     with rec:
         try:
             run_prompts(lm, ids, make_strategy, make_cache, cfg.gen_length, cfg.batch_size,
-                        sinks_for_batch=lambda b, rows: [rec.sink(b, rows)])
+                        sinks_for_batch=lambda b, rows: [rec.sink(b, rows)], threads=cfg.threads)
         except RuntimeError as exc:   # e.g. a stalled decode under changed weights: still a divergence
             error = f"{type(exc).__name__}: {exc}"
     new = open_trace(rec.written_path)
