@@ -96,3 +96,14 @@ def test_the_command_decodes_with_its_thread_count_and_records_it(tmp_path, monk
     summary = run(cfg, tmp_path)
     assert calls == [1, before] and summary["prompts"] == 2
     assert open_trace(str(tmp_path / cfg.trace.filename)).header["config"]["threads"] == 1
+
+
+def test_a_sweep_job_made_before_the_option_existed_still_counts_as_done():
+    from omegaconf import OmegaConf
+
+    from dlm_engine.sweeps.jobs import config_digest
+
+    base = {"gen_length": 16, "seed": 0, "strategy": {"name": "threshold"}}
+    old = config_digest(OmegaConf.create(base))                      # a result written before ``threads``
+    assert config_digest(OmegaConf.create({**base, "threads": None})) == old
+    assert config_digest(OmegaConf.create({**base, "threads": 1})) != old   # another count is another job

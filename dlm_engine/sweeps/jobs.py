@@ -32,6 +32,9 @@ VIZ_HINT = 'pip install "dlm-engine[viz]"'
 NEUTRAL_KEYS = ("resume", "progress", "progress_interval", "print_outputs")
 # ... and, with the name of a sweep preset (its parameters are overrides of their own), of job directory names
 DIRNAME_EXCLUDE = NEUTRAL_KEYS + ("sweep",)
+# top-level keys added after results were first written, with the value that decodes as before they existed: left
+# out of the digest while they hold it, so that an upgrade does not make every finished job of a sweep run again
+ADDED_KEYS = {"threads": None}
 _UNSAFE = re.compile(r"[^A-Za-z0-9._,=+\-\[\]@:%]")
 _MAX_DIRNAME = 120
 MAX_PRINTED_ROWS = 40
@@ -73,6 +76,9 @@ def config_digest(cfg) -> Optional[str]:
         return None
     for k in NEUTRAL_KEYS:
         c.pop(k, None)
+    for k, v in ADDED_KEYS.items():
+        if k in c and c[k] == v:
+            del c[k]
     return "sha256:" + hashlib.sha256(json.dumps(c, sort_keys=True, default=str).encode()).hexdigest()
 
 
