@@ -108,6 +108,12 @@ class BatchHandover(Sink):
         self.stat["batches"] += 1
 
 
+def new_stat() -> Dict[str, float]:
+    """The hand-over's counters, summed over runs: bytes piped (and of them, tensor bytes), the loop thread's CPU in
+    the sinks, at the child's start and at close, close's wall time, steps and batches handed over."""
+    return dict(sent=0, tensor_bytes=0, loop_cpu=0.0, open_cpu=0.0, close_cpu=0.0, close_wall=0.0, steps=0, batches=0)
+
+
 def run_once(handover, cfg, ms, mc, lm, ids, stat):
     """Wall seconds of one run: no recording (``handover`` None), or with a child process and its hand-over. With
     one, the child's count of the bytes it got must equal what was sent."""
@@ -142,9 +148,8 @@ def run_once(handover, cfg, ms, mc, lm, ids, stat):
 def measure(handover: str, pairs: int, cfg, ms, mc, lm, ids) -> Dict[str, float]:
     """Interleaved on/off pairs (on first in even pairs) after one warm-up pair; the median and quartiles of the
     on/off wall ratios, and the hand-over's costs per run."""
-    stat = dict(sent=0, tensor_bytes=0, loop_cpu=0.0, open_cpu=0.0, close_cpu=0.0, close_wall=0.0, steps=0, batches=0)
-    run_once(handover, cfg, ms, mc, lm, ids, stat), run_once(None, cfg, ms, mc, lm, ids, stat)
-    stat.update(sent=0, tensor_bytes=0, loop_cpu=0.0, open_cpu=0.0, close_cpu=0.0, close_wall=0.0, steps=0, batches=0)
+    run_once(handover, cfg, ms, mc, lm, ids, new_stat()), run_once(None, cfg, ms, mc, lm, ids, new_stat())
+    stat = new_stat()
     ratios, off = [], []
     for i in range(pairs):
         order = (handover, None) if i % 2 == 0 else (None, handover)

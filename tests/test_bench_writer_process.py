@@ -24,8 +24,7 @@ def test_both_handovers_pipe_every_tensor_of_the_run(bench, run):
     cfg, ms, mc, lm, ids = run
     got = {}
     for h in bench.HANDOVERS:
-        stat = dict(sent=0, tensor_bytes=0, loop_cpu=0.0, open_cpu=0.0, close_cpu=0.0, close_wall=0.0, steps=0,
-                    batches=0)
+        stat = bench.new_stat()
         assert bench.run_once(h, cfg, ms, mc, lm, ids, stat) > 0     # (raises if the child's count differs)
         got[h] = stat
     # a delta holds at least its commit and tokens for every generated position: 16 positions x 2 prompts
@@ -46,7 +45,7 @@ def test_a_lost_byte_is_caught(bench, run, monkeypatch):
         self.stat["sent"] += 1
 
     monkeypatch.setattr(bench.StepHandover, "on_delta", miscount)
-    stat = dict(sent=0, tensor_bytes=0, loop_cpu=0.0, open_cpu=0.0, close_cpu=0.0, close_wall=0.0, steps=0, batches=0)
+    stat = bench.new_stat()
     with pytest.raises(AssertionError, match="the child got"):
         bench.run_once("step", cfg, ms, mc, lm, ids, stat)
 
