@@ -129,7 +129,14 @@ def run_once(handover, cfg, ms, mc, lm, ids, stat):
         kind = StepHandover if handover == "step" else BatchHandover
         sinks = lambda b, rows: [kind(stat, fd)]        # noqa: E731
         stat["open_cpu"] += time.thread_time() - c
-    run_prompts(lm, ids, ms, mc, cfg.gen_length, cfg.batch_size, sinks_for_batch=sinks, warmup=False)
+    try:
+        run_prompts(lm, ids, ms, mc, cfg.gen_length, cfg.batch_size, sinks_for_batch=sinks, warmup=False)
+    except BaseException:
+        if child is not None:              # (no child left waiting on a pipe nobody will close)
+            child.stdin.close()
+            child.stdout.close()
+            child.wait()
+        raise
     if child is None:
         return time.perf_counter() - t0
     c, w = time.thread_time(), time.perf_counter()
