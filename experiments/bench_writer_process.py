@@ -133,9 +133,7 @@ def run_once(handover, cfg, ms, mc, lm, ids, stat):
         run_prompts(lm, ids, ms, mc, cfg.gen_length, cfg.batch_size, sinks_for_batch=sinks, warmup=False)
     except BaseException:
         if child is not None:              # (no child left waiting on a pipe nobody will close)
-            child.stdin.close()
-            child.stdout.close()
-            child.wait()
+            child.communicate()
         raise
     if child is None:
         return time.perf_counter() - t0

@@ -63,3 +63,26 @@ def test_bad_options_are_refused(bench, capsys, argv, what):
     with pytest.raises(SystemExit) as e:
         bench.main(argv)
     assert e.value.code == 2 and what in capsys.readouterr().err
+
+
+def test_a_failed_run_reaps_its_child(bench, run, monkeypatch):
+    import subprocess
+
+    import dlm_engine.app.api as api
+
+    cfg, ms, mc, lm, ids = run
+    children = []
+    real_popen = subprocess.Popen
+
+    def popen(*a, **kw):
+        children.append(real_popen(*a, **kw))
+        return children[-1]
+
+    def broken(*a, **kw):
+        raise RuntimeError("decode failed")
+
+    monkeypatch.setattr(bench.subprocess, "Popen", popen)
+    monkeypatch.setattr(api, "run_prompts", broken)
+    with pytest.raises(RuntimeError, match="decode failed"):
+        bench.run_once("batch", cfg, ms, mc, lm, ids, bench.new_stat())
+    assert len(children) == 1 and children[0].returncode == 0     # exited (its pipe closed) and waited for
