@@ -411,10 +411,12 @@ def test_the_sinks_reuse_cuda_events_the_writer_has_waited_on(tiny_llada, tmp_pa
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
-def test_a_writer_replay_of_captured_items_writes_the_same_trace(tmp_path, device):
+def test_a_writer_replay_of_captured_items_writes_the_same_trace(tmp_path, device, monkeypatch):
     """What a decode's sinks hand over, captured and replayed into ``TraceRecorder(threaded=False)`` (the writer
     bench's replay: no sink, so no ``on_start`` tells the recorder the tensors' device) writes the very bytes the
     threaded recorder wrote during the decode; on CUDA the replay must copy the device tensors to the host."""
+    import time
+
     from conftest import REFPARITY
     from dlm_engine.models.loader import load_pretrained
     from dlm_engine.trace import TraceRecorder, open_trace
@@ -424,6 +426,9 @@ def test_a_writer_replay_of_captured_items_writes_the_same_trace(tmp_path, devic
     header = {"model": {"eos_id": 2, "mask_id": mask}, "tokenizer": {"kind": "char"}}
     cls = strategy_class("threshold")
     canvas = Canvas.from_prompts(PROMPTS[3], GEN, mask, 0, device=device)
+    # the end record holds the whole second each recorder closed in: one clock for both, or the two files differ
+    # whenever a second ticks between the closes
+    monkeypatch.setattr(time, "time", lambda: 1_800_000_000.0)
     rec = TraceRecorder(str(tmp_path / "live.dlmt"), header)
     items, put = [], rec._put
     rec._put = lambda item, urgent=False: items.append(item) or put(item, urgent)
