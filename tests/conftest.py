@@ -140,6 +140,17 @@ def small_strategies(gen: int = 16):
         yield name, cls(cls.Config(**kw), gen)
 
 
+@pytest.fixture
+def thread_counts(monkeypatch):
+    """Every count passed to ``torch.set_num_threads`` during the test, in order (each call still takes effect)."""
+    import torch
+
+    calls = []
+    real = torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda k: (calls.append(k), real(k)))
+    return calls
+
+
 @pytest.fixture(scope="session")
 def tiny_llada():
     from dlm_engine.models.loader import load_pretrained

@@ -220,7 +220,7 @@ def test_generation_kwargs_the_strategy_owns_are_reported_once(caplog):
     assert len(warned) == 1 and "do_sample, temperature" in warned[0] and "strategy.temperature" in warned[0]
 
 
-def test_generate_until_decodes_with_the_thread_count_of_model_args(monkeypatch):
+def test_generate_until_decodes_with_the_thread_count_of_model_args(thread_counts):
     import torch
 
     import dlm_engine.integrations.lm_eval as adapter
@@ -230,9 +230,6 @@ def test_generate_until_decodes_with_the_thread_count_of_model_args(monkeypatch)
             self.args = (ctx, {"until": ["\n"]})
 
     lm = adapter.DLMEngineLM(**dict(kv.split("=") for kv in ARGS.split(",")), threads="1")
-    calls = []
-    real = torch.set_num_threads
-    monkeypatch.setattr(torch, "set_num_threads", lambda k: (calls.append(k), real(k)))
     before = torch.get_num_threads()
     lm.generate_until([Req(DOCS[0]["prompt"])])
-    assert calls == [1, before] and lm.cfg.threads == 1
+    assert thread_counts == [1, before] and lm.cfg.threads == 1

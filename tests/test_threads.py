@@ -44,14 +44,11 @@ def test_threads_are_put_back_when_the_decode_fails():
             pass
 
 
-def test_the_session_api_applies_and_records_threads(tmp_path, monkeypatch):
+def test_the_session_api_applies_and_records_threads(tmp_path, thread_counts):
     s = dlm_engine.Session(model="tiny", device="cpu")
-    calls = []
-    real = torch.set_num_threads
-    monkeypatch.setattr(torch, "set_num_threads", lambda k: (calls.append(k), real(k)))
     before = torch.get_num_threads()
     out = s.generate(["12+34="], strategy="threshold", cache="none", threads=1, trace=tmp_path / "t.dlmt")
-    assert calls == [1, before] and out.config.threads == 1
+    assert thread_counts == [1, before] and out.config.threads == 1
     from dlm_engine.trace import open_trace
 
     tr = open_trace(out.trace)
@@ -59,9 +56,9 @@ def test_the_session_api_applies_and_records_threads(tmp_path, monkeypatch):
     # a verified re-run decodes with the recorded count
     from dlm_engine.trace.tools import rerun
 
-    calls.clear()
+    thread_counts.clear()
     assert rerun(tr)["reproduced"]
-    assert calls and calls[0] == 1
+    assert thread_counts and thread_counts[0] == 1
     with pytest.raises(ConfigError, match=r"^threads=0 must be a positive integer"):
         s.generate(["12+34="], threads=0)
 
@@ -77,7 +74,7 @@ def test_a_bad_thread_count_is_one_line(tmp_path, value, needle):
     assert not (tmp_path / "r" / "summary.json").exists()
 
 
-def test_the_command_decodes_with_its_thread_count_and_records_it(tmp_path, monkeypatch):
+def test_the_command_decodes_with_its_thread_count_and_records_it(tmp_path, thread_counts):
     from hydra import compose, initialize_config_module
 
     from dlm_engine.app.config import register_configs
@@ -89,12 +86,9 @@ def test_the_command_decodes_with_its_thread_count_and_records_it(tmp_path, monk
     register_configs()
     with initialize_config_module(config_module="dlm_engine.conf", version_base="1.3"):
         cfg = compose(config_name="config", overrides=["threads=1", "task.n=2", "progress=false"])
-    calls = []
-    real = torch.set_num_threads
-    monkeypatch.setattr(torch, "set_num_threads", lambda k: (calls.append(k), real(k)))
     before = torch.get_num_threads()
     summary = run(cfg, tmp_path)
-    assert calls == [1, before] and summary["prompts"] == 2
+    assert thread_counts == [1, before] and summary["prompts"] == 2
     assert open_trace(str(tmp_path / cfg.trace.filename)).header["config"]["threads"] == 1
 
 
