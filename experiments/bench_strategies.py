@@ -129,6 +129,9 @@ def run_once(lm, ids, make_strategy, make_cache, gen_length, batch_size):
     timed = TimedForward(lm.model)
     tlm = dataclasses.replace(lm, model=timed)
     rows, calls, wall = [], 0, 0.0
+    cap = make_strategy().max_batch          # CadLLM decodes one row at a time (run_prompts splits the same way)
+    if cap is not None:
+        batch_size = min(batch_size, cap)
     torch.manual_seed(0)
     for start in range(0, len(ids), batch_size):
         chunk = ids[start:start + batch_size]
