@@ -7,7 +7,7 @@ one token per step (the baseline row, measured in the same run).
 
 Model: ``--model-path`` (an official-format checkpoint directory with a tokenizer), else the embedded
 model (``dlm_engine/checkpoints/tiny``) when it exists, else the seeded random ``tiny_random`` model
-(mechanics only: its accuracy is meaningless). Definitions (README "Metric definitions"): NFE = forwards
+(mechanics only: its accuracy is meaningless). Definitions (docs/running.md, "Metric definitions"): NFE = forwards
 each sequence took part in until it finished, summed; generated tokens = generation up to and including the
 first EOS; TPF = tokens / NFE; TPS =
 tokens / decode wall time (after a warm-up; best of ``--repeats`` interleaved runs); overhead = wall time outside

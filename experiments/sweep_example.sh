@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's worked sweep example: Fast-dLLM threshold x block length on the embedded model's task mix.
+# The worked sweep example of docs/sweeps.md: Fast-dLLM threshold x block length on the embedded model's task mix.
 # Runs `dlm -m +sweep=threshold_grid` on 200 held-out prompts, then copies the table and the plots to docs/.
 #   experiments/sweep_example.sh                                   # the default (embedded) model
 #   experiments/sweep_example.sh model=local model.path=DIR        # any other checkpoint

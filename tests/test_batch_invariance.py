@@ -32,7 +32,7 @@ SETTINGS = {
     "cadllm": dict(initial_block_length=8, min_block=4, max_block=8),
 }
 
-# (strategy, cache) pairs whose reference semantics make rows interact; the reason is documented in the README
+# (strategy, cache) pairs whose reference semantics make rows interact; the reason is documented in docs/strategies.md (Batch invariance)
 INTERACTING = {
     ("block_buffer", "prefix"): "the buffer window is the union of the rows' buffers: cached steps recompute it for all",
     ("block_buffer", "dual"): "the buffer window is the union of the rows' buffers: cached steps recompute it for all",

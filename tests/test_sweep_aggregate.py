@@ -255,7 +255,7 @@ def test_every_job_is_checked_before_the_first_one_runs(tmp_path):
 
 
 def test_glob_sweep_of_valid_jobs_runs_clean(tmp_path):
-    """The README's glob() example: every cache the strategy supports (block_store excluded)."""
+    """The glob() example of docs/sweeps.md: every cache the strategy supports (block_store excluded)."""
     d = tmp_path / "sw"
     proc = run_dlm(["-m", f"hydra.sweep.dir={d}", "strategy=threshold", "cache=glob(*,exclude=block_store)",
                     'prompts=["12+34="]', "device=cpu", "trace.record=false"], cwd=tmp_path)
