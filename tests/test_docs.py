@@ -164,6 +164,9 @@ def compose_dlm(argv, monkeypatch):
         else:
             overrides.append(a)
         i += 1
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()          # the packaged conf/, whatever another test initialised Hydra with
     loader = config_loader()
     mode = RunMode.MULTIRUN if multirun else RunMode.RUN
     config = loader.load_configuration("config", overrides, run_mode=mode)
