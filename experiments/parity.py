@@ -408,11 +408,11 @@ def run_folder(folder: Path, only: Optional[str] = None, progress: bool = False,
 def guarded(case_id: str, run: Callable[[], Dict[str, Any]]) -> Dict[str, Any]:
     """``run()``'s candidate, or -- whatever it raised setting the case up or running it (a config error, an
     unsupported combination, a runtime or model-loading error) -- ``{"id", "error": "Type: message"}``: one bad
-    case never stops the command."""
+    case never stops the command. The message is made one line (torch's errors can span several)."""
     try:
         return run()
     except Exception as exc:
-        return {"id": case_id, "error": f"{type(exc).__name__}: {exc}".strip()}
+        return {"id": case_id, "error": " ".join(f"{type(exc).__name__}: {exc}".split())}
 
 
 def main(argv=None) -> int:

@@ -49,9 +49,9 @@ def test_d2cache_built_without_inflate_w_matches_the_reference(parity, model):
 
 
 @pytest.mark.slow
-def test_one_bad_case_does_not_stop_the_parity_command(parity, tmp_path, capsys):
+def test_one_bad_case_does_not_stop_the_parity_command(parity, tmp_path, capsys, monkeypatch):
     """A copy of the d2c_pc suite plus cases that fail in each way (an impossible threshold, an unsupported strategy,
-    a runtime error, a model that cannot load): every good case still runs and matches, each bad one is its
+    runtime errors, a model that cannot load): every good case still runs and matches, each bad one is its
     candidate's ``error``, the summary line counts them and the exit status is 0."""
     folder = tmp_path / "fixtures"
     folder.mkdir()
@@ -77,6 +77,15 @@ def test_one_bad_case_does_not_stop_the_parity_command(parity, tmp_path, capsys)
     impossible = bad("pc_alpha2_thr3", kwargs={"threshold": 3.0})
     unsupported = bad("nonesuch", kwargs={"strategy": "nonesuch"})
     runtime = bad("no_prompt", prompt_idx=99)
+    multiline = bad("multiline")
+    real_run_case = parity.run_case
+
+    def run_case(case, *args, **kw):         # an error whose message spans lines, as torch's do
+        if case["id"] == multiline:
+            raise RuntimeError("shapes do not match:\n  [1, 8] vs [1, 9]")
+        return real_run_case(case, *args, **kw)
+
+    monkeypatch.setattr(parity, "run_case", run_case)
     broken = bad("broken_model", model_dir="tiny_broken")
     (folder / "d2c_pc.json").write_text(json.dumps(suite))
     out = tmp_path / "candidate.json"
@@ -84,16 +93,17 @@ def test_one_bad_case_does_not_stop_the_parity_command(parity, tmp_path, capsys)
     assert parity.main([str(folder), str(out)]) == 0
     stdout = capsys.readouterr().out
     cands = {c["id"]: c for c in json.loads(out.read_text())["cases"]}
-    assert sorted(cands) == sorted(good + [impossible, unsupported, runtime, broken])
+    assert sorted(cands) == sorted(good + [impossible, unsupported, runtime, multiline, broken])
     errors = {k: c["error"] for k, c in cands.items() if "error" in c}
-    assert sorted(errors) == sorted([impossible, unsupported, runtime, broken])
+    assert sorted(errors) == sorted([impossible, unsupported, runtime, multiline, broken])
     assert errors[impossible].startswith("ConfigError: strategy.threshold=3.0 is impossible for PC-Sampler's debiased "
                                          "confidences"), errors[impossible]
     assert errors[unsupported] == "Unsupported: d2Cache strategy 'nonesuch'"
     assert errors[runtime].startswith("IndexError: ")
+    assert errors[multiline] == "RuntimeError: shapes do not match: [1, 8] vs [1, 9]"
     assert "tiny_broken" in errors[broken] and "\n" not in errors[broken]
     assert f"error    {impossible}: ConfigError: strategy.threshold=3.0" in stdout
-    assert "parity: ran 6 cases, 4 errors, 0 not run" in stdout, stdout
+    assert "parity: ran 6 cases, 5 errors, 0 not run" in stdout, stdout
     proc = subprocess.run([sys.executable, str(FIXTURES / "compare.py"), str(folder), str(out)],
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and "6 match, 0 mismatch, 4 skipped" in proc.stdout, proc.stdout
+    assert proc.returncode == 0 and "6 match, 0 mismatch, 5 skipped" in proc.stdout, proc.stdout
