@@ -6,8 +6,10 @@
 FIXTURES_DIR holds suite files (``llada.json``, ``fastdllm_v2.json``, ``dream.json``, ``d2c_*.json``, ...) in
 the reference-parity format and the model directories they name (``tiny_llada/``, ``tiny_dream/``). Each
 case runs at float32 on CPU with ``torch.manual_seed(seed)`` right before decoding; models are loaded
-through the normal checkpoint loader. Cases dlm_engine cannot run are listed by id (never silently
-dropped). Compare with ``python tests/fixtures/compare.py FIXTURES_DIR OUT.json``.
+through the normal checkpoint loader. A case that fails to set up or run (a config error, a combination
+dlm_engine cannot run, a runtime or model-loading error) is written as ``{"id", "error"}`` and listed by id; the
+run goes on, and the exit status is 0 whatever single cases do (cases whose reference raised are listed as
+not run). Compare with ``python tests/fixtures/compare.py FIXTURES_DIR OUT.json``.
 
 The reference-only knowledge lives here, not in the strategies: each suite has an *adapter* that maps a
 reference call (function + keyword arguments) onto a strategy config and a cache config, and turns the
@@ -190,6 +192,15 @@ def _dream_gen_length(case: dict) -> int:
 
 D2C_STRATEGIES = {"vanilla": "d2c", "klass": "klass", "wino": "wino", "ar": "ar"}
 D2C_IDS = ("mask_token_id", "pad_token_id", "eos_token_id")
+# What a reference call gets for an argument it leaves out: the d2Cache framework's *code* defaults (spec
+# d2cache.md §11, "code default" column), which differ from the project's defaults (its YAML's) where marked
+D2C_CODE_DEFAULTS = {"block_length": 32}                   # generate(): ours is null = gen_length
+D2C_WINO_CODE_DEFAULTS = {"wide_in_thres": 0.6}            # wino_generate(): ours is the yaml's 0.7
+D2C_CACHE_CODE_DEFAULTS = {                                # cache_cls(**args): the class's constructor defaults
+    "prefix": {}, "dual": {},
+    "dllm": {"kp": 50, "kr": 2, "rou": 0.25},                               # dLLMCache: ours kr = 4 (fallback)
+    "d2cache": {"rollout_p": 0.1, "current_k": 32, "sigma": 10.0, "inflate_w": 4},  # d2Cache: ours inflate_w = 0
+}
 _FREQ_FILES: Dict[Tuple[str, str], str] = {}
 
 
@@ -214,11 +225,11 @@ def d2c_setup(case: dict, suite: Optional[dict] = None) -> Setup:
     if name is None:
         raise Unsupported(f"d2Cache strategy '{case['kwargs']['strategy']}'")
     gen = kw.pop("gen_length", 128)
+    kw = {**D2C_CODE_DEFAULTS, **(D2C_WINO_CODE_DEFAULTS if name == "wino" else {}), **kw}
     if kw.get("debias"):
         kw["freq_table"] = d2c_freq_table(suite or {}, case.get("model", "llada"))
     if name == "wino":
         kw["shrinking_window"] = True         # the reference's in-place block mask (the parity command's choice)
-        kw.setdefault("wide_in_thres", 0.6)   # wino_generate's code default (our default is the yaml's 0.7)
     cache, cache_config = "none", {}
     spec = case.get("cache")
     if spec:
@@ -228,14 +239,15 @@ def d2c_setup(case: dict, suite: Optional[dict] = None) -> Setup:
 
 
 def d2c_cache(spec: dict) -> Tuple[str, dict]:
-    args = dict(spec.get("args") or {})
+    """The cache of a ``cache_cls = partial(Class, **args)``: arguments left out take the class's code defaults."""
     name = spec.get("name")
+    if name not in D2C_CACHE_CODE_DEFAULTS:
+        raise Unsupported(f"d2Cache cache '{name}'")
+    args = {**D2C_CACHE_CODE_DEFAULTS[name], **(spec.get("args") or {})}
     if name in ("prefix", "dual"):
         args.pop("use_dual", None)
         return name, dict(args, shifted="move")
-    if name in ("dllm", "d2cache"):
-        return name, args
-    raise Unsupported(f"d2Cache cache '{name}'")
+    return name, args
 
 
 ADAPTERS: Dict[str, Callable[[dict, Optional[dict]], Setup]] = {
@@ -357,10 +369,17 @@ def run_folder(folder: Path, only: Optional[str] = None, progress: bool = False,
 
     def model_for(case: dict, suite: dict):
         name = case.get("model_dir") or (suite.get("models") or {}).get(case.get("model")) or next(iter(dirs))
+        if name not in dirs:
+            raise Unsupported(f"no model directory '{name}' (found: {', '.join(sorted(dirs))})")
         if name not in loaded:
-            model, raw, _ = load_pretrained(dirs[name], device=device, dtype=dtype)
-            pad = raw.get("pad_token_id") if raw.get("pad_token_id") is not None else raw.get("eos_token_id", 0)
-            loaded[name] = (model, int(model.config.mask_token_id), int(pad))
+            try:
+                model, raw, _ = load_pretrained(dirs[name], device=device, dtype=dtype)
+                pad = raw.get("pad_token_id") if raw.get("pad_token_id") is not None else raw.get("eos_token_id", 0)
+                loaded[name] = (model, int(model.config.mask_token_id), int(pad))
+            except Exception as exc:        # every case of this model gets the same error (loaded once)
+                loaded[name] = exc
+        if isinstance(loaded[name], Exception):
+            raise loaded[name]
         model, mask_id, pad = loaded[name]
         return model, mask_id, int(suite.get("pad_id", pad))
 
@@ -379,14 +398,21 @@ def run_folder(folder: Path, only: Optional[str] = None, progress: bool = False,
             if "error" in case:
                 skipped.append((case["id"], f"reference raised: {case['error']}"))
                 continue
-            try:
-                model, mask_id, pad_id = model_for(case, suite)
-                results.append(run_case(case, suite["prompts"], model, mask_id, pad_id, suite))
-                if progress:
-                    print(f"ran      {case['id']}", file=sys.stderr)
-            except Unsupported as exc:
-                skipped.append((case["id"], str(exc)))
+            res = guarded(case["id"], lambda: run_case(case, suite["prompts"], *model_for(case, suite), suite))
+            results.append(res)
+            if progress:
+                print(f"{'error' if 'error' in res else 'ran':8} {case['id']}", file=sys.stderr)
     return results, skipped
+
+
+def guarded(case_id: str, run: Callable[[], Dict[str, Any]]) -> Dict[str, Any]:
+    """``run()``'s candidate, or -- whatever it raised setting the case up or running it (a config error, an
+    unsupported combination, a runtime or model-loading error) -- ``{"id", "error": "Type: message"}``: one bad
+    case never stops the command. The message is made one line (torch's errors can span several)."""
+    try:
+        return run()
+    except Exception as exc:
+        return {"id": case_id, "error": " ".join(f"{type(exc).__name__}: {exc}".split())}
 
 
 def main(argv=None) -> int:
@@ -405,9 +431,13 @@ def main(argv=None) -> int:
     tmp = args.out.with_suffix(args.out.suffix + ".tmp")
     tmp.write_text(json.dumps({"cases": results}, indent=1))
     os.replace(tmp, args.out)
+    errors = [r for r in results if "error" in r]
     for cid, why in skipped:
         print(f"not run  {cid}: {why}")
-    print(f"parity: ran {len(results)} cases, {len(skipped)} not run; wrote {args.out}")
+    for r in errors:
+        print(f"error    {r['id']}: {r['error']}")
+    print(f"parity: ran {len(results) - len(errors)} cases, {len(errors)} errors, {len(skipped)} not run; "
+          f"wrote {args.out}")
     return 0
 
 

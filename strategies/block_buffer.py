@@ -89,7 +89,7 @@ class BlockBuffer(Strategy):
         c = self.cfg
         self.check_positive("block_length", c.block_length)
         self.check_positive("buffer_size", c.buffer_size)
-        self.check_unit_interval("accept_threshold", c.accept_threshold)
+        self.check_threshold("accept_threshold", c.accept_threshold)    # a probability: (0, 1]
         for key in ("add_block_threshold", "semi_complete_threshold"):
             if not 0.0 <= float(getattr(c, key)) <= 1.0:
                 raise ConfigError(f"strategy.{key}={getattr(c, key)} is outside [0, 1]")

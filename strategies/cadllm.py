@@ -89,8 +89,7 @@ class CadLLM(Strategy):
             self.check_positive(key, getattr(c, key))
         if c.min_block > c.max_block:
             raise ConfigError(f"strategy.min_block={c.min_block} exceeds strategy.max_block={c.max_block}")
-        if c.threshold is not None:
-            self.check_unit_interval("threshold", c.threshold)
+        self.check_threshold("threshold", c.threshold, allow_none=True)     # a probability: (0, 1]
         if c.factor is not None and not float(c.factor) > 0:
             raise ConfigError(f"strategy.factor={c.factor} must be > 0")
         self.check_non_negative("temperature", c.temperature)

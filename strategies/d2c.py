@@ -31,6 +31,7 @@ from dlm_engine.core.blockwise import block_counts, counts_after, fresh_block_co
 from dlm_engine.core.canvas import FrameDelta
 from dlm_engine.core.devices import host_constant
 from dlm_engine.core.capabilities import Cap, caps
+from dlm_engine.core.confidence import sampler_confidence
 from dlm_engine.core.eos import stop_at_eos
 from dlm_engine.core.priors import CertaintyDensity, FrequencyTable, FrequencyWeights
 from dlm_engine.core.registry import register_strategy
@@ -123,8 +124,12 @@ class D2C(Strategy):
         rules = [k for k in ("threshold", "factor", "gamma") if getattr(c, k) is not None]
         if len(rules) > 1:
             raise ConfigError(f"strategy: set at most one of threshold, factor and gamma (got {', '.join(rules)})")
-        if c.threshold is not None:
-            self.check_unit_interval("threshold", c.threshold)
+        if c.clip_alpha is not None and not float(c.clip_alpha) > 0:
+            raise ConfigError(f"strategy.clip_alpha={c.clip_alpha} must be > 0")
+        # the confidence kind in use sets which thresholds mean something: PC-Sampler's debiased scores go up to
+        # clip_alpha, an entropy is <= 0 (docs/thresholds.md)
+        self.confidence_kind = sampler_confidence(c.alg, c.debias, c.clip_alpha, c.debias_after_alg)
+        self.check_threshold("threshold", c.threshold, self.confidence_kind, allow_none=True)
         for key in ("factor", "gamma"):
             if getattr(c, key) is not None and not float(getattr(c, key)) > 0:
                 raise ConfigError(f"strategy.{key}={getattr(c, key)} must be > 0")
@@ -133,8 +138,6 @@ class D2C(Strategy):
             raise ConfigError(f"strategy.top_p={c.top_p} is outside (0, 1]")
         if c.top_k is not None:
             self.check_positive("top_k", c.top_k)
-        if c.clip_alpha is not None and not float(c.clip_alpha) > 0:
-            raise ConfigError(f"strategy.clip_alpha={c.clip_alpha} must be > 0")
         if c.sigma is not None:
             self.check_non_negative("sigma", c.sigma)
 

@@ -114,7 +114,7 @@ class Dream(DreamBlockLoop, Strategy):
             raise ConfigError(f"strategy.top_k={c.top_k} must be a positive integer")
         if c.alg_temp is not None and c.alg_temp < 0:
             raise ConfigError(f"strategy.alg_temp={c.alg_temp} must be >= 0 (null or 0 = top-k positions)")
-        self.check_unit_interval("threshold", c.threshold)
+        self.check_threshold("threshold", c.threshold)     # confidence_threshold: a probability, (0, 1]
         if c.block_length is None:
             # Dream's loop: no block structure for a cache, logits over the whole canvas
             self.offers, self.needs = caps(), caps(Cap.WINDOW_LOGITS)

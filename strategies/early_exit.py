@@ -11,6 +11,7 @@ at generation positions before decoding (they count as given: never candidates, 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -19,6 +20,7 @@ import torch
 from dlm_engine.core.canvas import FrameDelta
 from dlm_engine.core.devices import host_tensor
 from dlm_engine.core.capabilities import Cap, caps
+from dlm_engine.core.confidence import ConfidenceKind
 from dlm_engine.core.registry import register_strategy
 from dlm_engine.core.blockwise import block_counts, counts_after, fresh_block_counts, host_rows
 from dlm_engine.core.selection import host_schedule, topk_commit
@@ -26,6 +28,8 @@ from dlm_engine.core.strategy import (BlockCursor, CacheDirective, Remasking, St
                                       candidates, evolve)
 from dlm_engine.errors import ConfigError
 
+LOGIT_GAP = ConfidenceKind("the answer window's mean top-1 minus top-2 logit gap", 0.0, math.inf,
+                           passes_all="every row would exit at its first check")
 PHASES = ((0.33, "early"), (0.67, "mid"), (float("inf"), "late"))
 
 
@@ -80,6 +84,8 @@ class EarlyExit(Strategy):
         self.check_non_negative("temperature", c.temperature)
         self.check_non_negative("cfg_scale", c.cfg_scale)
         self.check_positive("answer_length", c.answer_length)
+        for phase in ("early", "mid", "late"):     # compared with a mean logit gap, >= 0 and unbounded
+            self.check_threshold(f"{phase}_threshold", getattr(c, f"{phase}_threshold"), LOGIT_GAP)
         self.answer_window = None
         if c.answer_start is not None:
             lo, hi = max(int(c.answer_start), 0), min(int(c.answer_start) + c.answer_length, self.gen_length)

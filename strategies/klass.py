@@ -101,7 +101,7 @@ class Klass(D2C):
         ranked = self.ranked(scores, cand, block_cand, sampled, st)   # scores -inf outside block_cand already
         if c.threshold is not None:
             # d2c_commit(scores, pool, 0, threshold=t) is pool & (scores >= t), pool the block's stable candidates
-            # (a threshold in [0, 1]: -inf never passes)
+            # (a finite threshold, whatever the confidence kind: -inf never passes)
             chosen = scores >= c.threshold if ranked else block_cand & (scores >= c.threshold)
             if a == 0 and b == chosen.shape[1]:
                 chosen &= stable

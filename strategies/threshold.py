@@ -24,7 +24,7 @@ class ThresholdConfig(FillBlocksConfig):
 class Threshold(FillBlocks):
     def validate(self) -> None:
         super().validate()
-        self.check_unit_interval("threshold", self.cfg.threshold)
+        self.check_threshold("threshold", self.cfg.threshold)      # a probability: (0, 1]
 
     rule_within_candidates = True       # threshold_commit ends with ``& cand``
 

@@ -27,6 +27,7 @@ import torch
 from dlm_engine.core.blockwise import block_counts, fresh_block_counts, host_rows
 from dlm_engine.core.canvas import FrameDelta
 from dlm_engine.core.capabilities import Cap, caps
+from dlm_engine.core.confidence import sampler_confidence
 from dlm_engine.core.priors import CertaintyDensity
 from dlm_engine.core.protocol import AuxColumns
 from dlm_engine.core.registry import register_strategy
@@ -87,7 +88,10 @@ class Wino(Strategy):
         self.block_len = self.block_length_or_gen(c.block_length)
         self.num_blocks = self.gen_length // self.block_len
         self.check_positive("num_transfer_tokens", c.num_transfer_tokens)
-        self.check_unit_interval("wide_in_thres", c.wide_in_thres)
+        # wide-in commits the masked slots whose ``alg`` confidence (never debiased) is >= wide_in_thres; narrow-out
+        # re-masks the decoded slots whose probability of their token in place, whatever ``alg`` is, is below
+        # narrow_out_thres (docs/thresholds.md)
+        self.check_threshold("wide_in_thres", c.wide_in_thres, sampler_confidence(c.alg))
         self.check_unit_interval("narrow_out_thres", c.narrow_out_thres)
         self.check_non_negative("temperature", c.temperature)
         if c.top_p is not None and not 0.0 < float(c.top_p) <= 1.0:

@@ -184,6 +184,9 @@ def compare_with_reference(candidates, ids, tmp_path):
 
     missing = [i for i in ids if i not in candidates]
     assert not missing, f"cases not run by parity.py: {missing}"
+    # parity.py records a case that raised as its ``error`` and goes on; compare.py counts those as skipped
+    failed = {i: candidates[i]["error"] for i in ids if "error" in candidates[i]}
+    assert not failed, f"cases that raised in parity.py: {failed}"
     path = tmp_path / "subset.json"
     path.write_text(json.dumps({"cases": [candidates[i] for i in ids]}))
     proc = subprocess.run([sys.executable, str(FIXTURES / "compare.py"), str(REFPARITY), str(path)],

@@ -19,6 +19,7 @@ import torch
 
 from dlm_engine.core.canvas import BlockEvent, Canvas, FrameDelta
 from dlm_engine.core.capabilities import Cap, Caps, caps
+from dlm_engine.core.confidence import PROBABILITY, ConfidenceKind
 from dlm_engine.core.devices import host_tensor
 from dlm_engine.core.protocol import AuxColumns, CacheDirective
 from dlm_engine.core.sampler import Proposal
@@ -151,6 +152,12 @@ class Strategy:
             raise ConfigError(f"strategy.{key} must be set")
         if not (0.0 < float(value) <= 1.0):
             raise ConfigError(f"strategy.{key}={value} is outside (0, 1]")
+
+    def check_threshold(self, key: str, value: Optional[float], kind: ConfidenceKind = PROBABILITY,
+                        allow_none: bool = False) -> None:
+        """A threshold compared with confidences of ``kind`` (default: probabilities, ``(0, 1]``): one this kind
+        can both reach and fail (:class:`~dlm_engine.core.confidence.ConfidenceKind`; docs/thresholds.md)."""
+        kind.check(key, value, allow_none)
 
     def check_positive(self, key: str, value: Optional[int]) -> None:
         if value is None or int(value) <= 0:
