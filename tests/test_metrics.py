@@ -50,6 +50,7 @@ def test_aggregates_are_ratios_of_totals_not_means_of_ratios():
     assert t.as_dict()["model_calls"] == 4
 
 
+@pytest.mark.slow
 def test_metrics_module_does_not_import_torch():
     code = "import sys, dlm_engine.metrics; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

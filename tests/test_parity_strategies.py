@@ -9,6 +9,8 @@ import pytest
 
 from conftest import REFPARITY, compare_with_reference, fixture_ids
 
+pytestmark = pytest.mark.slow     # starts processes (see pyproject.toml's markers)
+
 
 def _run(parity, model, suite, ids):
     data = json.loads((REFPARITY / f"{suite}.json").read_text())

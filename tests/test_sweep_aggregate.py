@@ -163,6 +163,7 @@ def test_dlm_sweep_command(fake_sweep, tmp_path, capsys):
     assert sweep.main([str(tmp_path / "missing")]) == 2
 
 
+@pytest.mark.slow
 def test_without_matplotlib_the_table_is_written_and_the_hint_given(fake_sweep):
     code = ("import sys; sys.modules['matplotlib'] = None\n"
             "from dlm_engine.sweeps.cli import main\n"
@@ -236,6 +237,7 @@ def test_slurm_preset_composes():
 
 
 # ------------------------------------------------------------------------------------------- a real failing sweep
+@pytest.mark.slow
 def test_every_job_is_checked_before_the_first_one_runs(tmp_path):
     """Bad values and unsupported strategy x cache pairs are reported together, and nothing runs."""
     d = tmp_path / "sw"
@@ -254,6 +256,7 @@ def test_every_job_is_checked_before_the_first_one_runs(tmp_path):
     assert not d.exists() or not any(d.iterdir())
 
 
+@pytest.mark.slow
 def test_glob_sweep_of_valid_jobs_runs_clean(tmp_path):
     """The README's glob() example: every cache the strategy supports (block_store excluded)."""
     d = tmp_path / "sw"
