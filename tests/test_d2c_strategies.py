@@ -20,6 +20,7 @@ def _cases(suite):
 
 
 @pytest.mark.slow
+@pytest.mark.parity
 def test_every_strategy_case_matches(d2c_candidates, tmp_path):
     cands, _ = d2c_candidates
     wanted = [c["id"] for s in STRATEGY_SUITES for c in _cases(s)["cases"] if "error" not in c]

@@ -45,6 +45,7 @@ def run(model, prompts, gen, cache="none", **kw):
 
 
 @pytest.mark.slow
+@pytest.mark.parity
 def test_every_dream_fixture_case_matches_through_the_parity_command(tmp_path):
     """experiments/parity.py on the Dream fixtures folder, judged by the fixtures' own compare.py."""
     out = tmp_path / "dream.json"
@@ -138,7 +139,6 @@ def test_alg_temp_and_filters_run_seeded_and_reproducibly(model):
     assert outs[0] == outs[1]
 
 
-@pytest.mark.slow
 def test_reference_arguments_map_to_the_config(parity):
     """The parity adapter (not the strategy) knows diffusion_generate's defaults and argument names."""
     def case(kw, suite="dream"):

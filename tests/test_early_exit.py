@@ -88,7 +88,6 @@ def test_constraints_are_written_by_the_strategy_and_count_as_given(tiny_llada):
     assert int(sum(d.commit.sum() for d in steps)) == 2 * 14
 
 
-@pytest.mark.slow
 def test_reference_arguments_map_absolute_positions(parity):
     """The parity adapter (not the strategy) turns Prophet's absolute answer_start_pos into an offset."""
     def conf(**kw):

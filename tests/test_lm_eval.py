@@ -40,6 +40,7 @@ def _env():
 NEW = "model=tiny_random,gen_length=8,device=cpu,trace.record=false,strategy="
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [ARGS] + [NEW + s for s in ("d2c", "pc_sampler", "eb_sampler", "certainty_prior",
                                                                "klass", "ar", "wino")],
                          ids=lambda a: a.split("strategy=")[1].split(",")[0])

@@ -87,6 +87,7 @@ def _figures(stats):
     return per_seq, (t.nfe, t.generated_tokens, t.tpf, t.nfe_per_sequence)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, cache, kw", [
     ("low_confidence", "none", {}),
     ("low_confidence", "none", {"block_length": 4, "steps": 8}),

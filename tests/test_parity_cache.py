@@ -34,6 +34,7 @@ def run(model, name, prompts, cache="none", gen=32, seed=None, cache_kw=None, **
 
 
 @pytest.mark.slow
+@pytest.mark.parity
 def test_every_cached_fastdllm_case_matches(parity, tiny_llada, tmp_path):
     ids = fixture_ids("fastdllm_v2", lambda c: c["function"] in CACHED)
     assert len(ids) >= 12
@@ -44,7 +45,6 @@ def test_every_cached_fastdllm_case_matches(parity, tiny_llada, tmp_path):
     assert f"{len(ids)} match, 0 mismatch" in out
 
 
-@pytest.mark.slow
 def test_model_calls_have_the_reference_shapes(parity, tiny_llada):
     """Refresh = full call on L columns; prefix cached call = [s, L); dual cached call = [s, e)."""
     data = json.loads((REFPARITY / "fastdllm_v2.json").read_text())

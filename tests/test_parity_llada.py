@@ -4,7 +4,7 @@ import pytest
 
 from conftest import compare_with_reference, fixture_ids
 
-pytestmark = pytest.mark.slow     # starts processes (see pyproject.toml's markers)
+pytestmark = [pytest.mark.slow, pytest.mark.parity]
 
 
 def test_llada_suite_matches(parity_candidates, tmp_path):

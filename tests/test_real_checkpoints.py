@@ -175,6 +175,7 @@ def _strategy_configs():
     return sorted(STRATEGIES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family, preset", [("llada", "llada_8b_instruct"), ("dream", "dream_7b_instruct")])
 def test_every_registered_strategy_decodes_through_the_preset(ckpts, family, preset):
     """Every strategy in the registry (including ones added later) decodes both families; none is skipped."""

@@ -196,6 +196,7 @@ def _sweeper_params(overrides):
     return jobs, configs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset, n, keys", [
     ("threshold_grid", 12, {"strategy", "strategy.threshold", "strategy.block_length"}),
     ("all_strategies", 13, {"strategy"}),
