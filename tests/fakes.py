@@ -1,43 +1,17 @@
-"""Fake models for tests: scripted per-column preferences, speaking the model protocol of
-:mod:`dlm_engine.core.protocol` (window logits, the call's active rows)."""
+"""Fake models for tests: chosen logits at any vocabulary and batch, speaking the model protocol of
+:mod:`dlm_engine.core.protocol` through the real cache hooks (:class:`ScriptedModel`; scripts:
+:func:`preferring`, :func:`random_script`; :class:`Scripted` is the small-vocabulary preset of older tests)."""
 import math
 
 import torch
+import torch.nn as nn
 
-from dlm_engine.core.protocol import CallRequest, Columns, ForwardCall
+from dlm_engine.core.protocol import NullHooks
+from dlm_engine.models.layers import (AttentionSpec, attention_block, call_columns, ffn_block, new_call, rope_native,
+                                     rope_tables, window_logits)
 
 V, MASK, EOS, EOT = 10, 9, 8, 7
 P = 2  # prompt length
-
-
-class Scripted:
-    """Generation column j prefers ``top[j]`` with probability ``conf[j]``, then ``second[j]``: one script for
-    every row, or one per canvas row when ``top`` is a list of lists (``CallRequest.rows`` says which canvas
-    rows a call runs once some rows are finished). Records the batch size of every call in ``sizes``."""
-
-    def __init__(self, top, conf, second):
-        per_row = isinstance(top[0], (list, tuple))
-        self.scripts = list(zip(top, conf, second)) if per_row else [(top, conf, second)]
-        self.sizes = []
-
-    @property
-    def calls(self) -> int:
-        return len(self.sizes)
-
-    def __call__(self, ids, attention_mask=None, position_ids=None, hooks=None, logits_range=None, request=None):
-        B, L = ids.shape
-        self.sizes.append(B)
-        lo, hi = logits_range or (0, L)
-        logits = torch.full((B, hi - lo, V), -8.0)
-        rows = request.rows if request is not None else None
-        for b, r in enumerate(range(B) if rows is None else rows.tolist()):
-            top, conf, second = self.scripts[min(r, len(self.scripts) - 1)]
-            for j in range(lo, hi):
-                if 0 <= j - P < len(top):
-                    logits[b, j - lo, top[j - P]] = math.log(conf[j - P])
-                    logits[b, j - lo, second[j - P]] = math.log((1 - conf[j - P]) * 0.9)
-        return ForwardCall(input_ids=ids, position_ids=position_ids, key_mask=None, columns=Columns.span(0, L),
-                           logits_range=(lo, hi), request=request or CallRequest(), logits=logits)
 
 
 class CommittedDeltas:
@@ -112,10 +86,6 @@ class ScriptedModel:
 
     def __init__(self, script, vocab: int, mask_id: int = None, eos_id: int = None, layers: int = 2,
                  shift: int = 0, model_type: str = "scripted", d: int = 16, heads: int = 2):
-        import torch.nn as nn
-
-        from dlm_engine.models.layers import AttentionSpec, rope_native
-
         self.script, self.vocab, self.logits_shift = script, vocab, shift
         mask_id = vocab - 1 if mask_id is None else mask_id
         eos_id = vocab - 2 if eos_id is None else eos_id
@@ -140,10 +110,6 @@ class ScriptedModel:
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None, hooks=None, logits_range=None,
                  request=None):
-        from dlm_engine.core.protocol import NullHooks
-        from dlm_engine.models.layers import attention_block, call_columns, ffn_block, new_call, rope_tables, \
-            window_logits
-
         def positions(key_mask, B, L, device):
             if key_mask is None:
                 return torch.arange(L, device=device).expand(B, L)
@@ -197,8 +163,9 @@ class ScriptedModel:
 def preferring(top, conf, second=None, floor: float = -8.0):
     """A script from per-column preferences (as :class:`Scripted`): generation column ``j`` of canvas row ``r``
     prefers ``top[r][j]`` with probability ``conf[r][j]`` (``top``/``conf``: ``[R, G]`` tensors or lists; the
-    last row's script serves rows beyond it), then ``second`` (default: token 0) with 90% of the rest.
-    ``gen_start``: the first generation column, set with :meth:`at`."""
+    last row's script serves rows beyond it), then ``second`` (default: token 0) with 90% of the rest; every
+    other logit is ``floor``. Returns ``at(gen_start)``, which gives the script for a canvas whose generation
+    starts at column ``gen_start``."""
     top, conf = torch.as_tensor(top), torch.as_tensor(conf, dtype=torch.float32)
     if top.dim() == 1:
         top, conf = top[None], conf[None]
@@ -240,3 +207,12 @@ def random_script(seed: int = 0, by_row: bool = False):
         return out
 
     return script
+
+
+class Scripted(ScriptedModel):
+    """Generation column j (the prompt is ``P`` columns) prefers ``top[j]`` with probability ``conf[j]``, then
+    ``second[j]``: one script for every row, or one per canvas row when ``top`` is a list of lists (a call that
+    runs some rows gets theirs). Vocabulary ``V``, mask ``MASK``, EOS ``EOS``."""
+
+    def __init__(self, top, conf, second):
+        super().__init__(preferring(top, conf, second)(P), V, mask_id=MASK, eos_id=EOS)
