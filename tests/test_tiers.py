@@ -1,4 +1,4 @@
-"""The test tiers: ``slow`` and ``cuda`` are registered markers (``--strict-markers`` refuses others), a quick test
+"""The test tiers: ``slow``, ``parity`` and ``cuda`` are registered markers (``--strict-markers`` refuses others), a quick test
 that starts a process fails with the line that says to mark it, and ``cuda`` tests are skipped without a device."""
 import shutil
 import subprocess
@@ -7,14 +7,10 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT
 
-
-def test_the_markers_are_registered():
-    import tomllib
-
-    ini = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
-    assert {m.split(":")[0] for m in ini["markers"]} >= {"slow", "cuda"} and "--strict-markers" in ini["addopts"]
+def test_the_markers_are_registered(pytestconfig):
+    assert {m.split(":")[0] for m in pytestconfig.getini("markers")} >= {"slow", "parity", "cuda"}
+    assert "--strict-markers" in pytestconfig.getini("addopts")
 
 
 def test_a_quick_test_that_starts_a_process_fails_saying_so():
