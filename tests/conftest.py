@@ -17,6 +17,43 @@ BIN = Path(sys.executable).parent
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.cuda`` tests are skipped where no CUDA device is available."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (runs where one is lent)")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
+
+
+# programs a quick test may start: the trace header's `git rev-parse` / `git status` (milliseconds)
+QUICK_PROGRAMS = {"git"}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Keeps the quick tier quick: a test not marked ``slow`` that starts a process (a CLI, ``parity.py``, a
+    Python interpreter; in the test or in a fixture it sets up) fails with a line that says to mark it."""
+    if item.get_closest_marker("slow") is not None:
+        yield
+        return
+    real = subprocess.Popen.__init__
+
+    def guarded(self, args, *a, **kw):
+        argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+        program = Path(os.fsdecode(argv[0])).name if argv else ""
+        if program not in QUICK_PROGRAMS:
+            pytest.fail(f"{item.nodeid} starts a process ({program}): mark it @pytest.mark.slow", pytrace=False)
+        real(self, args, *a, **kw)
+
+    subprocess.Popen.__init__ = guarded
+    try:
+        yield
+    finally:
+        subprocess.Popen.__init__ = real
+
+
 def need(module: str, extra: str):
     """Import an optional dependency or skip, naming the extra that installs it. With
     ``DLM_ENGINE_TEST_ALL=1`` (CI: `.ci/run`) a missing one fails instead, so CI cannot skip it silently."""

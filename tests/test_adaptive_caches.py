@@ -57,6 +57,7 @@ D2K8 = "d2c_d2cache/llada/vanilla/d2cache/p0/k8/gl32_bl32"
 D2SEMI = "d2c_d2cache/dream/vanilla/d2cache/p0/k8_inflate4_semiar_b8/gl32_bl8"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("suite, cid, option", [
     ("d2c_dllm", DLLM, {"layer0_full": False}),                     # quirk 13: layer 0 always recomputed
     ("d2c_dllm", DLLM, {"reset_per_block": True}),                  # quirk 14: state kept across blocks
@@ -73,6 +74,7 @@ def test_reference_default_matches_and_the_option_changes_the_output(parity, mod
     assert not same(changed, case)
 
 
+@pytest.mark.slow
 def test_dllm_shared_schedule_stops_where_the_reference_asserts_and_per_row_schedules_run(parity, models):
     """Quirk 13: rows that sit out different numbers of steps diverge; the reference's assertion becomes a
     one-line error; per-row schedules decode it, each row exactly as alone."""
@@ -233,6 +235,7 @@ def test_trace_records_the_recomputed_columns_of_every_step(models, tmp_path):
                 assert "recomputed at this step" in page and '"rec": {"1": [[0, ' in page
 
 
+@pytest.mark.slow
 def test_cli_runs_the_adaptive_caches_with_the_trace_option(tmp_path):
     from conftest import run_dlm
 

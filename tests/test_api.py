@@ -18,6 +18,7 @@ def readme_snippet():
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
+@pytest.mark.slow
 def test_the_readme_snippet_runs_as_printed(tmp_path):
     code = readme_snippet()
     assert len(code.strip().splitlines()) <= 10
@@ -32,6 +33,7 @@ def session():
     return dlm_engine.Session(model="tiny", device="cpu")
 
 
+@pytest.mark.slow
 def test_generate_equals_the_command_line_run(session, tmp_path):
     prompts = ["123+456=", "name a fruit:", "sum 9:"]
     out = session.generate(prompts, strategy="threshold", cache="dual", batch_size=2)

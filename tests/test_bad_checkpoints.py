@@ -103,6 +103,7 @@ def test_binary_or_non_utf8_prompts_file(tmp_path):
     check_text_file(str(tmp_path / "ok.txt"), "prompts_file")
 
 
+@pytest.mark.slow
 def test_a_malformed_checkpoint_on_the_command_line_is_one_line(tmp_path):
     ck = tiny_checkpoint(tmp_path / "ck")
     cfg = json.loads((ck / "config.json").read_text())

@@ -32,6 +32,7 @@ def test_finite_values_pass():
                                    "flag": True, "name": "nan"}))
 
 
+@pytest.mark.slow
 def test_temperature_nan_on_the_command_line_is_one_line(tmp_path):
     proc = run_dlm([f"hydra.run.dir={tmp_path / 'r'}", "device=cpu", "prompts=[hi]", "strategy.temperature=nan"],
                    cwd=tmp_path)
@@ -106,8 +107,7 @@ def test_non_finite_logits_at_the_first_forward_stop_the_decode(tiny_llada):
 
 
 HEALTH_CASES = [("cpu", torch.float32), ("cpu", torch.bfloat16), ("cpu", torch.float16), ("cpu", torch.float64)] + [
-    pytest.param("cuda", dt, marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                      reason="needs a CUDA device (runs where one is lent)"))
+    pytest.param("cuda", dt, marks=pytest.mark.cuda)
     for dt in (torch.float32, torch.bfloat16)]
 
 

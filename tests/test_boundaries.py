@@ -78,6 +78,7 @@ def test_the_check_sees_a_forbidden_import(tmp_path):
         fake.unlink()
 
 
+@pytest.mark.slow
 def test_importing_the_core_loads_no_strategy_or_model():
     code = ("import sys, dlm_engine.core.loop, dlm_engine.core.kvcache, dlm_engine.core.strategy;"
             "bad=[m for m in sys.modules if m.startswith(('dlm_engine.strategies','dlm_engine.cache','dlm_engine.models',"

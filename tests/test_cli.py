@@ -6,6 +6,8 @@ import pytest
 
 from conftest import REFPARITY, run_dlm
 
+pytestmark = pytest.mark.slow     # starts processes (see pyproject.toml's markers)
+
 
 def _run(tmp_path, *args):
     out = tmp_path / "run"

@@ -19,6 +19,8 @@ def _cases(suite):
     return json.loads((D2C / f"{suite}.json").read_text())
 
 
+@pytest.mark.slow
+@pytest.mark.parity
 def test_every_strategy_case_matches(d2c_candidates, tmp_path):
     cands, _ = d2c_candidates
     wanted = [c["id"] for s in STRATEGY_SUITES for c in _cases(s)["cases"] if "error" not in c]
@@ -44,6 +46,7 @@ def run(parity, case_id, **overrides):
     return case, parity.run_case(case, suite["prompts"], model, 1000, 1001, suite, overrides)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case_id, option", [
     ("d2c_eb/llada/vanilla/nocache/lp02/eb_gamma0.5_batch_lp02/gl32_bl8", {"eb_cummax_over_ranks": True}),    # 7
     ("d2c_vanilla/llada/vanilla/nocache/p0/t0.7/gl32_bl8_seed102", {"sample_candidates_only": True}),        # 15
@@ -58,6 +61,7 @@ def test_corrected_behaviour_changes_the_output(parity, case_id, option):
     assert (fixed["output"], fixed["nfe"]) != (case["output"], case["nfe"]), option
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llada", "dream"])
 def test_restrict_to_computed_logits_keeps_uncomputed_positions_out(parity, family):
     """Quirk 1: with d2Cache computing 8 masked positions a step and 12 to commit, the reference ranks the
@@ -71,6 +75,7 @@ def test_restrict_to_computed_logits_keeps_uncomputed_positions_out(parity, fami
     assert fixed["nfe"] > ref["nfe"]                   # fewer than 12 valid candidates on some steps
 
 
+@pytest.mark.slow
 def test_wino_default_leaves_no_mask_and_the_reference_mode_does(parity):
     cid = "d2c_wino/llada/wino/nocache/p0/wide0.4_narrow0.95_single_block/gl32_bl32"
     case, ref = run(parity, cid)
@@ -82,6 +87,7 @@ def test_wino_default_leaves_no_mask_and_the_reference_mode_does(parity):
     assert any(e[2] == 1000 for e in fixed["events"])                # it re-masked on the way
 
 
+@pytest.mark.slow
 def test_debias_after_alg_keeps_the_calibration(parity):
     """Quirk 8: with alg=topk_margin the reference overwrites PC-Sampler's debiased confidence (so debias has
     no effect); debias_after_alg applies it after the alg."""
@@ -92,6 +98,7 @@ def test_debias_after_alg_keeps_the_calibration(parity):
     assert ref["output"] == plain["output"] and fixed["output"] != ref["output"]
 
 
+@pytest.mark.slow
 def test_filters_at_zero_temperature(parity):
     """Quirk 16: top-k reshapes confidences at T = 0 in the reference; the option ignores filters there."""
     cid = "d2c_vanilla/dream/vanilla/nocache/p0/ntt2/gl32_bl8"
@@ -190,6 +197,7 @@ def test_reference_positions_number_dream_rows_from_zero():
     assert first_plan().position_ids is None
 
 
+@pytest.mark.slow
 def test_wino_run_through_dlm_and_the_trace_tools(tmp_path):
     """A WINO run through `dlm` records its re-masks: `replay --step` marks re-masked positions (░) apart from
     never-decoded ones (▒), `show` counts the edits, the HTML page styles them, `verify --rerun` reproduces it."""

@@ -44,6 +44,8 @@ def run(model, prompts, gen, cache="none", **kw):
     return counts, canvas
 
 
+@pytest.mark.slow
+@pytest.mark.parity
 def test_every_dream_fixture_case_matches_through_the_parity_command(tmp_path):
     """experiments/parity.py on the Dream fixtures folder, judged by the fixtures' own compare.py."""
     out = tmp_path / "dream.json"

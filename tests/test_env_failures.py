@@ -16,6 +16,7 @@ from dlm_engine import fsutil
 COMPLETE = ("summary.json", "results.jsonl", "trace.dlmt", "result.json")
 
 
+@pytest.mark.slow
 def test_output_path_through_a_file_is_one_line(tmp_path):
     (tmp_path / "afile").write_text("x")
     out = tmp_path / "afile" / "run"
@@ -24,6 +25,7 @@ def test_output_path_through_a_file_is_one_line(tmp_path):
     assert proc.returncode == 2 and lines == [f"dlm: error: {out}: Not a directory"], proc.stderr
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_one_line_and_leaves_nothing_complete(tmp_path):
     """RLIMIT_FSIZE makes every write past 4.5 KB fail with EFBIG, as a full disk fails with ENOSPC: Hydra's
     small files fit, the trace (its header alone is about 4 KB) does not."""
@@ -42,6 +44,7 @@ def test_a_full_disk_is_one_line_and_leaves_nothing_complete(tmp_path):
     assert not any((out / n).exists() for n in COMPLETE)
 
 
+@pytest.mark.slow
 def test_a_killed_rerun_leaves_no_earlier_complete_files_beside_its_partial(tmp_path):
     out = tmp_path / "run"
     out.mkdir()

@@ -7,6 +7,8 @@ import pytest
 
 from conftest import run_dlm
 
+pytestmark = pytest.mark.slow     # starts processes (see pyproject.toml's markers)
+
 PLUGIN = '''
 """A third-party strategy: commit the leftmost masked positions, ``tokens_per_step`` at a time."""
 from dataclasses import dataclass

@@ -40,6 +40,7 @@ def test_bad_jsonl_lines_are_named(tmp_path, content, message):
     assert message.format(f=f) in str(err.value) and str(err.value).startswith("prompts_file: ")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path, message", [
     ("{tmp}", "prompts_file: '{tmp}' is a directory, not a file"),
     ("/dev/null", "prompts_file: '/dev/null' holds no prompts (it is empty or has only blank lines)"),
@@ -126,6 +127,7 @@ def test_out_of_vocabulary_constraint_ids_fail_before_decoding(lm):
         load_inputs(cfg, lm)
 
 
+@pytest.mark.slow
 def test_unrepresentable_characters_warn_once(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["café", "name a\ncolor:", "12+34=", "thé"]))

@@ -3,7 +3,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, need
+
+pytestmark = pytest.mark.slow     # starts processes (see pyproject.toml's markers)
 
 
 def test_non_editable_install_finds_configs(tmp_path):

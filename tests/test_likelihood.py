@@ -36,6 +36,7 @@ def test_one_token_is_exact(tiny):
         assert got == pytest.approx(want, abs=1e-5)
 
 
+@pytest.mark.slow
 def test_estimate_is_unbiased_against_the_enumerated_expectation(tiny):
     """E_l E_S[(L/l) sum_{i in S} log p(y_i | masked S)] over l ~ U{1..L}, S a uniform l-subset, enumerated."""
     ctx, target = tiny.encode("347+085="), tiny.encode("0432")
@@ -107,6 +108,7 @@ metric_list:
 """)
 
 
+@pytest.mark.slow
 def test_lm_eval_multiple_choice_through_the_adapter(mc_task, monkeypatch):
     need("lm_eval", "eval")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")

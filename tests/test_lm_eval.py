@@ -40,6 +40,7 @@ def _env():
 NEW = "model=tiny_random,gen_length=8,device=cpu,trace.record=false,strategy="
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [ARGS] + [NEW + s for s in ("d2c", "pc_sampler", "eb_sampler", "certainty_prior",
                                                                "klass", "ar", "wino")],
                          ids=lambda a: a.split("strategy=")[1].split(",")[0])
@@ -76,6 +77,7 @@ def _samples(out):
     return [json.loads(line) for line in files[0].read_text().splitlines() if line.strip()]
 
 
+@pytest.mark.slow
 def test_lm_eval_own_command_knows_the_model_name(task_dir, tmp_path):
     """Plain ``lm_eval --model dlm_engine`` (the installed .pth hook registers the name). No --device: lm-eval
     then passes cuda:0, which must not stop a CPU-only machine. The embedded model solves add/sub."""
@@ -91,6 +93,7 @@ def test_lm_eval_own_command_knows_the_model_name(task_dir, tmp_path):
     assert got == {"347+085=": "0432", "901-256=": "645"}
 
 
+@pytest.mark.slow
 def test_start_up_hook_is_lazy_and_can_be_turned_off(tmp_path):
     """After start-up nothing of dlm_engine or torch is loaded; importing lm-eval's registry adds a lazy
     entry next to lm-eval's own models; DLM_ENGINE_LM_EVAL_HOOK=0 leaves lm-eval untouched."""
@@ -126,6 +129,7 @@ def test_hook_registers_into_an_already_loaded_registry_and_upgrades_to_the_clas
         registry.model_registry._objs.update(saved)
 
 
+@pytest.mark.slow
 def test_wrapper_command_knows_the_model_name(task_dir, tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-m", "dlm_engine.integrations.lm_eval", "--model", "dlm_engine", "--model_args", ARGS,
@@ -153,6 +157,7 @@ def test_bad_model_args_fail_like_dlm():
         adapter.DLMEngineLM(**{"model": "tiny_random", "strategy": "threshold", "strategy.threshold": 1.5})
 
 
+@pytest.mark.slow
 def test_a_model_args_typo_on_lm_evals_command_line_is_one_line(task_dir, monkeypatch, capsys):
     """On lm-eval's command line (argv[0] lm_eval) a bad --model_args value is one line and exit 2, through
     lm-eval's own simple_evaluate; called as a library, the ConfigError propagates."""

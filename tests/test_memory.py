@@ -48,6 +48,7 @@ def _probe(env_value):
     return applied == "True", int(free), int(mapped)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
                     reason="glibc's mallopt (other C libraries keep their defaults)")
 def test_fixed_thresholds_keep_a_steps_large_temporaries_in_the_heap():

@@ -50,6 +50,7 @@ def test_aggregates_are_ratios_of_totals_not_means_of_ratios():
     assert t.as_dict()["model_calls"] == 4
 
 
+@pytest.mark.slow
 def test_metrics_module_does_not_import_torch():
     code = "import sys, dlm_engine.metrics; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
@@ -86,6 +87,7 @@ def _figures(stats):
     return per_seq, (t.nfe, t.generated_tokens, t.tpf, t.nfe_per_sequence)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, cache, kw", [
     ("low_confidence", "none", {}),
     ("low_confidence", "none", {"block_length": 4, "steps": 8}),

@@ -33,6 +33,8 @@ def run(model, name, prompts, cache="none", gen=32, seed=None, cache_kw=None, **
     return canvas, calls
 
 
+@pytest.mark.slow
+@pytest.mark.parity
 def test_every_cached_fastdllm_case_matches(parity, tiny_llada, tmp_path):
     ids = fixture_ids("fastdllm_v2", lambda c: c["function"] in CACHED)
     assert len(ids) >= 12
@@ -152,6 +154,7 @@ def test_bad_refresh_interval_names_the_key(name):
         make_cache(name, refresh_interval=-1)
 
 
+@pytest.mark.slow
 def test_cli_runs_a_cached_strategy(tmp_path):
     proc = run_dlm([f"hydra.run.dir={tmp_path / 'run'}", "device=cpu", "trace.record=false", "strategy=threshold",
                     "strategy.block_length=8", "cache=prefix", "cache.refresh_interval=2", "gen_length=16"],

@@ -28,6 +28,8 @@ def results(tiny_llada, parity):
             for c in data["cases"] if "error" not in c}
 
 
+@pytest.mark.slow
+@pytest.mark.parity
 def test_every_cadllm_case_matches(results, tmp_path):
     ids = fixture_ids("cadllm")
     assert len(ids) >= 9 and set(ids) == set(results)

@@ -5,7 +5,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import FIXTURES
+
+pytestmark = [pytest.mark.slow, pytest.mark.parity]
 
 D2C = FIXTURES / "d2cparity"
 CACHE_SUITES = ("d2c_prefix", "d2c_dllm", "d2c_d2cache")

@@ -1,6 +1,10 @@
 """Reference parity of low_confidence: every llada.json case and every no-cache fixed-schedule
 fastdllm_v2.json case (tokens, NFE and unmask steps), through the parity command."""
+import pytest
+
 from conftest import compare_with_reference, fixture_ids
+
+pytestmark = [pytest.mark.slow, pytest.mark.parity]
 
 
 def test_llada_suite_matches(parity_candidates, tmp_path):

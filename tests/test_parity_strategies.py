@@ -9,7 +9,6 @@ import pytest
 
 from conftest import REFPARITY, compare_with_reference, fixture_ids
 
-
 def _run(parity, model, suite, ids):
     data = json.loads((REFPARITY / f"{suite}.json").read_text())
     mask_id, pad_id = int(model.config.mask_token_id), int(model.config.pad_token_id)
@@ -22,6 +21,8 @@ def _no_cache(kind):
     return lambda c: c["function"] == "generate" and c["kwargs"].get(kind) is not None
 
 
+@pytest.mark.slow
+@pytest.mark.parity
 @pytest.mark.parametrize("kind", ["threshold", "factor"])
 def test_fastdllm_no_cache_cases_match(parity, tiny_llada, tmp_path, kind):
     ids = fixture_ids("fastdllm_v2", _no_cache(kind))
@@ -32,6 +33,8 @@ def test_fastdllm_no_cache_cases_match(parity, tiny_llada, tmp_path, kind):
     assert f"{len(ids)} match, 0 mismatch" in out
 
 
+@pytest.mark.slow
+@pytest.mark.parity
 def test_every_prophet_case_matches(parity, tiny_llada, tmp_path):
     ids = fixture_ids("prophet")
     assert len(ids) >= 5

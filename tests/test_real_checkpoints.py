@@ -74,6 +74,7 @@ def _hub_cache(root, hub_id, checkpoint, revision="0123abcd"):
     return repo, snap
 
 
+@pytest.mark.slow
 def test_presets_find_the_local_hugging_face_cache(ckpts, tmp_path, monkeypatch):
     """No model.path: the preset's hub id is looked up in the local cache (HF_HUB_CACHE), snapshot by refs/main;
     model.path may also name the cache folder itself. dlm records the snapshot it loaded."""
@@ -97,6 +98,7 @@ def test_presets_find_the_local_hugging_face_cache(ckpts, tmp_path, monkeypatch)
     assert summary["model_path"] == str(snap)
 
 
+@pytest.mark.slow
 def test_cli_missing_directory_is_one_line_naming_the_path_tried(tmp_path):
     missing = tmp_path / "not-downloaded"
     proc = run_dlm(["model=dream_7b_instruct", f"model.path={missing}", f"hydra.run.dir={tmp_path}/run"],
@@ -173,6 +175,7 @@ def _strategy_configs():
     return sorted(STRATEGIES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family, preset", [("llada", "llada_8b_instruct"), ("dream", "dream_7b_instruct")])
 def test_every_registered_strategy_decodes_through_the_preset(ckpts, family, preset):
     """Every strategy in the registry (including ones added later) decodes both families; none is skipped."""
@@ -200,6 +203,7 @@ def test_every_registered_strategy_decodes_through_the_preset(ckpts, family, pre
     assert set(done) >= {"low_confidence", "threshold", "dream"}
 
 
+@pytest.mark.slow
 def test_cli_decodes_dream_through_its_preset(ckpts, tmp_path):
     path, _ = ckpts["dream"]
     run = tmp_path / "dream"

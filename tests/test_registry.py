@@ -136,6 +136,7 @@ def test_every_registered_strategy_and_cache_has_a_preset():
         assert ("cache", name) in names
 
 
+@pytest.mark.slow
 def test_schemas_are_not_options(tmp_path):
     from conftest import run_dlm
 

@@ -5,6 +5,8 @@ import json
 import os
 import subprocess
 
+import pytest
+
 from conftest import BIN, run_dlm
 from dlm_engine.fsutil import DirLock
 
@@ -23,6 +25,7 @@ def test_dir_lock_is_exclusive_and_names_its_holder(tmp_path):
     assert (tmp_path / ".dlm.lock").is_file()
 
 
+@pytest.mark.slow
 def test_a_held_run_directory_fails_fast_and_is_left_alone(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
@@ -40,6 +43,7 @@ def test_a_held_run_directory_fails_fast_and_is_left_alone(tmp_path):
     assert not (out / "summary.json").exists() and not list(out.glob("trace.dlmt*"))
 
 
+@pytest.mark.slow
 def test_a_held_sweep_job_is_skipped_and_the_others_run(tmp_path):
     from dlm_engine.sweeps.jobs import job_dirname
 
@@ -60,6 +64,7 @@ def test_a_held_sweep_job_is_skipped_and_the_others_run(tmp_path):
     assert (d / job_dirname(common + ["strategy.threshold=0.9"]) / "result.json").is_file()
 
 
+@pytest.mark.slow
 def test_two_sweeps_into_one_directory_at_once(tmp_path):
     d = tmp_path / "sw"
     env = dict(os.environ, HYDRA_FULL_ERROR="0")

@@ -7,6 +7,8 @@ import pytest
 
 from conftest import run_dlm
 
+pytestmark = pytest.mark.slow     # starts processes (see pyproject.toml's markers)
+
 SWEEP = ["strategy=threshold", "strategy.threshold=0.5,0.9", "strategy.block_length=range(8,17,8)",
          "task=tiny_mix", "task.n=8", "gen_length=16", "device=cpu"]
 

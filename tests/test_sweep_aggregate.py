@@ -163,6 +163,7 @@ def test_dlm_sweep_command(fake_sweep, tmp_path, capsys):
     assert sweep.main([str(tmp_path / "missing")]) == 2
 
 
+@pytest.mark.slow
 def test_without_matplotlib_the_table_is_written_and_the_hint_given(fake_sweep):
     code = ("import sys; sys.modules['matplotlib'] = None\n"
             "from dlm_engine.sweeps.cli import main\n"
@@ -195,6 +196,7 @@ def _sweeper_params(overrides):
     return jobs, configs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset, n, keys", [
     ("threshold_grid", 12, {"strategy", "strategy.threshold", "strategy.block_length"}),
     ("all_strategies", 13, {"strategy"}),
@@ -236,6 +238,7 @@ def test_slurm_preset_composes():
 
 
 # ------------------------------------------------------------------------------------------- a real failing sweep
+@pytest.mark.slow
 def test_every_job_is_checked_before_the_first_one_runs(tmp_path):
     """Bad values and unsupported strategy x cache pairs are reported together, and nothing runs."""
     d = tmp_path / "sw"
@@ -254,6 +257,7 @@ def test_every_job_is_checked_before_the_first_one_runs(tmp_path):
     assert not d.exists() or not any(d.iterdir())
 
 
+@pytest.mark.slow
 def test_glob_sweep_of_valid_jobs_runs_clean(tmp_path):
     """The glob() example of docs/sweeps.md: every cache the strategy supports (block_store excluded)."""
     d = tmp_path / "sw"

@@ -3,7 +3,11 @@ end-of-multirun callback aggregates them from disk, workers log progress lines i
 import csv
 import json
 
+import pytest
+
 from conftest import run_dlm
+
+pytestmark = pytest.mark.slow     # starts processes (see pyproject.toml's markers)
 
 
 def test_joblib_2x2_sweep(tmp_path):

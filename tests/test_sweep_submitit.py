@@ -4,7 +4,11 @@ own process and writes its own result.json; the callback in the launching proces
 import csv
 import json
 
+import pytest
+
 from conftest import run_dlm
+
+pytestmark = pytest.mark.slow     # starts processes (see pyproject.toml's markers)
 
 ARGS = ["hydra/launcher=submitit_local", "hydra.launcher.timeout_min=10", "strategy=threshold",
         "strategy.threshold=0.5,0.9", "strategy.block_length=8,16", 'prompts=["12+34=","name a fruit:"]',

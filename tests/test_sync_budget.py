@@ -114,7 +114,7 @@ def test_dream_reads_the_host_once_per_step(tiny_dream_model, name, kw, batch):
     check(tiny_dream_model, name, kw, batch)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (runs where one is lent)")
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_every_strategy_reads_the_host_once_per_step_on_cuda(dtype):
     """The same budget with the models on a GPU, where each counted call would stall the device: every case and
@@ -231,7 +231,7 @@ def test_recording_adds_no_host_sync_on_the_step_loop(tiny_llada, tmp_path, capt
     assert counts[True] == counts[False]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (runs where one is lent)")
+@pytest.mark.cuda
 @pytest.mark.parametrize("name, kw, cache", [("d2c", {"block_length": 8, "threshold": 0.5}, "prefix"),
                                              ("d2c", {"block_length": 8, "threshold": 0.5}, "dual"),
                                              ("klass", {"block_length": 8, "threshold": 0.5}, "d2cache"),
@@ -251,7 +251,7 @@ def test_cached_decode_with_rows_sitting_out_matches_the_cpu_on_cuda(tiny_llada,
     assert out["cpu"] == out["cuda"]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (runs where one is lent)")
+@pytest.mark.cuda
 def test_host_tensor_on_cuda_and_a_decode_matches_the_cpu(tiny_llada):
     """The pinned, non-blocking path of ``host_tensor`` gives the values, and a decode with per-row host numbers
     (a padded batch: row indices, counts) matches the CPU one token for token."""
@@ -270,7 +270,7 @@ def test_host_tensor_on_cuda_and_a_decode_matches_the_cpu(tiny_llada):
     assert out["cpu"] == out["cuda"]
 
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (runs where one is lent)")
+CUDA = pytest.mark.cuda
 
 
 @pytest.mark.parametrize("device, dtype", [("cpu", "float32"), pytest.param("cuda", "float32", marks=CUDA),

@@ -13,6 +13,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SLOW_PLUGIN = '''
@@ -54,6 +56,7 @@ def _child(tmp_path, code: str, env=None):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_a_thread_that_looks_up_a_plugin_while_another_imports_the_plugins_waits_for_them(tmp_path):
     """``load_plugins`` set its flag before importing: a second thread returned at once and looked up an empty
     or half-filled registry (``unknown strategy``)."""
@@ -74,6 +77,7 @@ def test_a_thread_that_looks_up_a_plugin_while_another_imports_the_plugins_waits
     assert got["result"] == "slow_plugin_strategy"
 
 
+@pytest.mark.slow
 def test_a_plugin_that_fails_to_import_fails_every_lookup_not_only_the_first(tmp_path):
     """With the flag set after the work, a failed import leaves the plug-ins unloaded: every call says why,
     instead of the first one alone and silence (an incomplete registry) after it."""
@@ -92,6 +96,7 @@ def test_a_plugin_that_fails_to_import_fails_every_lookup_not_only_the_first(tmp
     assert len(got) == 2 and all("DLM_ENGINE_PLUGINS: cannot import 'no_such_plugin_module'" in s for s in got)
 
 
+@pytest.mark.slow
 def test_two_threads_compose_run_configs_at_once(tmp_path):
     """``compose`` clears and re-initialises Hydra's process-wide GlobalHydra: a second thread composing while the
     first was inside failed with "GlobalHydra is already initialized". The first composition is held inside Hydra
@@ -130,6 +135,7 @@ def test_two_threads_compose_run_configs_at_once(tmp_path):
     assert got == {"first": "threshold", "second": "factor"}
 
 
+@pytest.mark.slow
 def test_a_trace_shared_by_threads_gives_every_thread_its_text(tmp_path):
     """``Trace.tokenizer`` set its flag before the decoder existed: a second thread reading text then got token ids
     (no decoder) instead of text. The decoder's loading is held open while the second thread reads."""
@@ -237,6 +243,7 @@ def test_two_threads_decode_and_record_at_once_and_every_trace_replays_their_tok
             assert np.array_equal(s.state_at(s.n_steps), np.asarray(want))
 
 
+@pytest.mark.slow
 def test_a_thread_never_composes_before_another_has_stored_the_schemas(tmp_path):
     """``register_configs`` set its flag before storing the schemas: a second thread went on to compose with
     ``run_schema`` not yet in Hydra's ConfigStore. The first thread's stores are held open while the second

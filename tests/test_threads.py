@@ -63,6 +63,7 @@ def test_the_session_api_applies_and_records_threads(tmp_path, thread_counts):
         s.generate(["12+34="], threads=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value, needle", [("0", "threads=0 must be a positive integer"),
                                            ("-2", "threads=-2 must be a positive integer"),
                                            ("many", "threads: Value 'many'")])

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from conftest import ROOT, run_dlm
@@ -44,6 +45,7 @@ def test_checkers_accept_any_valid_answer_and_reject_wrong_ones():
     assert all(tasks.check(e.task, e.prompt, e.answer) for e in ex)
 
 
+@pytest.mark.slow
 def test_training_script_runs_end_to_end(tmp_path):
     out = tmp_path / "ck"
     proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "train_tiny.py"), "--out", str(out),
@@ -62,6 +64,7 @@ def test_training_script_runs_end_to_end(tmp_path):
     assert summary["accuracy"] == sum(r["correct"] for r in rows) / 4
 
 
+@pytest.mark.slow
 def test_default_dlm_run_reports_accuracy(tmp_path):
     res = run_dlm([f"hydra.run.dir={tmp_path / 'run'}", "trace.record=false"], cwd=tmp_path)
     assert res.returncode == 0, res.stderr

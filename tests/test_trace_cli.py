@@ -8,6 +8,8 @@ import pytest
 
 from conftest import run_dlm
 
+pytestmark = pytest.mark.slow     # starts processes (see pyproject.toml's markers)
+
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 PROMPTS = "prompts=['347+085=',hi,'name a fruit:']"

@@ -209,6 +209,7 @@ print("errors", len(errors), errors[:2], "bad", bad)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("side", ["compress", "decompress"])
 def test_zstd_frames_stay_whole_when_threads_use_them_at_once(side):
     """Each recorder's writer is a thread, and a recorder compresses its header on the thread that opens it, so

@@ -86,6 +86,7 @@ def test_every_crafted_file_is_refused(corpus):
             verify_integrity(loads(data, recover=False))
 
 
+@pytest.mark.slow
 def test_crafted_files_give_one_line_no_traceback_and_bounded_memory(corpus, base, tmp_path):
     d = tmp_path / "corpus"
     d.mkdir()
