@@ -105,8 +105,8 @@ def test_replayed_forwards_with_time_between_make_the_recorded_decodes_and_time_
     w0 = time.perf_counter()
     cpu, mcpu, steps = bench.one(rep, prompts[:1], gen, "low_confidence", kw, "none", 1, instrument=())[:3]
     assert steps > 0 and time.perf_counter() - w0 >= steps * 3e-3          # every forward waited 3 ms
-    if kind == "spin":
-        assert mcpu >= 0.9 * steps * 3e-3          # on the model's clock ...
+    if kind == "spin":     # CPU time, not wall: on a loaded machine a spinning thread gets only part of its 3 ms
+        assert mcpu > cpu - mcpu                   # on the model's clock ...
     assert cpu - mcpu < 0.5 * steps * 3e-3         # ... and never on the loop's
 
 
