@@ -251,7 +251,7 @@ class Server:
             msg = str(exc).strip().splitlines()[0]
             if parsed.max_tokens_given and msg.startswith("gen_length="):
                 msg = "max_tokens: " + msg
-            elif parsed.max_tokens_given and "with gen_length=" in msg:
+            elif "with gen_length=" in msg:
                 msg = msg.replace("with gen_length=", "with max_tokens=")
             param = msg.split(":", 1)[0].split("=", 1)[0].split(" ", 1)[0] if msg else None
             raise ApiError(400, msg, param) from None
@@ -316,7 +316,8 @@ def _figures(req: Request, out: Outcome) -> Dict[str, Any]:
     return {"request_id": req.id, "nfe": r.nfe, "steps": r.steps, "generated_tokens": r.generated_tokens,
             "tpf": r.tpf, "latency": r.latency, "queue_wait": out.queue_wait, "decode_time": out.decode_time,
             "batch_size": out.batch_size, "trace": out.trace, "strategy": str(req.cfg.strategy.name),
-            "cache": str(req.cfg.cache.name), "gen_length": int(req.cfg.gen_length)}
+            "cache": str(req.cfg.cache.name), "gen_length": int(req.cfg.gen_length),
+            "tokens": list(r.tokens), "commit_step": list(r.step_of)}
 
 
 async def _wait(q: asyncio.Queue, deadline: float):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Optional
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -62,6 +63,85 @@ def serve(server, host: str, port: int, log_level: str = "warning", ready=None) 
     if ready is not None:
         ready(userver)
     userver.run()
+
+
+def compose_serve(overrides=()):
+    """The ``dlm-serve`` config of these command-line overrides, without running the app (tests, benchmarks)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    from dlm_engine.app.compose import _COMPOSE_LOCK, one_line
+    from dlm_engine.app.config import register_configs
+    from dlm_engine.core.registry import load_plugins
+    from dlm_engine.errors import ConfigError
+    from dlm_engine.serve.config import register
+
+    load_plugins()
+    register_configs()
+    register()
+    with _COMPOSE_LOCK:
+        if GlobalHydra.instance().is_initialized():
+            GlobalHydra.instance().clear()
+        try:
+            with initialize_config_module("dlm_engine.conf", version_base="1.3"):
+                return hydra_compose("serve", overrides=list(overrides))
+        except Exception as exc:
+            raise ConfigError(one_line(exc)) from None
+
+
+class ServerThread:
+    """A server on 127.0.0.1 in a thread of this process (tests, benchmarks)::
+
+        with ServerThread(["strategy=threshold"], out_dir) as s:
+            requests.post(s.url + "/v1/completions", ...)
+    """
+
+    def __init__(self, overrides=(), out_dir=".", port: Optional[int] = None):
+        import socket
+
+        self.overrides = list(overrides)
+        if port is None:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+        self.port = int(port)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cfg = compose_serve(self.overrides + [f"port={self.port}", "host=127.0.0.1"])
+        self.server = build_server(self.cfg, out_dir, self.overrides)
+        self._uv = None
+        self._thread = None
+
+    def __enter__(self) -> "ServerThread":
+        import threading
+        import time
+
+        got = threading.Event()
+
+        def ready(uv):
+            self._uv = uv
+            got.set()
+
+        self._thread = threading.Thread(target=serve, args=(self.server, "127.0.0.1", self.port, "warning", ready),
+                                        daemon=True)
+        self._thread.start()
+        got.wait(30)
+        for _ in range(600):
+            if self._uv is not None and self._uv.started:
+                break
+            time.sleep(0.01)
+        else:
+            raise RuntimeError("dlm-serve did not start")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        if self._uv is not None:
+            self._uv.should_exit = True
+        if self._thread is not None:
+            self._thread.join(60)
 
 
 @hydra.main(version_base="1.3", config_path="pkg://dlm_engine.conf", config_name="serve")

@@ -219,7 +219,7 @@ def batch_limit(cfg, strategy, max_batch_size: int) -> Tuple[int, Optional[str]]
         return 1, f"cache={cache} makes the rows of a batch interact"
     if (name, cache) in _INTERACTING_PAIRS:
         return 1, f"strategy={name} with cache={cache} makes the rows of a batch interact"
-    if name in ("d2c", "eb_sampler") and cfg.strategy.get("gamma") is not None \
+    if cfg.strategy.get("gamma") is not None \
             and not cfg.strategy.get("eb_cummax_over_ranks", False):
         return 1, "EB-Sampler's running maximum over the batch makes rows interact (eb_cummax_over_ranks=false)"
     limit = int(max_batch_size)

@@ -78,6 +78,8 @@ class Request:
     # per-stream state (worker thread only)
     sent_text: str = ""
     prev_tokens: Optional[np.ndarray] = None
+    own_steps: List[int] = field(default_factory=list)   # the batch steps this request took part in
+
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -109,17 +111,24 @@ class ServeSink(Sink):
         self.stable = str(self.requests[0].cfg.strategy.name) in PREFIX_STABLE
 
     def on_delta(self, delta, canvas) -> None:
+        if self.engine.step_hook is not None:
+            self.engine.step_hook(delta.step)
         self._free_cancelled(canvas)
         live = [i for i in self.streaming if i not in self.freed]
         if not live or delta.step == 0 and not any(self.requests[i].stream_steps for i in live):
             return
         g = canvas.gen_start
         idx = torch.as_tensor(live, device=canvas.device)
-        both = torch.stack((canvas.tokens[idx, g:], canvas.step_of[idx, g:].long())).cpu().numpy()   # one read
-        tokens, steps = both[0], both[1]
-        nfe = canvas.row_nfe[idx].tolist()
+        G = canvas.tokens.shape[1] - g
+        extra = torch.stack((canvas.row_nfe[idx], delta.active[idx].long()), 1)           # [n, 2]
+        both = torch.cat((canvas.tokens[idx, g:], canvas.step_of[idx, g:].long(), extra), 1).cpu().numpy()  # one read
+        tokens, steps, nfe, active = both[:, :G], both[:, G:2 * G], both[:, 2 * G], both[:, 2 * G + 1]
         for j, i in enumerate(live):
-            self._emit_row(self.requests[i], delta.step, nfe[j], tokens[j], steps[j], canvas)
+            req = self.requests[i]
+            if delta.step > 0 and active[j]:
+                req.own_steps.append(int(delta.step))
+            self._emit_row(req, len(req.own_steps), int(nfe[j]), tokens[j], own_steps(steps[j], req.own_steps),
+                           canvas)
 
     def _emit_row(self, req: Request, step: int, nfe: int, tokens: np.ndarray, steps: np.ndarray, canvas) -> None:
         lm = self.engine.lm
@@ -163,6 +172,24 @@ class ServeSink(Sink):
         self.engine.metrics.freed_rows(len(new))
 
 
+def own_steps(step_of: np.ndarray, active_steps) -> np.ndarray:
+    """Commit steps counted in a request's own steps (the batch steps it took part in, ``active_steps``
+    ascending), as decoding it alone numbers them: a batch's step numbers run on while a request has finished
+    or sits a step out. 0 (given) and -1 (masked) are kept."""
+    act = np.asarray(active_steps, dtype=np.int64)
+    so = np.asarray(step_of, dtype=np.int64)
+    return np.where(so > 0, np.searchsorted(act, so, side="right"), so)
+
+
+def batch_own_steps(log, B: int) -> List[List[int]]:
+    """The batch steps each row took part in, from a :class:`~dlm_engine.app.sinks.StepLog`."""
+    if not log.steps:
+        return [[] for _ in range(B)]
+    act = torch.stack(log.active).bool().cpu().numpy().reshape(-1, B)
+    steps = np.asarray(log.steps)
+    return [steps[(steps > 0) & act[:, b]].tolist() for b in range(B)]
+
+
 class Engine:
     """The model, the queue and the decode worker."""
 
@@ -182,6 +209,7 @@ class Engine:
         self.decoding = 0                    # requests in the batch being decoded
         self.recent_batch_seconds = 0.0
         self.trace_dir = self.out_dir / "traces"
+        self.step_hook: Optional[Callable[[int], None]] = None     # called every step (tests slow a decode down)
 
     # -- HTTP side -------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -327,6 +355,9 @@ class Engine:
         elapsed = time.perf_counter() - t0
         self.recent_batch_seconds = elapsed
         rows = rows_from_canvas(lm, canvas, ids, [r.prompt for r in reqs], 0, log_.metrics(canvas, lm.eos_id))
+        for row, act in zip(rows, batch_own_steps(log_, len(reqs))):   # steps as decoding it alone numbers them
+            row.step_of = own_steps(row.step_of, act).tolist()
+            row.steps = int(own_steps([row.steps], act)[0])
         written = str(recorder.written_path) if recorder is not None else None
         self.metrics.decoded(canvas.nfe, elapsed)
         for r, row in zip(reqs, rows):
