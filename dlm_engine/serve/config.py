@@ -24,7 +24,7 @@ class ServeConfig(RunConfig):
     host: str = "127.0.0.1"
     port: int = 8000
     max_batch_size: int = 8
-    max_batch_wait: float = 0.005
+    max_batch_wait: float = 0.0
     queue_size: int = 64
     request_timeout: float = 300.0
     max_prompt_chars: int = 100000

@@ -77,6 +77,7 @@ class Request:
     cancelled: bool = False
     # per-stream state (worker thread only)
     sent_text: str = ""
+    sent_tokens: int = 0
     prev_tokens: Optional[np.ndarray] = None
     own_steps: List[int] = field(default_factory=list)   # the batch steps this request took part in
 
@@ -150,7 +151,8 @@ class ServeSink(Sink):
                 eos = np.flatnonzero(prefix == lm.eos_id)
                 if eos.size:
                     prefix = prefix[:eos[0]]
-            if len(prefix):
+            if len(prefix) > req.sent_tokens:        # (decoded only when the prefix grew)
+                req.sent_tokens = len(prefix)
                 text = lm.decode_text(prefix.tolist())
                 if len(text) > len(req.sent_text) and text.startswith(req.sent_text):
                     req.emit("text", text[len(req.sent_text):])
