@@ -401,3 +401,40 @@ def test_bad_command_line_is_one_line(tmp_path):
         "dlm-serve: error: strategy=treshold: no such strategy (choose from " + p.stderr.split("(choose from ")[1].strip()]
     p = run_dlm(["max_batch_size=0"], tmp_path, exe="dlm-serve", timeout=120)
     assert p.returncode == 2 and "max_batch_size=0 must be a positive integer" in p.stderr
+
+
+def test_lm_eval_local_completions_scores_as_dlm_lm_eval_in_process(tmp_path, monkeypatch):
+    """lm-eval's OpenAI-protocol client (`local-completions`) against the server gives the same generations and
+    score as the in-process adapter (`dlm-lm-eval`) on a small local generate_until task."""
+    need("lm_eval", "eval")
+    from conftest import write_lm_eval_task
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    docs = [{"prompt": "347+085=", "answer": "0432"}, {"prompt": "901-256=", "answer": "645"},
+            {"prompt": "name a fruit:", "answer": "plum"}, {"prompt": "sum 9:", "answer": "2+7"}]
+    (tmp_path / "task").mkdir()
+    task_dir = write_lm_eval_task(tmp_path / "task", "dlm_serve_tiny", docs, """output_type: generate_until
+doc_to_text: "{{prompt}}"
+doc_to_target: "{{answer}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 8
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+""")
+    settings = ["model=tiny", "strategy=threshold", "strategy.block_length=8", "gen_length=8", "device=cpu"]
+    tm = TaskManager(include_path=str(task_dir))
+    local = simple_evaluate(model="dlm_engine", model_args=",".join(settings + ["trace.record=false"]),
+                            tasks=["dlm_serve_tiny"], task_manager=tm, log_samples=True)
+    with ServerThread(settings, tmp_path) as s:
+        served = simple_evaluate(model="local-completions", tasks=["dlm_serve_tiny"], task_manager=tm,
+                                 log_samples=True, model_args=f"base_url={s.url}/v1/completions,model=tiny,"
+                                 "tokenizer_backend=None,tokenized_requests=False,num_concurrent=2,max_retries=1")
+    resp = lambda res: [x["resps"] for x in sorted(res["samples"]["dlm_serve_tiny"], key=lambda x: x["doc_id"])]  # noqa
+    assert resp(served) == resp(local) and any(r[0][0] for r in resp(local))
+    assert served["results"]["dlm_serve_tiny"]["exact_match,none"] == \
+        local["results"]["dlm_serve_tiny"]["exact_match,none"]
