@@ -28,6 +28,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import json  # noqa: E402
 
 PROMPTS = ["347+085=", "901-256=", "name a fruit:", "sum 9:", "12+34=", "name a color:", "77-15=", "sum 4:"]
+STREAM = True
 RANDOM = ["model=tiny_random", "model.random.d_model=256", "model.random.n_layers=4",
           "model.random.mlp_hidden_size=768", "model.random.n_heads=4"]
 
@@ -39,8 +40,21 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
+def plain_one(client, body):
+    """The figures of :func:`stream_one` for a request that is not streamed (TTFT = latency, no chunk gaps)."""
+    t0 = time.perf_counter()
+    r = client.post("/v1/completions", json=body)
+    if r.status_code != 200:
+        raise RuntimeError(r.text)
+    d = r.json()
+    lat = time.perf_counter() - t0
+    return lat, lat, [], d["usage"]["completion_tokens"], d["choices"][0]["dlm"]["batch_size"]
+
+
 def stream_one(client, body):
     """(latency, ttft, chunk gaps, completion tokens, batch size) of one streamed request."""
+    if not STREAM:
+        return plain_one(client, body)
     t0 = time.perf_counter()
     first, last, gaps, fig = None, None, [], None
     with client.stream("POST", "/v1/completions", json=dict(body, stream=True,
@@ -171,7 +185,10 @@ def main(argv=None):
     ap.add_argument("--cache", default="dual")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--no-stream", action="store_true", help="plain requests (TTFT = latency, no ITL)")
     a = ap.parse_args(argv)
+    global STREAM
+    STREAM = not a.no_stream
 
     import tempfile
 
@@ -184,7 +201,8 @@ def main(argv=None):
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(a.requests)]
     bodies = [{"prompt": p, "max_tokens": a.max_tokens} for p in prompts]
     print(f"# {a.model} model, strategy={a.strategy} cache={a.cache}, max_tokens={a.max_tokens}, {a.requests} requests "
-          f"per level, torch threads {torch.get_num_threads()}, {os.cpu_count()} CPUs", flush=True)
+          f"per level, {'streamed' if STREAM else 'not streamed'}, "
+          f"torch threads {torch.get_num_threads()}, {os.cpu_count()} CPUs", flush=True)
     print(f"{'clients':>12} {'reqs':>5} {'out TPS':>9} {'TTFT50':>7} {'TTFT99':>7} {'TPOT50':>7} {'TPOT99':>7} "
           f"{'ITL50':>7} {'ITL99':>7}  batch sizes (size:requests), ms", flush=True)
     out = tempfile.mkdtemp(prefix="bench_serve_")

@@ -345,8 +345,10 @@ def create_app(server: Server) -> Starlette:
                                "model", "not_found_error")
             loop = asyncio.get_running_loop()
             queues: List[asyncio.Queue] = []
-            reqs = await loop.run_in_executor(None, server.requests_for, parsed, loop, queues) \
-                if parsed.options else server.requests_for(parsed, loop, queues)
+            if server.configs.known(apply_sampling(parsed.options, server.configs.default_strategy)):
+                reqs = server.requests_for(parsed, loop, queues)
+            else:   # a Hydra compose takes milliseconds: off the event loop
+                reqs = await loop.run_in_executor(None, server.requests_for, parsed, loop, queues)
             try:
                 eng.submit(reqs)
             except QueueFull as exc:

@@ -174,6 +174,10 @@ class RequestConfigs:
         base = [o for o in base if o.split("=", 1)[0].lstrip("+~") not in ("trace.record", "progress", "print_outputs")]
         return base + ["progress=false", "print_outputs=false", to_override("trace.record", bool(self.trace["record"]))] + out
 
+    def known(self, options: Dict[str, Any]) -> bool:
+        """Whether these settings were composed before (:meth:`get` then costs no compose)."""
+        return json.dumps(options, sort_keys=True, default=str) in self._memo
+
     def get(self, options: Dict[str, Any]):
         """The validated run config of these settings (ConfigError/UserError with one line)."""
         key = json.dumps(options, sort_keys=True, default=str)
