@@ -67,6 +67,9 @@ def test_completion_models_health_and_metrics(srv):
     u = body["usage"]
     assert u["completion_tokens"] == 5 and u["prompt_tokens"] == 8 and u["total_tokens"] == 13
     assert r.headers["x-request-id"] == body["dlm"]["request_id"]
+    two = post(srv, {"prompt": ["347+085=", "901-256="]}).json()      # an array of prompts: a choice each
+    assert [c["index"] for c in two["choices"]] == [0, 1] and two["choices"][0]["text"] == "0432"
+    assert two["usage"]["completion_tokens"] == sum(c["dlm"]["generated_tokens"] for c in two["choices"])
     assert srv.client.get("/v1/models").json()["data"][0]["id"] == "tiny"
     assert srv.client.get("/health").json()["status"] == "ok"
     text = srv.client.get("/metrics").text
