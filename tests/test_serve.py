@@ -403,8 +403,14 @@ def test_bad_command_line_is_one_line(tmp_path):
     p = run_dlm(["strategy=treshold"], tmp_path, exe="dlm-serve", timeout=120)
     assert p.returncode == 2 and p.stderr.strip().splitlines() == [
         "dlm-serve: error: strategy=treshold: no such strategy (choose from " + p.stderr.split("(choose from ")[1].strip()]
-    p = run_dlm(["max_batch_size=0"], tmp_path, exe="dlm-serve", timeout=120)
-    assert p.returncode == 2 and "max_batch_size=0 must be a positive integer" in p.stderr
+    from dlm_engine.errors import ConfigError
+    from dlm_engine.serve.cli import build_server, compose_serve
+
+    for bad, want in (("max_batch_size=0", "max_batch_size=0 must be a positive integer"),
+                      ("request_timeout=0", "request_timeout=0.0 must be a positive number of seconds"),
+                      ("port=70000", "port=70000 is outside 0..65535")):
+        with pytest.raises(ConfigError, match=want):
+            build_server(compose_serve([bad]), tmp_path, [bad])
 
 
 def test_lm_eval_local_completions_scores_as_dlm_lm_eval_in_process(tmp_path, monkeypatch):
@@ -442,3 +448,57 @@ metric_list:
     assert resp(served) == resp(local) and any(r[0][0] for r in resp(local))
     assert served["results"]["dlm_serve_tiny"]["exact_match,none"] == \
         local["results"]["dlm_serve_tiny"]["exact_match,none"]
+
+
+def test_every_strategy_and_cache_batched_by_the_engine_equals_decoding_alone(srv):
+    """The decode worker, for every compatible strategy/cache pair (the settings of the batch-invariance tests):
+    prompts submitted together come back with the tokens, NFE and commit steps of `dlm`'s path decoding each alone
+    (run_prompts, batch size 1). Pairs whose rows interact are decoded one request at a time by the server."""
+    server, eng = srv.server, srv.server.engine
+    ids = [server.lm.encode(p) for p in PROMPTS[:3]]
+    checked, wait = 0, eng.max_wait
+    eng.max_wait = 0.0             # (the prompts of a pair are submitted together: no need to wait for more)
+    try:
+        check_pairs(server, eng, ids)
+    finally:
+        eng.max_wait = wait
+
+
+def check_pairs(server, eng, ids):
+    from test_batch_invariance import SETTINGS
+
+    from dlm_engine.app.api import run_prompts
+    from dlm_engine.app.run import build_cache, build_strategy
+    from dlm_engine.core.capabilities import incompatibility
+    from dlm_engine.core.registry import CACHES, STRATEGIES, strategy_class
+    from dlm_engine.serve.config import batch_key
+    from dlm_engine.serve.engine import Request
+
+    checked, batched = 0, 0
+    for name in STRATEGIES.names():
+        cls = strategy_class(name)
+        opts = SETTINGS.get(name, {})
+        for cache, ccls in CACHES.items():
+            if incompatibility(cls(cls.Config(**opts), 16), ccls()) is not None:
+                continue
+            cfg = server.configs.get({"strategy": name, "cache": cache, "gen_length": 16,
+                                      **{f"strategy.{k}": v for k, v in opts.items()}})
+            got, done = {}, threading.Event()
+
+            def emit(kind, payload, i):
+                if kind in ("done", "error"):
+                    got[i] = payload
+                    if len(got) == len(ids):
+                        done.set()
+
+            eng.submit([Request(id=f"{name}-{cache}-{i}", cfg=cfg, key=batch_key(cfg), prompt_ids=x,
+                                emit=lambda k, p, i=i: emit(k, p, i)) for i, x in enumerate(ids)])
+            assert done.wait(120), (name, cache)
+            alone = run_prompts(server.lm, ids, build_strategy(cfg), build_cache(cfg), 16, 1, warmup=False).rows
+            for i, a in enumerate(alone):
+                out = got[i]
+                assert not isinstance(out, str), (name, cache, out)
+                assert (out.row.tokens, out.row.nfe, out.row.step_of) == (a.tokens, a.nfe, a.step_of), (name, cache, i)
+            checked += 1
+            batched += max(o.batch_size for o in got.values()) > 1
+    assert checked >= 30 and batched >= 20, (checked, batched)
