@@ -217,7 +217,7 @@ def test_openai_client_plain_and_streaming(srv):
     assert c.choices[0].text == "04" and c.choices[0].finish_reason == "stop"
 
 
-def test_traces_are_recorded_tagged_and_read_by_dlm_trace(srv, capsys):
+def test_traces_are_recorded_tagged_and_read_by_dlm_trace(srv, capsys, tmp_path):
     from dlm_engine.trace import open_trace
     from dlm_engine.trace.cli import main as trace_cli
 
@@ -234,6 +234,7 @@ def test_traces_are_recorded_tagged_and_read_by_dlm_trace(srv, capsys):
         assert o["choices"][0]["text"] in capsys.readouterr().out
         assert trace_cli(["show", path]) == 0 and "threshold" in capsys.readouterr().out
         assert trace_cli(["verify", path]) == 0
+        assert trace_cli(["html", path, "-o", str(tmp_path / "t.html")]) == 0 and (tmp_path / "t.html").is_file()
 
 
 def test_full_queue_is_429_with_retry_after_and_accepted_requests_are_answered(srv):
@@ -400,9 +401,10 @@ def test_the_command_serves_and_sigterm_drains(tmp_path):
 def test_bad_command_line_is_one_line(tmp_path):
     from conftest import run_dlm
 
-    p = run_dlm(["strategy=treshold"], tmp_path, exe="dlm-serve", timeout=120)
+    p = run_dlm(["strategy=treshold", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, exe="dlm-serve", timeout=120)
     assert p.returncode == 2 and p.stderr.strip().splitlines() == [
         "dlm-serve: error: strategy=treshold: no such strategy (choose from " + p.stderr.split("(choose from ")[1].strip()]
+    assert not (tmp_path / "run").exists()
     from dlm_engine.errors import ConfigError
     from dlm_engine.serve.cli import build_server, compose_serve
 

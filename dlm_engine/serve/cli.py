@@ -157,12 +157,16 @@ def _hydra_main(cfg: DictConfig) -> None:
     out_dir = Path(hc.runtime.output_dir)
     try:
         server = build_server(cfg, out_dir, list(hc.overrides.task))
-    except UserError as exc:
-        _fail(str(exc))
-    except OSError as exc:
-        from dlm_engine.fsutil import os_error_message
+    except (UserError, OSError) as exc:
+        import shutil
 
-        _fail(os_error_message(exc, out_dir))
+        if not (out_dir / "traces").exists():      # nothing was served: no run directory left behind
+            shutil.rmtree(out_dir, ignore_errors=True)
+        if isinstance(exc, OSError):
+            from dlm_engine.fsutil import os_error_message
+
+            _fail(os_error_message(exc, out_dir))
+        _fail(str(exc))
     host, port = str(cfg.host), int(cfg.port)
     print(f"dlm-serve: serving '{server.name}' (strategy={cfg.strategy.name} cache={cfg.cache.name}) on "
           f"http://{host}:{port}  outputs: {out_dir}", file=sys.stderr, flush=True)
