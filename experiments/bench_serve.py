@@ -176,6 +176,47 @@ class Server:
             self.proc.kill()
 
 
+def engine_only(model, a, prompts, out, size=16, reps=5):
+    """The decode worker without HTTP (in this process): median time of a batch of ``size`` requests submitted
+    together, against the same requests decoded one at a time by ``dlm``'s path (run_prompts, batch size 1)."""
+    from dlm_engine.app.api import run_prompts
+    from dlm_engine.app.run import build_cache, build_strategy
+    from dlm_engine.serve.cli import ServerThread
+    from dlm_engine.serve.config import batch_key
+    from dlm_engine.serve.engine import Request
+
+    st = ServerThread(model + ["device=cpu", f"strategy={a.strategy}", f"cache={a.cache}",
+                               f"gen_length={a.max_tokens}", f"max_batch_size={size}"], out)
+    srv, eng = st.server, st.server.engine
+    cfg = srv.configs.get({})
+    ids = [srv.lm.encode(p) for p in prompts[:size]]
+    eng.start()
+    try:
+        batch, alone = [], []
+        for _ in range(reps):
+            done, got = threading.Event(), []
+
+            def emit(kind, payload):
+                if kind in ("done", "error"):
+                    got.append(payload)
+                    if len(got) == len(ids):
+                        done.set()
+
+            t0 = time.perf_counter()
+            eng.submit([Request(id=str(i), cfg=cfg, key=batch_key(cfg), prompt_ids=x, emit=emit)
+                        for i, x in enumerate(ids)])
+            done.wait(600)
+            batch.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            run_prompts(srv.lm, ids, build_strategy(cfg), build_cache(cfg), a.max_tokens, 1, warmup=False)
+            alone.append(time.perf_counter() - t0)
+    finally:
+        eng.close()
+    b, s1 = statistics.median(batch), statistics.median(alone)
+    print(f"decode worker without HTTP: {size} requests together {1000 * b:.1f} ms, one at a time (dlm's path) "
+          f"{1000 * s1:.1f} ms: {s1 / b:.2f}x", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=("tiny", "random"), default="tiny")
@@ -230,6 +271,7 @@ def main(argv=None):
           "no HTTP)", flush=True)
     print(f"server overhead per request (one client, latency - decode time): median {1000 * statistics.median(ov):.2f} ms"
           f", p99 {1000 * pct(ov, 99):.2f} ms", flush=True)
+    engine_only(model, a, prompts, out)
     best = max(figures.get(16, seq)["tps"], 0)
     print(f"16 clients / sequential serving: {best / seq['tps']:.2f}x", flush=True)
     return 0
