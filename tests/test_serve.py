@@ -309,6 +309,18 @@ def test_a_client_gone_mid_stream_frees_its_rows(srv):
     finally:
         eng.step_hook = None
     assert eng.metrics.cancelled._value.get() == before[1] + 1
+    # a client that gives up on a plain (not streamed) request frees it too (checked every second)
+    eng.step_hook = lambda step: time.sleep(0.05)
+    try:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(srv.url + "/v1/completions", json=dict(body, stream=False), timeout=0.5)   # (closed after)
+        for _ in range(600):
+            if eng.metrics.cancelled._value.get() > before[1] + 1:
+                break
+            time.sleep(0.01)
+    finally:
+        eng.step_hook = None
+    assert eng.metrics.cancelled._value.get() == before[1] + 2
 
 
 def test_request_timeout_is_504_and_the_server_goes_on(srv):

@@ -261,7 +261,8 @@ class Server:
             q: asyncio.Queue = asyncio.Queue()
             queues.append(q)
             out.append(Request(id=new_request_id(), cfg=cfg, key=key, prompt_ids=x, prompt=item.shown,
-                               emit=_emitter(loop, q), stream_text=parsed.stream, stream_steps=parsed.stream_steps))
+                               emit=_emitter(loop, q), stream_text=parsed.stream,
+                               stream_steps=parsed.stream and parsed.stream_steps))
         return out
 
 
@@ -365,9 +366,20 @@ def create_app(server: Server) -> Starlette:
             return _stream(server, parsed, reqs, queues, cid, endpoint, arrived, deadline)
         outs: List[Optional[Outcome]] = [None] * len(reqs)
         try:
+            checked = time.perf_counter()
             for i, q in enumerate(queues):
                 while True:
-                    kind, payload = await _wait(q, deadline)
+                    try:
+                        kind, payload = await _wait(q, min(deadline, checked + 1.0))
+                    except asyncio.TimeoutError:
+                        if time.perf_counter() >= deadline:
+                            raise
+                        kind = None
+                    if time.perf_counter() - checked >= 1.0:    # a client gone before its answer frees its rows
+                        checked = time.perf_counter()
+                        if await request.is_disconnected():
+                            raise ApiError(499, f"request {rid}: the client closed the connection", None,
+                                           "client_closed") from None
                     if kind == "done":
                         outs[i] = payload
                         break
