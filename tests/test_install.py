@@ -16,6 +16,8 @@ def test_non_editable_install_finds_configs(tmp_path):
                     "--target", str(target), str(ROOT)], check=True, capture_output=True, timeout=600)
     assert (target / "dlm_engine" / "conf" / "config.yaml").is_file()
     assert (target / "dlm_engine" / "strategies" / "low_confidence.py").is_file()
+    assert (target / "dlm_engine" / "conf" / "serve.yaml").is_file()          # dlm-serve's config and live page
+    assert (target / "dlm_engine" / "serve" / "page.html").is_file()
     env = dict(os.environ, PYTHONPATH=str(target))
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
