@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers import PretrainedConfig, PreTrainedModel
 
-from dlm_engine.core.protocol import NULL_HOOKS, CallRequest, ForwardCall
+from dlm_engine.core.protocol import NULL_HOOKS, CallRequest, Columns, ForwardCall
 from dlm_engine.models.base import DiffusionLMMixin, register_auto, register_model
 from dlm_engine.models.layers import AttentionSpec, RMSNorm, attention_block, ffn_block, new_call, rotate_half, run_layers
 
@@ -365,6 +365,11 @@ class LLaDA2MoeModelLM(DiffusionLMMixin, PreTrainedModel):
         d = call.request.directive
         size = block_size or (d.block_size if d is not None and d.block_size else None) or self.config.block_size
         call.attention_mode, call.block_size, call.block_origin = "block_causal", int(size), 0
+        # columns in blocks after the window's last one cannot influence it: leave them out (the reference forwards
+        # x[:, :window_end] too); a cache may still choose its own span
+        end = min(call.length, -(-int(call.logits_range[1]) // int(size)) * int(size))
+        if call.request.aux is None and 0 < end < call.length:
+            call.columns = Columns.span(0, end)
         m, c = self.model, self.config
         return run_layers(call, hooks, m.word_embeddings, m.layers, c.rope_dim, c.rope_theta, self._head,
                           c.vocab_size, rope_in_model_dtype=True)
