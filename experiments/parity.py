@@ -266,8 +266,27 @@ def llada2_setup(case: dict, suite: Optional[dict] = None) -> Setup:
                  dtype=case.get("dtype"), events=True, answer=answer)
 
 
+def llada21_setup(case: dict, suite: Optional[dict] = None) -> Setup:
+    """LLaDA2.1's ``generate`` (the ``edit`` strategy): canvas and answer cut as LLaDA2.0's (no early return);
+    ``steps`` and ``minimal_topk`` are computed and never used by the reference."""
+    kw = dict(case["kwargs"])
+    for k in ("mask_id", "steps", "minimal_topk"):
+        kw.pop(k, None)
+    eos = kw.pop("eos_id", None)
+    gen = int(kw.pop("gen_length", 2048))
+    P, bl = int(case["prompt_len"]), int(kw.get("block_length", 32))
+    canvas_gen = -(-(P + gen) // bl) * bl - P
+
+    def answer(prompt, canvas, scalars):
+        out = canvas[:gen]
+        return out[:out.index(eos) + 1] if eos in out else out
+
+    return Setup("edit", _config("edit", kw), gen_length=gen, canvas_gen=canvas_gen, eos_id=eos,
+                 dtype=case.get("dtype"), events=True, answer=answer)
+
+
 ADAPTERS: Dict[str, Callable[[dict, Optional[dict]], Setup]] = {
-    "llada2": llada2_setup,
+    "llada2": llada2_setup, "llada21": llada21_setup,
     "llada": llada_setup, "fastdllm_v2": fastdllm_setup, "cadllm": cadllm_setup, "prophet": prophet_setup,
     "dream": dream_setup, "dream_block": dream_setup,
     **{s: d2c_setup for s in ("d2c_vanilla", "d2c_threshold", "d2c_factor", "d2c_pc", "d2c_eb", "d2c_klass",
