@@ -141,9 +141,19 @@ class Edit(AbsoluteBlocks):
         commit = (commit | edit)[None]
         events = [BlockEvent("opened", st.block - st.first, max(s, canvas.gen_start), e)] if st.step == 0 else []
         n_edit = edit.sum()
-        # a row is never finished by a step (no mask left is not the end: post-edit steps follow); the plan ends it
+        # the row is finished when this step ends the decode (no mask left is not the end: post-edit steps follow):
+        # a post-edit step that edits nothing or is the last allowed one ends the block, as does filling the block
+        # with max_post_steps 0; the decode ends with the block when no block follows or an EOS stop applies
+        mps = int(c.max_post_steps)
+        if st.unmasked_step:
+            block_end = (n_edit == 0) | torch.tensor(st.post >= mps, device=canvas.device)
+        else:
+            block_end = ~(masked & ~commit[0]).any() & torch.tensor(mps == 0, device=canvas.device)
+        stop = torch.tensor(st.block + 1 >= self.n_blocks(canvas), device=canvas.device)
+        if c.eos_early_stop:
+            stop = stop | self.eos_written(canvas, commit[0], x0, s, e)
         delta = self.delta(canvas, proposal, commit, tokens=x0[None], confidence=conf[None].float(), events=events,
-                           finished=torch.zeros(1, dtype=torch.bool, device=canvas.device),
+                           finished=(block_end & stop)[None],
                            scalars={"block": st.block, "committed": commit.sum(-1), "edits": n_edit[None],
                                     "post_edit": int(st.unmasked_step)})
         return delta, evolve(st, pending=n_edit[None])

@@ -163,6 +163,20 @@ class AbsoluteBlocks(Strategy):
                                              step_in_block=st.step, store=store, block_size=self.bl),
                         info={"block": st.block, "step": st.step})
 
+    def eos_written(self, canvas, commit: torch.Tensor, x0: torch.Tensor, s: int, e: int) -> torch.Tensor:
+        """0-dim bool on the device: an EOS stands at a generated position before ``e`` once this step's writes
+        (``commit`` / ``x0`` over ``[s, e)``) are applied."""
+        eos = canvas.eos_id
+        if eos is None:
+            return torch.zeros((), dtype=torch.bool, device=canvas.device)
+        g = canvas.gen_start
+        lo = max(s, g)
+        toks = canvas.tokens[0, g:e].clone()
+        written = canvas.step_of[0, g:e] >= 0
+        toks[lo - g:] = torch.where(commit[lo - s:], x0[lo - s:], toks[lo - g:])
+        written[lo - g:] |= commit[lo - s:]
+        return ((toks == eos) & written).any()
+
     def max_steps(self, canvas) -> int:
         return self.n_blocks(canvas) * (int(getattr(self.cfg, "steps", 1) or 1) + 64) + 64
 
@@ -239,11 +253,19 @@ class LLaDA2(AbsoluteBlocks):
         top = torch.zeros_like(high)
         if k > 0:
             top[torch.topk(conf_m, k).indices] = True
-        commit = torch.where(n_high >= nk, high, top)[None]
+        commit = torch.where(n_high >= nk, high, top)
         events = [BlockEvent("opened", st.block - st.first, max(s, canvas.gen_start), e)] if st.step == 0 else []
-        delta = self.delta(canvas, proposal, commit, tokens=x0[None], confidence=conf[None].float(), events=events,
-                           scalars={"block": st.block, "committed": commit.sum(-1)})
-        pending = self.pending_eos(canvas, commit[0], x0, s, e)
+        pending = self.pending_eos(canvas, commit, x0, s, e)
+        # the row is finished when this step ends the decode (as ``synced`` will tell on the host): an early EOS stop,
+        # or the block's end with an EOS written in the generation or no block after it
+        block_end = ~(masked & ~commit).any() if st.step + 1 < self.steps else torch.ones((), dtype=torch.bool,
+                                                                                           device=canvas.device)
+        last = st.block + 1 >= self.n_blocks(canvas)
+        end = block_end & (self.eos_written(canvas, commit, x0, s, e) | last)
+        if c.eos_early_stop and canvas.eos_id is not None:
+            end = end | ((pending[0] > 0) & (pending[1] >= 0) & (pending[2] == 0))
+        delta = self.delta(canvas, proposal, commit[None], tokens=x0[None], confidence=conf[None].float(),
+                           events=events, finished=end[None], scalars={"block": st.block, "committed": commit.sum()[None]})
         return delta, evolve(st, pending=pending)
 
     def pending_eos(self, canvas, commit: torch.Tensor, x0: torch.Tensor, s: int, e: int) -> torch.Tensor:

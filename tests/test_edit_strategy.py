@@ -104,3 +104,16 @@ def test_bad_settings_are_one_line_errors():
         cls(cls.Config(editing_threshold=0.0), 32)
     with pytest.raises(ConfigError, match="strategy.num_to_transfer=0"):
         cls(cls.Config(num_to_transfer=0), 32)
+
+
+def test_a_post_edit_finish_after_the_last_write_stands():
+    """Post-edit steps that write nothing still belong to the sequence: its explicit finish after its last write
+    ends it (the metrics' finish step, and so its NFE), not the step of its last write."""
+    import numpy as np
+
+    from dlm_engine.metrics import finish_step
+
+    steps = np.arange(1, 6)
+    assert finish_step(steps, np.array([0, 0, 0, 0, 1], bool), np.array([1, 3, 2])) == 5
+    assert finish_step(steps, np.array([0, 0, 1, 1, 1], bool), np.array([1, 3, 2])) == 3
+    assert finish_step(steps, np.zeros(5, bool), np.array([1, 3, 2])) == 3
