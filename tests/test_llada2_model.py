@@ -141,3 +141,28 @@ def test_bad_config_is_one_line(tmp_path):
     (tmp_path / "model.safetensors").write_bytes((BD / "tiny_llada2" / "model.safetensors").read_bytes())
     with pytest.raises(UserError, match="n_group 3"):
         load_pretrained(tmp_path)
+
+
+def test_cached_block_matches_reference(loaded):
+    """Input B through the block store: the first call stores the prompt's two blocks, the second computes only the
+    last block against them (what the reference's DynamicCache forward did)."""
+    from dlm_engine.core.protocol import CacheDirective, CallRequest
+    from dlm_engine.core.registry import cache_class
+
+    ver, dtype, model = loaded
+    ref = FWD["versions"][ver][dtype]["B_cached_last_block"]
+    ids = torch.tensor([FWD["inputs"]["B_cached_last_block"]])
+    cache = cache_class("block_store")()
+    spans = []
+    with torch.no_grad():
+        for _ in range(2):
+            req = CallRequest(gen_start=16, directive=CacheDirective(block=(16, 24), block_start=False, block_size=8))
+            call = model(ids, hooks=cache, logits_range=(16, 24), request=req)
+            spans.append(call.compute)
+    assert spans == [(0, 24), (16, 24)]
+    got = call.logits[0]
+    assert got.argmax(-1).tolist() == ref["argmax"]
+    tol = 2.5e-4 if dtype == "float32" else 0.26
+    assert torch.allclose(got.topk(5, dim=-1).values, torch.tensor(ref["top5_logits"]), atol=tol, rtol=0)
+    if "logits_1e-5" in ref:
+        assert torch.allclose(got, torch.tensor(ref["logits_1e-5"]), atol=5e-5, rtol=0)
