@@ -56,7 +56,8 @@ def bench_dispatch(model, tokens, repeat: int) -> None:
     from dlm_engine.models.llada2 import dispatch, dispatch_per_token
 
     moe = model.model.layers[1].mlp
-    print(f"MoE dispatch, d={CONFIG['hidden_size']}, {CONFIG['num_experts']} experts, k={CONFIG['num_experts_per_tok']}, "
+    print(f"MoE dispatch, d={CONFIG['hidden_size']}, {CONFIG['num_experts']} experts, "
+          f"k={CONFIG['num_experts_per_tok']}, "
           f"expert width {CONFIG['moe_intermediate_size']} (CPU time per call, median of {repeat})")
     print(f"{'tokens':>7} {'active':>6} {'batched ms':>11} {'per-token ms':>13} {'ratio':>7} {'max diff':>9}")
     g = torch.Generator().manual_seed(2)

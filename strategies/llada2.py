@@ -265,7 +265,8 @@ class LLaDA2(AbsoluteBlocks):
         if c.eos_early_stop and canvas.eos_id is not None:
             end = end | ((pending[0] > 0) & (pending[1] >= 0) & (pending[2] == 0))
         delta = self.delta(canvas, proposal, commit[None], tokens=x0[None], confidence=conf[None].float(),
-                           events=events, finished=end[None], scalars={"block": st.block, "committed": commit.sum()[None]})
+                           events=events, finished=end[None],
+                           scalars={"block": st.block, "committed": commit.sum()[None]})
         return delta, evolve(st, pending=pending)
 
     def pending_eos(self, canvas, commit: torch.Tensor, x0: torch.Tensor, s: int, e: int) -> torch.Tensor:

@@ -106,7 +106,8 @@ def attention_mask(call: ForwardCall, q_cols: torch.Tensor, k_cols: Optional[tor
 
     ``q_cols``: ``[B, Q]`` column ids of the queries; ``k_cols``: ``[K]`` or ``[B, K]`` of the keys (None =
     the queries themselves). Padding keys are masked, block-causal models see no later block (blocks count
-    from the generation start -- the prompt is block -1 -- or from ``call.block_origin``), and auxiliary columns use their own mask.
+    from the generation start -- the prompt is block -1 -- or from ``call.block_origin``), and auxiliary columns
+    use their own mask.
     """
     if k_cols is None:
         k_cols = q_cols

@@ -30,7 +30,8 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from dlm_engine.core.protocol import NULL_HOOKS, CallRequest, Columns, ForwardCall
 from dlm_engine.models.base import DiffusionLMMixin, register_auto, register_model
-from dlm_engine.models.layers import AttentionSpec, RMSNorm, attention_block, ffn_block, new_call, rotate_half, run_layers
+from dlm_engine.models.layers import (AttentionSpec, RMSNorm, attention_block, ffn_block, new_call, rotate_half,
+                                      run_layers)
 
 # ``<|mask|>`` sits three ids after ``<|endoftext|>`` (the pad / EOS) in the LLaDA2 vocabulary (156892 -> 156895);
 # config.json names neither the mask nor the EOS, so they default from ``pad_token_id``
@@ -121,7 +122,8 @@ class LLaDA2MoeConfig(PretrainedConfig):
             if not 1 <= topk_group <= n_group:
                 raise ValueError(f"topk_group {topk_group} is outside 1..n_group={n_group}")
             if not 1 <= num_experts_per_tok <= topk_group * (num_experts // n_group):
-                raise ValueError(f"num_experts_per_tok {num_experts_per_tok} is outside 1..{topk_group * (num_experts // n_group)} "
+                raise ValueError(f"num_experts_per_tok {num_experts_per_tok} is outside "
+                                 f"1..{topk_group * (num_experts // n_group)} "
                                  "(the experts of topk_group groups)")
         super().__init__(pad_token_id=pad_token_id, eos_token_id=eos_token_id,
                          tie_word_embeddings=tie_word_embeddings, **kwargs)
@@ -193,7 +195,8 @@ def dispatch(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, experts:
     return (out.view(N, k, -1).float() * weights[..., None]).sum(dim=1).to(x.dtype)
 
 
-def dispatch_per_token(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:
+def dispatch_per_token(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
+                       experts: nn.ModuleList) -> torch.Tensor:
     """The same output computed token by token and slot by slot (the naive loop :func:`dispatch` replaces; kept
     for ``experiments/bench_moe.py`` and the tests)."""
     rows = []
