@@ -141,6 +141,11 @@ def test_bad_config_is_one_line(tmp_path):
     (tmp_path / "model.safetensors").write_bytes((BD / "tiny_llada2" / "model.safetensors").read_bytes())
     with pytest.raises(UserError, match="n_group 3"):
         load_pretrained(tmp_path)
+    raw["n_group"] = 4
+    raw.pop("pad_token_id")
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(UserError, match="mask_token_id"):
+        load_pretrained(tmp_path)
 
 
 def test_cached_block_matches_reference(loaded):
