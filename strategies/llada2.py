@@ -159,7 +159,7 @@ class AbsoluteBlocks(Strategy):
     def plan_step(self, canvas, st, store) -> StepPlan:
         s, e = self.bounds(canvas, st.block)
         return StepPlan(window=(s, e), sample=False, temperature=float(self.cfg.temperature),
-                        cache=CacheDirective(block=(max(s, canvas.gen_start), e), block_start=st.step == 0,
+                        cache=CacheDirective(block=(s, e), block_start=st.step == 0,
                                              step_in_block=st.step, store=store, block_size=self.bl),
                         info={"block": st.block, "step": st.step})
 

@@ -122,3 +122,12 @@ def test_bad_settings_are_one_line_errors(model):
     canvas = Canvas.from_prompts([[1, 2], [3, 4]], 16, model.mask_token_id, 1017)
     with pytest.raises(ValueError, match="at most 1 row"):
         decode(model, canvas, cls(cls.Config(block_length=8, steps=8), 16))
+
+
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+def test_prefix_and_dual_caches_are_exact(model, cache):
+    prompt = SUITE["prompts"][2]                       # 11 ids: the first block holds the prompt's tail
+    ref, _ = _decode(model, prompt, "none", block_length=8, steps=8, threshold=0.9)
+    got, spans = _decode(model, prompt, cache, block_length=8, steps=8, threshold=0.9)
+    assert torch.equal(got.tokens, ref.tokens) and torch.equal(got.step_of, ref.step_of) and got.nfe == ref.nfe
+    assert any(a > 0 for a, _ in spans)
