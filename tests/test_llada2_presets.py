@@ -21,14 +21,14 @@ def compose(*overrides):
         return hcompose("config", overrides=list(overrides))
 
 
-@pytest.mark.parametrize("preset", ["llada2_mini", "llada2_flash"])
+@pytest.mark.parametrize("preset", ["llada2_mini", "llada2_flash", "llada2_1_mini"])
 def test_preset_loads_the_official_format(preset, tmp_path, monkeypatch):
     from dlm_engine.app.api import load_model
     from dlm_engine.app.run import validate
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     cfg = compose(f"model={preset}")
-    assert cfg.model.model_type == "llada2_moe" and cfg.model.hub_id.startswith("inclusionAI/LLaDA2.0-")
+    assert cfg.model.model_type == "llada2_moe" and cfg.model.hub_id.startswith("inclusionAI/LLaDA2.")
     with pytest.raises(UserError, match="model.path=DIR"):
         validate(cfg)
     cfg = compose(f"model={preset}", f"model.path={TINY}", "strategy=llada2", "strategy.block_length=8",
