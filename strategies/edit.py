@@ -17,6 +17,10 @@ step (``step_of`` is the last write; edits overwrite). With ``eos_early_stop`` d
 the generation so far holds an EOS (the search covers the generated part only); without it every block is
 decoded (the answer is cut at the first EOS afterwards).
 
+``penalty_lambda`` adds SGLang ``JointThreshold``'s repetition penalty (``../shared/specs/edit_decoding.md`` 1.3):
+row ``i >= 1`` of the block loses ``penalty_lambda`` on the token at position ``i - 1`` before the argmax and the
+softmax (off by default, as LLaDA2.1).
+
 Batch 1 (as the reference); ``decode_batch`` splits. ``cache=block_store`` is exact here too: a block is handed
 over once it is final (edits happen inside the working block only).
 """
@@ -47,6 +51,8 @@ class EditConfig:
     top_p: Optional[float] = None        # sampling only: nucleus (the crossing token kept)
     eos_early_stop: bool = False         # stop after a block once the generation holds an EOS
     eos_search: str = "generation"       # (the generated part, as LLaDA2.1; window = LLaDA2.0's search)
+    penalty_lambda: float = 0.0          # SGLang JointThreshold's repetition penalty (0 = off, LLaDA2.1): block row i
+                                         # loses this on the token at position i - 1 before argmax and softmax
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,7 @@ class Edit(AbsoluteBlocks):
         c = self.cfg
         self.check_positive("num_to_transfer", c.num_to_transfer)
         self.check_unit_interval("editing_threshold", c.editing_threshold)
+        self.check_non_negative("penalty_lambda", c.penalty_lambda)
         if c.max_post_steps is None or int(c.max_post_steps) < 0:
             raise ConfigError(f"strategy.max_post_steps={c.max_post_steps} must be >= 0")
 
@@ -124,6 +131,8 @@ class Edit(AbsoluteBlocks):
         c = self.cfg
         s, e = plan.window
         logits = proposal.logits[0].float()
+        if c.penalty_lambda > 0:
+            logits = repetition_penalty(logits, canvas.tokens[0, s:e], float(c.penalty_lambda))
         x0, conf = sample_block(logits, float(c.temperature), c.top_k, c.top_p, greedy_argmax_of_logits=True)
         masked = canvas.step_of[0, s:e] < 0
         old = canvas.tokens[0, s:e]
@@ -159,4 +168,15 @@ class Edit(AbsoluteBlocks):
         return delta, evolve(st, pending=n_edit[None])
 
 
-__all__ = ["EditConfig", "Edit"]
+def repetition_penalty(logits: torch.Tensor, block: torch.Tensor, lam: float) -> torch.Tensor:
+    """``logits`` ``[W, V]`` of a block whose row ``i >= 1`` loses ``lam`` on the token the block holds at ``i - 1``
+    (as the step found it, mask and prompt tokens included); row 0 (its predecessor is in the previous block)
+    is left alone. A new tensor."""
+    out = logits.clone()
+    if out.shape[0] > 1:
+        idx = block[:-1, None]
+        out[1:].scatter_(1, idx, out[1:].gather(1, idx) - lam)
+    return out
+
+
+__all__ = ["EditConfig", "Edit", "repetition_penalty"]

@@ -129,3 +129,27 @@ def test_prefix_and_dual_caches_are_exact_under_edits(model, cache):
     got, _, spans = _decode(model, prompt, cache, **kw)
     assert torch.equal(got.tokens, ref.tokens) and torch.equal(got.step_of, ref.step_of) and got.nfe == ref.nfe
     assert any(a > 0 for a, _ in spans)
+
+
+def test_repetition_penalty_option(model):
+    from dlm_engine.strategies.edit import repetition_penalty
+
+    logits = torch.zeros(3, 5)
+    out = repetition_penalty(logits, torch.tensor([4, 1, 2]), 2.0)
+    assert out[0].tolist() == [0.0] * 5 and logits.abs().sum() == 0                       # row 0 and the input kept
+    assert out[1].tolist() == [0, 0, 0, 0, -2.0] and out[2].tolist() == [0, -2.0, 0, 0, 0]
+    prompt = SUITE["prompts"][0]
+    plain, _, _ = _decode(model, prompt, block_length=8)
+    strong, rec, _ = _decode(model, prompt, block_length=8, penalty_lambda=1e4)
+    assert not torch.equal(plain.tokens, strong.tokens)
+    # a huge penalty: no proposal of a step repeats the token its left neighbour in the block held as the step began
+    cur = torch.tensor([prompt + [model.mask_token_id] * 32])
+    steps = [d for d in rec.deltas if d.step > 0]
+    assert steps
+    for d in steps:
+        s, W = d.start, d.commit.shape[1]
+        assert not (d.tokens[0, 1:] == cur[0, s:s + W - 1]).any()
+        cur[0, s:s + W] = torch.where(d.commit[0], d.tokens[0], cur[0, s:s + W])
+    assert torch.equal(cur, strong.tokens)
+    with pytest.raises(ConfigError, match="strategy.penalty_lambda=-1"):
+        strategy_class("edit")(strategy_class("edit").Config(penalty_lambda=-1.0), 32)
