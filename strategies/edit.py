@@ -1,5 +1,5 @@
 """``edit``: LLaDA2.1's decoding with token edits (mask-to-token and token-to-token), written from the SPEC in
-``../shared/fixtures/bdparity`` (section ``llada2``, S4).
+``tests/fixtures/bdparity/README.md`` (section ``llada2``, S4).
 
 Blocks as ``llada2`` (aligned to position 0, the model's block-causal blocks). Each step of a block samples every
 position of the block (greedy: argmax of the logits, confidence its float32 softmax probability; else temperature,
@@ -17,7 +17,7 @@ step (``step_of`` is the last write; edits overwrite). With ``eos_early_stop`` d
 the generation so far holds an EOS (the search covers the generated part only); without it every block is
 decoded (the answer is cut at the first EOS afterwards).
 
-``penalty_lambda`` adds SGLang ``JointThreshold``'s repetition penalty (``../shared/specs/edit_decoding.md`` 1.3):
+``penalty_lambda`` adds SGLang ``JointThreshold``'s repetition penalty (its step 1):
 row ``i >= 1`` of the block loses ``penalty_lambda`` on the token at position ``i - 1`` before the argmax and the
 softmax (off by default, as LLaDA2.1).
 

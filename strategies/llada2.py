@@ -1,5 +1,5 @@
 """``llada2``: LLaDA2.0's block decoding (``LLaDA2MoeModelLM.generate``), written from the SPEC in
-``../shared/fixtures/bdparity`` (section ``llada2``, S3).
+``tests/fixtures/bdparity/README.md`` (section ``llada2``, S3).
 
 Blocks of ``block_length`` are aligned to canvas column 0 (absolute position 0, as the model's block-causal
 mask): the first decoded block is the one holding the prompt's end, so it may start inside the prompt. Each

@@ -1,5 +1,5 @@
 """LLaDA2.x MoE architecture (``model_type: llada2_moe``, ``LLaDA2MoeModelLM``): LLaDA2.0-mini / -flash and
-LLaDA2.1-mini, written from the published checkpoint format and the SPEC of ``../shared/fixtures/bdparity``
+LLaDA2.1-mini, written from the published checkpoint format and the SPEC of ``tests/fixtures/bdparity/README.md``
 (section ``llada2``); no remote code.
 
 What differs from LLaDA-8B:
@@ -106,8 +106,8 @@ class LLaDA2MoeConfig(PretrainedConfig):
         self.mask_token_id = mask_token_id
         self.block_size = block_size
         if mask_token_id is None or not 0 <= mask_token_id < vocab_size:
-            raise ValueError(f"mask_token_id {mask_token_id} is outside the vocabulary (0..{vocab_size - 1}): config.json "
-                             "names no mask id, it defaults to pad_token_id + 3; set mask_token_id")
+            raise ValueError(f"mask_token_id {mask_token_id} is outside the vocabulary (0..{vocab_size - 1}): "
+                             "config.json names no mask id, it defaults to pad_token_id + 3; set mask_token_id")
         if hidden_act != "silu":
             raise ValueError(f"hidden_act '{hidden_act}' is not supported (LLaDA2 uses silu)")
         if rope_scaling and (rope_scaling.get("rope_type", rope_scaling.get("type")) not in (None, "default")):
