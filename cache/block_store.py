@@ -56,9 +56,21 @@ class BlockStoreCache(StoredKVCache):
 
     def after_call(self, call, d, refresh):
         a, b = call.compute
-        f = max(self.frozen, min(call.gen_start, b))   # the prompt never changes
+        f = max(self.frozen, min(prompt_frozen(call), b))   # the prompt never changes
         for s, e in sorted(d.store):
             if s <= f and f < e <= b:         # contiguous with what is stored, computed in this call
                 f = e
                 d.stored.append((s, e))
         self.frozen = f
+
+
+def prompt_frozen(call) -> int:
+    """Columns of the prompt whose keys/values are final once computed: the whole prompt, except with blocks
+    aligned to an origin of their own (``ForwardCall.block_origin``, LLaDA2): the prompt's last, partial block
+    shares its block with the first generated columns and sees them change, so only its full blocks are final."""
+    g = call.gen_start
+    origin = getattr(call, "block_origin", None)
+    if origin is None or call.attention_mode != "block_causal" or not call.block_size:
+        return g
+    size = int(call.block_size)
+    return origin + max(0, (g - origin) // size) * size

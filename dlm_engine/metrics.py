@@ -107,13 +107,17 @@ def finish_step(steps: np.ndarray, finished: np.ndarray, step_of: np.ndarray) ->
     ``steps`` [S]: step indices; ``finished`` [S]: the sequence marked finished after that step;
     ``step_of`` [L]: its generation region at the end (-1 masked, 0 given, t: committed by step t).
     The earlier of the explicit finish and the step that committed its last masked position; when neither
-    happened (the decode stopped with positions still masked), its last step.
+    happened (the decode stopped with positions still masked), its last step. A strategy that keeps rewriting
+    written tokens after its last masked position is filled (LLaDA2.1's post-edit steps: a step that writes
+    nothing may end it) marks its finish explicitly: a finish after its last write then stands.
     """
     candidates = []
     hit = np.flatnonzero(np.asarray(finished, dtype=bool))
+    so = np.asarray(step_of)
     if hit.size:
         candidates.append(int(steps[hit[0]]))
-    so = np.asarray(step_of)
+        if so.size and int(steps[hit[0]]) > int(so.max()) >= 1:
+            return int(steps[hit[0]])
     if so.size == 0 or bool((so >= 0).all()):
         candidates.append(int(so.max()) if so.size else 0)
     if candidates:

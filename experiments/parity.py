@@ -34,6 +34,7 @@ from dlm_engine.core.canvas import Canvas  # noqa: E402
 from dlm_engine.core.capabilities import incompatibility  # noqa: E402
 from dlm_engine.core.loop import Sink, decode  # noqa: E402
 from dlm_engine.core.registry import CACHES, STRATEGIES, cache_class, load_plugins, strategy_class  # noqa: E402
+from dlm_engine.errors import UserError  # noqa: E402
 from dlm_engine.models.loader import load_pretrained  # noqa: E402
 
 SKIP_FILES = {"manifest.json", "model_forward.json"}
@@ -56,6 +57,11 @@ class Setup:
     per_row: bool = False                      # batched cases record unmask_step per row (else row 0 only)
     eos_id: Optional[int] = None               # the EOS id the reference was given
     extra: Optional[Callable[[List[dict]], dict]] = None   # per-step scalars -> the reference's extra outputs
+    canvas_gen: Optional[int] = None           # generated columns of the canvas when not gen_length (whole blocks)
+    dtype: Optional[str] = None                # the model dtype the reference ran (bdparity's bfloat16 cases)
+    events: bool = False                       # the fixtures record every write (``events``, by forward index)
+    answer: Optional[Callable[[List[int], List[int], List[dict]], List[int]]] = None   # (prompt, canvas gen,
+                                               # scalars) -> what the reference returned after the prompt
 
 
 class StepLog(Sink):
@@ -250,7 +256,49 @@ def d2c_cache(spec: dict) -> Tuple[str, dict]:
     return name, args
 
 
+def llada2_setup(case: dict, suite: Optional[dict] = None) -> Setup:
+    """LLaDA2.0's ``generate``: the canvas is whole blocks from position 0 (``ceil((P + gen) / bl) * bl``); the
+    reference returns the generation cut at ``gen_length`` and after its first EOS, or -- on an early EOS stop --
+    up to that EOS (empty when it lies in the prompt)."""
+    kw = dict(case["kwargs"])
+    kw.pop("mask_id", None)
+    eos = kw.pop("eos_id", None)
+    gen = int(kw.pop("gen_length", 2048))
+    P, bl = int(case["prompt_len"]), int(kw.get("block_length", 32))
+    canvas_gen = -(-(P + gen) // bl) * bl - P
+
+    def answer(prompt, canvas, scalars):
+        stop = next((sc["stop"] for sc in scalars if "stop" in sc), None)
+        if stop == "eos_prompt":
+            return []
+        out = canvas if stop == "eos_early_stop" else canvas[:gen]
+        return out[:out.index(eos) + 1] if eos in out else out
+
+    return Setup("llada2", _config("llada2", kw), gen_length=gen, canvas_gen=canvas_gen, eos_id=eos,
+                 dtype=case.get("dtype"), events=True, answer=answer)
+
+
+def llada21_setup(case: dict, suite: Optional[dict] = None) -> Setup:
+    """LLaDA2.1's ``generate`` (the ``edit`` strategy): canvas and answer cut as LLaDA2.0's (no early return);
+    ``steps`` and ``minimal_topk`` are computed and never used by the reference."""
+    kw = dict(case["kwargs"])
+    for k in ("mask_id", "steps", "minimal_topk"):
+        kw.pop(k, None)
+    eos = kw.pop("eos_id", None)
+    gen = int(kw.pop("gen_length", 2048))
+    P, bl = int(case["prompt_len"]), int(kw.get("block_length", 32))
+    canvas_gen = -(-(P + gen) // bl) * bl - P
+
+    def answer(prompt, canvas, scalars):
+        out = canvas[:gen]
+        return out[:out.index(eos) + 1] if eos in out else out
+
+    return Setup("edit", _config("edit", kw), gen_length=gen, canvas_gen=canvas_gen, eos_id=eos,
+                 dtype=case.get("dtype"), events=True, answer=answer)
+
+
 ADAPTERS: Dict[str, Callable[[dict, Optional[dict]], Setup]] = {
+    "llada2": llada2_setup, "llada21": llada21_setup,
     "llada": llada_setup, "fastdllm_v2": fastdllm_setup, "cadllm": cadllm_setup, "prophet": prophet_setup,
     "dream": dream_setup, "dream_block": dream_setup,
     **{s: d2c_setup for s in ("d2c_vanilla", "d2c_threshold", "d2c_factor", "d2c_pc", "d2c_eb", "d2c_klass",
@@ -320,7 +368,8 @@ def run_case(case: dict, prompts: List[List[int]], model, mask_id: int, pad_id: 
     strategy, cache, st = build(case, suite, overrides)
     rows, batched = _rows(case, prompts)
     dev = next(model.parameters()).device
-    canvas = Canvas.from_prompts(rows, st.gen_length, mask_id, pad_id, device=dev, eos_id=st.eos_id)
+    gen = st.gen_length if st.canvas_gen is None else st.canvas_gen
+    canvas = Canvas.from_prompts(rows, gen, mask_id, pad_id, device=dev, eos_id=st.eos_id)
     if canvas.is_padded and st.ignore_padding:
         # The LLaDA references run Fast-dLLM's copy of the model, which ignores padding masks (spec §1.5):
         # left padding is attended like any token, with plain 0..L-1 positions. Reproduce that here.
@@ -339,6 +388,12 @@ def run_case(case: dict, prompts: List[List[int]], model, mask_id: int, pad_id: 
     res = {"id": case["id"], "output": out if batched else out[0], "nfe": canvas.nfe, "unmask_step": unmask}
     if st.strategy == "wino":              # every write, re-masks included (the fixtures' `events`)
         res["events"] = log.writes if batched else log.writes[0]
+    if st.events:                          # every write (edits too), by the forward after which it happened
+        ev = [[[log.cum[t], p, tok] for t, p, tok in row] for row in log.writes]
+        res["events"] = ev if batched else ev[0]
+    if st.answer is not None:
+        ans = [st.answer(r, o[g:], log.scalars) for r, o in zip(rows, out)]
+        res["output"] = [r + a for r, a in zip(rows, ans)] if batched else rows[0] + ans[0]
     if st.extra is not None:
         res["extra"] = st.extra(log.scalars)
     return res
@@ -371,16 +426,19 @@ def run_folder(folder: Path, only: Optional[str] = None, progress: bool = False,
         name = case.get("model_dir") or (suite.get("models") or {}).get(case.get("model")) or next(iter(dirs))
         if name not in dirs:
             raise Unsupported(f"no model directory '{name}' (found: {', '.join(sorted(dirs))})")
-        if name not in loaded:
+        # a case run by the reference in another dtype (bdparity's bfloat16 cases) loads the model so, unless the
+        # whole run was asked in another dtype than the fixtures' float32
+        dt = case.get("dtype") if dtype == "float32" and case.get("dtype") else dtype
+        if (name, dt) not in loaded:
             try:
-                model, raw, _ = load_pretrained(dirs[name], device=device, dtype=dtype)
+                model, raw, _ = load_pretrained(dirs[name], device=device, dtype=dt)
                 pad = raw.get("pad_token_id") if raw.get("pad_token_id") is not None else raw.get("eos_token_id", 0)
-                loaded[name] = (model, int(model.config.mask_token_id), int(pad))
+                loaded[(name, dt)] = (model, int(model.config.mask_token_id), int(pad))
             except Exception as exc:        # every case of this model gets the same error (loaded once)
-                loaded[name] = exc
-        if isinstance(loaded[name], Exception):
-            raise loaded[name]
-        model, mask_id, pad = loaded[name]
+                loaded[(name, dt)] = exc
+        if isinstance(loaded[(name, dt)], Exception):
+            raise loaded[(name, dt)]
+        model, mask_id, pad = loaded[(name, dt)]
         return model, mask_id, int(suite.get("pad_id", pad))
 
     results, skipped = [], []
@@ -398,7 +456,9 @@ def run_folder(folder: Path, only: Optional[str] = None, progress: bool = False,
             if "error" in case:
                 skipped.append((case["id"], f"reference raised: {case['error']}"))
                 continue
-            res = guarded(case["id"], lambda: run_case(case, suite["prompts"], *model_for(case, suite), suite))
+            # (a suite without an adapter is reported before any model loads)
+            res = guarded(case["id"], lambda: (setup_for(case, suite),
+                                               run_case(case, suite["prompts"], *model_for(case, suite), suite))[1])
             results.append(res)
             if progress:
                 print(f"{'error' if 'error' in res else 'ran':8} {case['id']}", file=sys.stderr)

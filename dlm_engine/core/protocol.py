@@ -44,6 +44,7 @@ class CacheDirective:
     step_in_block: int = 0
     store: List[Tuple[int, int]] = field(default_factory=list)
     stored: List[Tuple[int, int]] = field(default_factory=list)
+    block_size: Optional[int] = None      # block-causal models without a fixed block size (LLaDA2) attend with this
 
 
 @dataclass
@@ -140,6 +141,7 @@ class ForwardCall:
     logits_shift: int = 0                         # set by the model: column j's logits come from hidden j - shift
     attention_mode: str = "bidirectional"         # set by the model: bidirectional | block_causal
     block_size: Optional[int] = None              # set by the model: block-causal block size
+    block_origin: Optional[int] = None            # set by the model: column where block 0 starts (None = gen_start)
     logits: Optional[torch.Tensor] = None         # [B, hi - lo, V], set by the model (zeros where not valid)
     valid: Optional[torch.Tensor] = None          # [B, hi - lo] bool: logits computed in this call; None = all
     aux_logits: Optional[torch.Tensor] = None     # [B, W_aux, V] logits of request.aux

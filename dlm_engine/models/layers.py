@@ -106,7 +106,8 @@ def attention_mask(call: ForwardCall, q_cols: torch.Tensor, k_cols: Optional[tor
 
     ``q_cols``: ``[B, Q]`` column ids of the queries; ``k_cols``: ``[K]`` or ``[B, K]`` of the keys (None =
     the queries themselves). Padding keys are masked, block-causal models see no later block (blocks count
-    from the generation start; the prompt is block -1), and auxiliary columns use their own mask.
+    from the generation start -- the prompt is block -1 -- or from ``call.block_origin``), and auxiliary columns
+    use their own mask.
     """
     if k_cols is None:
         k_cols = q_cols
@@ -124,7 +125,7 @@ def attention_mask(call: ForwardCall, q_cols: torch.Tensor, k_cols: Optional[tor
         size = int(call.block_size or 0)
         if size <= 0:
             raise ValueError("block_causal attention needs a block size (config.block_causal_size)")
-        origin = call.gen_start
+        origin = call.gen_start if call.block_origin is None else call.block_origin
 
         def block_id(c: torch.Tensor) -> torch.Tensor:
             return torch.where(c < origin, torch.full_like(c, -1), torch.div(c - origin, size, rounding_mode="floor"))

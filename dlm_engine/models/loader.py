@@ -92,6 +92,20 @@ CONFIG_FIELDS = {
               "pad_token_id": ("id", False, None), "bos_token_id": ("id", False, None),
               "eot_token_id": ("id", False, None), "tie_word_embeddings": ("bool", False, None),
               "hidden_act": ("str", False, None), "sliding_window": ("pos", False, _POS)},
+    "llada2_moe": {"hidden_size": ("pos", True, _DIM), "num_attention_heads": ("pos", True, _DIM),
+                   "num_key_value_heads": ("pos", False, _DIM), "num_hidden_layers": ("pos", True, _LAYERS),
+                   "intermediate_size": ("pos", True, 1 << 20), "vocab_size": ("pos", True, _VOCAB),
+                   "head_dim": ("pos", False, _DIM), "max_position_embeddings": ("pos", False, _POS),
+                   "rope_theta": ("real", False, None), "rms_norm_eps": ("real", False, None),
+                   "partial_rotary_factor": ("real", False, None), "num_experts": ("pos", False, 1 << 16),
+                   "num_experts_per_tok": ("pos", False, 1 << 16), "n_group": ("pos", False, 1 << 16),
+                   "topk_group": ("pos", False, 1 << 16), "routed_scaling_factor": ("real", False, None),
+                   "moe_intermediate_size": ("pos", False, 1 << 20), "num_shared_experts": ("pos", False, 1 << 10),
+                   "first_k_dense_replace": ("nonneg_int", False, _LAYERS), "pad_token_id": ("id", False, None),
+                   "eos_token_id": ("id", False, None), "mask_token_id": ("id", False, None),
+                   "block_size": ("pos", False, _POS), "tie_word_embeddings": ("bool", False, None),
+                   "use_qkv_bias": ("bool", False, None), "use_bias": ("bool", False, None),
+                   "use_qk_norm": ("bool", False, None), "hidden_act": ("str", False, None)},
 }
 
 
@@ -111,7 +125,7 @@ def check_config_json(raw: dict, where: str) -> None:
             if required:
                 raise UserError(f"{where} has no {key}")
             continue
-        if kind in ("pos", "id"):
+        if kind in ("pos", "id", "nonneg_int"):
             if isinstance(v, bool) or not isinstance(v, int):
                 raise bad(key, "is not an integer")
             lo = 1 if kind == "pos" else 0
