@@ -48,7 +48,8 @@ def missing(needs: Iterable[Cap], offers: Iterable[Cap]) -> Caps:
 
 
 def incompatibility(strategy, cache) -> Optional[str]:
-    s_name, c_name = getattr(strategy, "name", type(strategy).__name__), getattr(cache, "name", type(cache).__name__)
+    s_name = getattr(strategy, "label", None) or getattr(strategy, "name", type(strategy).__name__)
+    c_name = getattr(cache, "name", type(cache).__name__)
     lack = missing(strategy.needs, cache.offers)
     if lack:
         what = "; ".join(f"'{c.value}' ({c.doc})" for c in sorted(lack, key=lambda c: c.value))

@@ -72,8 +72,8 @@ def rows_from_jobs(jobs: Sequence[Dict[str, Any]]) -> Tuple[List[Dict[str, Any]]
         strat = job.get("strategy") if isinstance(job.get("strategy"), dict) else {}
         cache = job.get("cache") if isinstance(job.get("cache"), dict) else {}
         if strat:
-            settings["strategy"] = strat.get("name")
-            settings.update({f"strategy.{k}": v for k, v in strat.items() if k != "name"})
+            settings["strategy"] = strat.get("preset") or strat.get("name")   # the preset picked (pc_sampler: d2c's)
+            settings.update({f"strategy.{k}": v for k, v in strat.items() if k not in ("name", "preset")})
         if cache:
             settings["cache"] = cache.get("name")
             settings.update({f"cache.{k}": v for k, v in cache.items() if k != "name"})

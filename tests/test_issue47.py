@@ -1,0 +1,32 @@
+"""Issue 47 (a new researcher's trial): the in-process checks of its bugs and friction points, one test (or a few)
+per item; the command-line ones are marked slow."""
+import pytest
+
+from dlm_engine.app.compose import compose
+from dlm_engine.errors import ConfigError, UserError
+
+
+# -- item 1: a preset that runs another strategy's loop is named by the preset ------------------------------------
+@pytest.mark.parametrize("preset", ["pc_sampler", "eb_sampler", "certainty_prior"])
+def test_sweep_rows_and_refusals_name_the_preset(preset):
+    from omegaconf import OmegaConf
+
+    from dlm_engine.app.run import validate
+    from dlm_engine.sweeps.tables import rows_from_jobs
+
+    cfg = compose([f"strategy={preset}"])
+    job = {"_dir": preset, "strategy": OmegaConf.to_container(cfg.strategy), "cache": {"name": "none"},
+           "overrides": [f"strategy={preset}"], "metrics": {}}
+    rows, cols, _, _ = rows_from_jobs([job, dict(job, _dir="d2c", strategy={"name": "d2c"}, overrides=["strategy=d2c"])])
+    assert sorted(r["strategy"] for r in rows) == sorted(["d2c", preset])
+    assert "strategy.preset" not in cols
+    with pytest.raises(ConfigError, match=f"strategy={preset} does not provide"):
+        validate(compose([f"strategy={preset}", "cache=block_store"]))
+
+
+def test_the_preset_label_leaves_the_job_digest_alone():
+    from dlm_engine.sweeps.jobs import config_digest
+
+    a, b = compose(["strategy=pc_sampler"]), compose(["strategy=pc_sampler"])
+    b.strategy.preset = None
+    assert config_digest(a) == config_digest(b)
