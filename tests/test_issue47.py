@@ -30,3 +30,20 @@ def test_the_preset_label_leaves_the_job_digest_alone():
     a, b = compose(["strategy=pc_sampler"]), compose(["strategy=pc_sampler"])
     b.strategy.preset = None
     assert config_digest(a) == config_digest(b)
+
+
+# -- item 3: one set of defaults -------------------------------------------------------------------------------
+def test_the_python_api_runs_dlms_defaults():
+    """Session/generate left to their defaults compose what `dlm` runs without arguments (conf/config.yaml): the
+    API restated threshold + dual cache where `dlm` runs low_confidence + none."""
+    from omegaconf import OmegaConf
+
+    import dlm_engine
+
+    api = OmegaConf.to_container(dlm_engine.Session().config())
+    cli = OmegaConf.to_container(compose([]))
+    for key in ("strategy", "cache", "model", "gen_length", "batch_size", "seed", "device", "dtype", "threads"):
+        assert api[key] == cli[key], key
+    assert api["strategy"]["name"] == "low_confidence" and api["cache"]["name"] == "none"   # (dlm's, today)
+    # a strategy preset that picks its cache does so through the API too (cadllm -> dual), as on the command line
+    assert dlm_engine.Session().config(strategy="cadllm").cache.name == compose(["strategy=cadllm"]).cache.name
