@@ -47,3 +47,28 @@ def test_the_python_api_runs_dlms_defaults():
     assert api["strategy"]["name"] == "low_confidence" and api["cache"]["name"] == "none"   # (dlm's, today)
     # a strategy preset that picks its cache does so through the API too (cadllm -> dual), as on the command line
     assert dlm_engine.Session().config(strategy="cadllm").cache.name == compose(["strategy=cadllm"]).cache.name
+
+
+# -- item 4: a key added with `+` that no schema has is an error --------------------------------------------------
+@pytest.mark.parametrize("override, line", [
+    ("+strategy.treshold=0.7", "strategy.treshold: unknown key; did you mean strategy.threshold?"),
+    ("+cache.refresh=2", "cache.refresh: unknown key (keys of cache: name)"),
+    ("+model.pth=x", "model.pth: unknown key; did you mean model.path?"),
+    ("+gen_lenght=8", "gen_lenght: unknown key; did you mean gen_length?"),
+])
+def test_added_unknown_keys_are_errors_in_the_python_api(override, line):
+    import dlm_engine
+
+    with pytest.raises(ConfigError) as err:
+        dlm_engine.Session().config(strategy="threshold", overrides=[override])
+    assert str(err.value) == line
+
+
+@pytest.mark.slow
+def test_added_unknown_key_is_an_error_on_the_command_line(tmp_path):
+    from conftest import run_dlm
+
+    r = run_dlm(["strategy=threshold", "+strategy.treshold=0.7", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == "dlm: error: strategy.treshold: unknown key; did you mean strategy.threshold?"
+    assert not (tmp_path / "run" / "summary.json").exists()

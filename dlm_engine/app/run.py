@@ -32,8 +32,9 @@ def build_cache(cfg: DictConfig):
 
 def validate(cfg: DictConfig):
     """Every check that needs no model; raises ConfigError naming the key."""
-    from dlm_engine.app.config import check_values
+    from dlm_engine.app.config import check_known_keys, check_values
 
+    check_known_keys(cfg)  # keys added with `+` that no schema has (a typo would be recorded, not applied)
     check_values(cfg)  # NaN/inf floats, integers beyond 64 bits, seed range
     if cfg.gen_length <= 0:
         raise ConfigError(f"gen_length={cfg.gen_length} must be a positive integer")
