@@ -72,3 +72,25 @@ def test_added_unknown_key_is_an_error_on_the_command_line(tmp_path):
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip() == "dlm: error: strategy.treshold: unknown key; did you mean strategy.threshold?"
     assert not (tmp_path / "run" / "summary.json").exists()
+
+
+@pytest.fixture(scope="module")
+def tiny_lm():
+    from dlm_engine.app.api import load_directory
+
+    return load_directory()
+
+
+# -- item 5: token-id prompts on the command line are ids ----------------------------------------------------------
+def test_token_id_prompts_in_the_config_are_ids(tiny_lm):
+    from dlm_engine.app.run import load_inputs
+
+    cfg = compose(["prompts=[[5,6,7],'12+34=',1234]"])
+    inputs = load_inputs(cfg, tiny_lm)
+    assert inputs["ids"][0] == [5, 6, 7]
+    assert inputs["ids"][1] == tiny_lm.encode("12+34=") and inputs["ids"][2] == tiny_lm.encode("1234")
+    with pytest.raises(UserError, match=r"^prompt 0: token id 99999 is outside the vocabulary of model 'tiny' "
+                                        r"\(0\.\.127\)$"):
+        load_inputs(compose(["prompts=[[5,6,99999]]"]), tiny_lm)
+    with pytest.raises(ConfigError, match=r"^prompts\[0\]: expected"):
+        load_inputs(compose(["prompts=[[5,'x']]"]), tiny_lm)

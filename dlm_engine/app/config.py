@@ -56,7 +56,7 @@ class RunConfig:
     cache: Any = MISSING
     trace: TraceConfig = field(default_factory=TraceConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
-    prompts: Optional[List[str]] = None
+    prompts: Optional[List[Any]] = None      # strings, token-id lists ([[5, 6, 7]]) or {prompt: ...} objects
     prompts_file: Optional[str] = None
     gen_length: int = 16
     seed: int = 0

@@ -115,7 +115,7 @@ def load_inputs(cfg: DictConfig, lm) -> Dict[str, Any]:
 
     examples = None
     if cfg.prompts is not None:
-        prompts = [inp.Prompt(text=str(p)) for p in cfg.prompts]
+        prompts = [_config_prompt(p, i) for i, p in enumerate(cfg.prompts)]
     elif cfg.prompts_file:
         prompts = inp.read_prompts_file(cfg.prompts_file)
     elif cfg.task.name == "prompts":
@@ -133,6 +133,20 @@ def load_inputs(cfg: DictConfig, lm) -> Dict[str, Any]:
     extra = [dict({"messages": p.messages} if p.messages else {}, **({"meta": p.meta} if p.meta else {}))
              for p in prompts]
     return {"prompts": [p.shown for p in prompts], "ids": ids, "examples": examples, "extra": extra}
+
+
+def _config_prompt(p, i: int):
+    """A ``prompts`` entry: a list is token ids (as in the Python API), an object a ``{prompt}``/``{messages}``
+    prompt; any other value is text (``prompts=[1234]`` is the prompt "1234")."""
+    from dlm_engine.app import inputs as inp
+    from dlm_engine.errors import UserError
+
+    if OmegaConf.is_config(p):
+        try:
+            return inp.as_prompt(OmegaConf.to_container(p, resolve=True))
+        except UserError as exc:
+            raise ConfigError(f"prompts[{i}]: {exc}") from None
+    return inp.Prompt(text=str(p))
 
 
 def run(cfg: DictConfig, out_dir: Path) -> Dict[str, Any]:
