@@ -94,3 +94,35 @@ def test_token_id_prompts_in_the_config_are_ids(tiny_lm):
         load_inputs(compose(["prompts=[[5,6,99999]]"]), tiny_lm)
     with pytest.raises(ConfigError, match=r"^prompts\[0\]: expected"):
         load_inputs(compose(["prompts=[[5,'x']]"]), tiny_lm)
+
+
+@pytest.fixture(scope="module")
+def wino_trace(tmp_path_factory):
+    """A WINO trace whose row 1 writes a position at step 4 that step 5 re-masks (the embedded model)."""
+    import dlm_engine
+    from dlm_engine.trace import open_trace
+
+    path = tmp_path_factory.mktemp("wino") / "w.dlmt"
+    dlm_engine.generate(["347+085=", "name a fruit:", "sum 9:", "901-256="], strategy="wino", trace=path)
+    e = open_trace(str(path))[1].edits
+    assert e is not None and e["start"].tolist() == [4] and e["end"].tolist() == [5]
+    return path
+
+
+def _show_steps(capsys, path, seq):
+    from dlm_engine.trace.cli import main
+
+    assert main(["show", str(path), "--seq", str(seq)]) == 0
+    out = capsys.readouterr().out.split(f"steps of row {seq}")[1].splitlines()
+    col = out[1].split().index("commit") - 1          # ("wall ms" is two words of the header)
+    return {int(line.split()[0]): int(line.split()[col]) for line in out[2:] if line.split() and line.split()[0].isdigit()}
+
+
+# -- item 6: show's commit column counts every write of a step ---------------------------------------------------
+def test_show_counts_writes_that_are_re_masked_later(wino_trace, capsys):
+    from dlm_engine.trace import open_trace
+
+    commits = _show_steps(capsys, wino_trace, 1)
+    seq = open_trace(str(wino_trace))[1]
+    assert commits[4] == 1 == int((seq.step_of == 4).sum()) + 1     # the write step 5 re-masked
+    assert commits == {t: int(n) for t, n in enumerate(seq.commits_per_step()) if t in commits}

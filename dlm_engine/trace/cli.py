@@ -106,7 +106,7 @@ def cmd_show(a) -> int:
     print()
     print(f"steps of row {s.row} (batch {s.batch.index}):")
     names = [k for k in st.scalars if k not in ("committed",)]
-    cps = np.bincount(s.step_of[s.step_of >= 1], minlength=int(st.step.max()) + 1 if len(st.step) else 1)
+    cps = s.commits_per_step()     # every write of the step, those re-masked later included (not the final step_of)
     print(f"{'step':>5} {'NFE':>4} {'wall ms':>8} {'window':>11} {'commit':>6} {'done':>4}  " + "  ".join(names) + "  events")
     for i in range(min(len(st.step), a.max_steps)):
         t = int(st.step[i])
