@@ -126,3 +126,27 @@ def test_show_counts_writes_that_are_re_masked_later(wino_trace, capsys):
     seq = open_trace(str(wino_trace))[1]
     assert commits[4] == 1 == int((seq.step_of == 4).sum()) + 1     # the write step 5 re-masked
     assert commits == {t: int(n) for t, n in enumerate(seq.commits_per_step()) if t in commits}
+
+
+# -- item 7: a batch size a trace cannot hold is refused before loading, in the run's terms ------------------------
+def test_a_batch_size_beyond_the_trace_limit_is_checked_before_loading(monkeypatch):
+    from dlm_engine.app import api
+    from dlm_engine.app.run import validate
+
+    monkeypatch.setattr(api, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    with pytest.raises(ConfigError, match=r"^batch_size=100000 is more than a trace records in one batch \(65536 "
+                                          r"rows\): use batch_size<=65536, or trace\.record=false$"):
+        validate(compose(["batch_size=100000", "task.n=70000"]))
+    validate(compose(["batch_size=100000", "task.n=70000", "trace.record=false"]))
+    validate(compose(["batch_size=100000", "task.n=20"]))           # 20 prompts: batches of 20
+
+
+def test_the_trace_header_holds_the_batch_the_run_decodes(tmp_path):
+    """batch_size=100000 with 4 prompts records (the header said 100000, beyond what a reader accepts)."""
+    import dlm_engine
+    from dlm_engine.trace import open_trace
+
+    out = dlm_engine.generate(["1+1=", "2+2=", "sum 9:", "name a fruit:"], batch_size=100000,
+                              trace=tmp_path / "t.dlmt")
+    tr = open_trace(out.trace, recover=False)
+    assert tr.header["shape"]["batch_size"] == 4 and len(tr) == 4

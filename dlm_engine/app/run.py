@@ -66,10 +66,24 @@ def validate(cfg: DictConfig):
     from dlm_engine.models.loader import resolve_device, resolve_dtype
 
     resolve_dtype(cfg.dtype, resolve_device(cfg.device))
-    from dlm_engine.trace.runtime import check_config
+    from dlm_engine.trace.runtime import check_batch_size, check_config
 
     check_config(cfg.trace)
+    check_batch_size(cfg, known_prompt_count(cfg))   # before the model loads, not in the trace header's terms
     return make_strategy, make_cache
+
+
+def known_prompt_count(cfg: DictConfig):
+    """How many prompts ``dlm`` will decode, as far as the config tells without the model (None: not known)."""
+    if cfg.prompts is not None:
+        return len(cfg.prompts)
+    if cfg.prompts_file:
+        from dlm_engine.app.inputs import read_prompts_file
+
+        return len(read_prompts_file(cfg.prompts_file))
+    if cfg.task.name == "prompts":
+        return len(DEMO_PROMPTS)
+    return int(cfg.task.n) if cfg.task.n is not None else None
 
 
 def check_text_file(path: str, key: str) -> None:
