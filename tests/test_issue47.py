@@ -150,3 +150,14 @@ def test_the_trace_header_holds_the_batch_the_run_decodes(tmp_path):
                               trace=tmp_path / "t.dlmt")
     tr = open_trace(out.trace, recover=False)
     assert tr.header["shape"]["batch_size"] == 4 and len(tr) == 4
+
+
+# -- item 8: a file given as model.path is not "missing" ----------------------------------------------------------
+def test_a_file_as_model_path_is_reported_as_not_a_directory(tmp_path):
+    from dlm_engine.app.run import validate
+
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(b"x")
+    with pytest.raises(UserError, match=rf"^model\.path: '{f}' is a file, not a directory \(give the checkpoint "
+                                        r"directory that holds config\.json and the weights\); model=local: "):
+        validate(compose(["model=local", f"model.path={f}"]))
