@@ -161,3 +161,14 @@ def test_a_file_as_model_path_is_reported_as_not_a_directory(tmp_path):
     with pytest.raises(UserError, match=rf"^model\.path: '{f}' is a file, not a directory \(give the checkpoint "
                                         r"directory that holds config\.json and the weights\); model=local: "):
         validate(compose(["model=local", f"model.path={f}"]))
+
+
+# -- item 9: the low-level API checks gen_length against the strategy's --------------------------------------------
+def test_run_prompts_refuses_a_strategy_built_for_another_length(tiny_lm):
+    from dlm_engine.app.api import run_prompts
+    from dlm_engine.core.registry import cache_class, strategy_class
+
+    T, D = strategy_class("threshold"), cache_class("dual")
+    with pytest.raises(UserError, match=r"^gen_length=16 but the strategy was built for gen_length=32 "
+                                        r"\(Threshold\(config, 32\)\): build it with the same length$"):
+        run_prompts(tiny_lm, ["1+1="], lambda: T(T.Config(block_length=32), 32), lambda: D(D.Config()), 16, 2)
