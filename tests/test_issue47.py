@@ -172,3 +172,22 @@ def test_run_prompts_refuses_a_strategy_built_for_another_length(tiny_lm):
     with pytest.raises(UserError, match=r"^gen_length=16 but the strategy was built for gen_length=32 "
                                         r"\(Threshold\(config, 32\)\): build it with the same length$"):
         run_prompts(tiny_lm, ["1+1="], lambda: T(T.Config(block_length=32), 32), lambda: D(D.Config()), 16, 2)
+
+
+# -- item 10: generate(None) is the UserError other bad prompts get ------------------------------------------------
+@pytest.mark.parametrize("prompts, kind", [(None, "NoneType"), (5, "int"), (b"12+34=", "bytes"), (object(), "object")])
+def test_prompts_that_are_no_collection_are_a_user_error(prompts, kind):
+    import dlm_engine
+
+    with pytest.raises(UserError, match=r'^prompts: expected a prompt or a list of prompts \(strings, token-id lists, '
+                                        r'\{"prompt": \.\.\.\} or \{"messages": \[\.\.\.\]\}\), got ' + kind + "$"):
+        dlm_engine.generate(prompts)
+
+
+def test_a_tensor_of_token_ids_is_a_list_of_prompts():
+    import torch
+
+    import dlm_engine
+
+    out = dlm_engine.generate(torch.tensor([[5, 6, 7], [8, 9, 10]]))
+    assert [r.prompt_ids for r in out] == [[5, 6, 7], [8, 9, 10]]

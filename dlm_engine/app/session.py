@@ -160,8 +160,7 @@ class Session:
         from dlm_engine.app.api import run_prompts
         from dlm_engine.app.run import build_cache, build_strategy
 
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         if not len(prompts):
             raise UserError("prompts: no prompts to decode")
         if trace is not None:
@@ -194,6 +193,19 @@ class Session:
                 row.extra["meta"] = p.meta
         return Results(rows=stats.rows, totals=stats.totals, config=cfg,
                        trace=str(recorder.written_path) if recorder else None)
+
+
+def _prompt_list(prompts: Any) -> List[Any]:
+    """``prompts`` as a list: one prompt (a string or an object) or a collection of them; anything else (None, a
+    number, bytes) is the UserError other bad prompts get."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if hasattr(prompts, "tolist") and not isinstance(prompts, (list, tuple)):   # a tensor / array of token ids
+        prompts = prompts.tolist()
+    if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):
+        raise UserError("prompts: expected a prompt or a list of prompts (strings, token-id lists, {\"prompt\": ...} "
+                        f"or {{\"messages\": [...]}}), got {type(prompts).__name__}")
+    return list(prompts)
 
 
 _default: Optional[Session] = None
