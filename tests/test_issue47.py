@@ -191,3 +191,25 @@ def test_a_tensor_of_token_ids_is_a_list_of_prompts():
 
     out = dlm_engine.generate(torch.tensor([[5, 6, 7], [8, 9, 10]]))
     assert [r.prompt_ids for r in out] == [[5, 6, 7], [8, 9, 10]]
+
+
+# -- item 12: dlm-trace diff compares each row on its own steps ----------------------------------------------------
+def test_diff_compares_rows_on_their_own_steps(tmp_path, capsys):
+    """threshold with blocks at batch 4 (rows whose block is done sit steps out) against the same prompts one at a
+    time: every row commits the same positions in the same order of its own steps, so there is no divergence."""
+    import dlm_engine
+    from dlm_engine.trace import open_trace
+    from dlm_engine.trace.cli import main
+    from dlm_engine.trace.tools import diff
+
+    prompts = ["347+085=", "name a fruit:", "sum 9:", "901-256=", "name a metal:", "12+34="]
+    kw = dict(strategy={"name": "threshold", "block_length": 4})
+    a = dlm_engine.generate(prompts, batch_size=6, trace=tmp_path / "a.dlmt", **kw)
+    b = dlm_engine.generate(prompts, batch_size=1, trace=tmp_path / "b.dlmt", **kw)
+    ta, tb = open_trace(a.trace), open_trace(b.trace)
+    assert [s.step_of.tolist() for s in ta] != [s.step_of.tolist() for s in tb]    # the batch steps differ ...
+    d = diff(ta, tb)
+    assert d["first"] is None and d["rows_identical"] == len(prompts)             # ... the rows' own steps do not
+    assert main(["diff", a.trace, b.trace]) == 0
+    out = capsys.readouterr().out
+    assert "each row is compared on its own steps" in out and "no divergence" in out

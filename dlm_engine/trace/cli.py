@@ -224,6 +224,8 @@ def cmd_diff(a) -> int:
           f"{d['rows_identical']}, equal final outputs {d['outputs_equal']}; NFE per sequence "
           f"{d['nfe_per_sequence'][0]:.2f} vs {d['nfe_per_sequence'][1]:.2f}, TPF {d['tpf'][0]:.2f} vs {d['tpf'][1]:.2f} "
           f"(model calls {d['model_calls'][0]} vs {d['model_calls'][1]})")
+    print("(each row is compared on its own steps, the steps it took part in: a row that sat batch steps out or "
+          "ran in another batch is not a divergence)")
     if d["first"] is None:
         same = not d["rows_only_a"] and not d["rows_only_b"]
         print("no divergence" + ("" if same else " in the common rows"))
@@ -234,7 +236,7 @@ def cmd_diff(a) -> int:
         if not e["identical"] and shown < a.max:
             shown += 1
             dv = e["divergence"]
-            print(f"  row {e['row']}: step {dv['step']} position {dv['position']}, "
+            print(f"  row {e['row']}: own step {dv['step']} position {dv['position']}, "
                   f"{e['positions_differing']} final positions differ, NFE {e['nfe'][0]} vs {e['nfe'][1]}")
     return 1
 
