@@ -158,16 +158,16 @@ def check_known_keys(cfg) -> None:
     def fields(schema) -> list:
         return [f.name for f in dataclasses.fields(schema)]
 
-    def check(node, keys, where: str) -> None:
+    def check(node, keys, where: str, also=()) -> None:
         for key in node.keys():
-            if key not in keys:
+            if key not in keys and key not in also:
                 hint = _suggest(str(key), keys)
                 full = f"{where}.{key}" if where else str(key)
                 raise ConfigError(f"{full}: unknown key" + (f"; did you mean {where + '.' if where else ''}{hint}?"
                                                             if hint else f" (keys of {where or 'the run config'}: "
                                                             f"{', '.join(keys)})"))
 
-    check(cfg, fields(RunConfig), "")
+    check(cfg, fields(RunConfig), "", also=("hydra",))   # (a sweep's checks compose the jobs with Hydra's node)
     groups = {"model": ModelConfig, "trace": TraceConfig, "task": TaskConfig}
     try:
         groups["strategy"] = strategy_class(str(cfg.strategy.name)).Config
