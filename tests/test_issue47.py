@@ -213,3 +213,38 @@ def test_diff_compares_rows_on_their_own_steps(tmp_path, capsys):
     assert main(["diff", a.trace, b.trace]) == 0
     out = capsys.readouterr().out
     assert "each row is compared on its own steps" in out and "no divergence" in out
+
+
+# -- item 13: the sweep plot labels every point by what varies and never moves one --------------------------------
+def test_caches_sweep_plot_labels_every_point_and_draws_it_at_its_value():
+    pytest.importorskip("matplotlib", reason="plots need the 'viz' extra (matplotlib)")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import numpy as np
+    import matplotlib.pyplot as plt
+
+    from dlm_engine.sweeps.plots import _group_key, accuracy_figure
+    from dlm_engine.sweeps.tables import format_value, mark_pareto
+
+    rows = [{"status": "ok", "strategy": "threshold", "cache": c, "strategy.threshold": t, "accuracy": a,
+             "nfe_per_prompt": n}
+            for c, t, a, n in [("dual", 0.9, 0.95, 5.5), ("prefix", 0.9, 0.95, 5.6), ("none", 0.9, 0.95, 5.5),
+                               ("dual", 0.7, 0.85, 4.0), ("prefix", 0.7, 0.8, 4.1), ("none", 0.7, 0.9, 4.2)]]
+    mark_pareto(rows)
+    vary = ["cache", "strategy.threshold"]
+    group = _group_key(rows, vary)
+    assert group == "cache"                             # the legend names the caches, not the threshold
+    groups = {}
+    for r in rows:
+        groups.setdefault(format_value(r[group]), []).append(r)
+    fig = accuracy_figure(plt, rows, group, groups, ["strategy.threshold"])
+    ax = fig.axes[0]
+    fig.canvas.draw()
+    for c in ax.collections:                            # every marker exactly at its value on screen
+        off = c.get_offsets()
+        assert np.allclose(c.get_offset_transform().transform(off), ax.transData.transform(off))
+    text = "\n".join(t.get_text() for t in ax.texts)
+    for r in rows:                                      # every point labelled with the cache and the threshold
+        assert f"cache={r['cache']}, threshold={format_value(r['strategy.threshold'])}" in text
+    plt.close(fig)
