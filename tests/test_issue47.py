@@ -248,3 +248,18 @@ def test_caches_sweep_plot_labels_every_point_and_draws_it_at_its_value():
     for r in rows:                                      # every point labelled with the cache and the threshold
         assert f"cache={r['cache']}, threshold={format_value(r['strategy.threshold'])}" in text
     plt.close(fig)
+
+
+# -- item 14: Dream's cache refusal says what enables the caches ---------------------------------------------------
+@pytest.mark.parametrize("cache, hint", [("dual", True), ("prefix", True), ("d2cache", False), ("block_store", False)])
+def test_dreams_cache_refusal_names_block_length_where_it_helps(cache, hint):
+    from dlm_engine.app.run import validate
+
+    with pytest.raises(ConfigError) as err:
+        validate(compose(["strategy=dream", f"cache={cache}"]))
+    said = str(err.value)
+    assert said.startswith(f"cache={cache} does not provide what strategy=dream needs: 'window_logits'")
+    assert ("; strategy.block_length=N (Fast-dLLM's block loop for Dream; N divides gen_length=16) enables "
+            f"cache={cache}" in said) == hint
+    if hint:
+        validate(compose(["strategy=dream", f"cache={cache}", "strategy.block_length=8"]))   # and it does

@@ -95,6 +95,10 @@ class Strategy:
         self.gen_length = int(gen_length)
         self.validate()
 
+    def cache_hint(self, cache) -> Optional[str]:
+        """A setting of this strategy that would make it pair with ``cache``, said after a refusal (None: none)."""
+        return None
+
     @property
     def label(self) -> str:
         """How messages name the strategy: the preset the user picked (``strategy=pc_sampler`` runs ``d2c`` with
