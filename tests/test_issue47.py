@@ -263,3 +263,16 @@ def test_dreams_cache_refusal_names_block_length_where_it_helps(cache, hint):
             f"cache={cache}" in said) == hint
     if hint:
         validate(compose(["strategy=dream", f"cache={cache}", "strategy.block_length=8"]))   # and it does
+
+
+# -- item 15: an empty prompt is decoded with a warning -----------------------------------------------------------
+def test_an_empty_prompt_warns(tiny_lm, capsys):
+    from dlm_engine.app.run import load_inputs
+
+    load_inputs(compose(["prompts=['','12+34=','  ']"]), tiny_lm)
+    assert capsys.readouterr().err.strip() == ("dlm: warning: prompts 0, 2 are empty: decoded without a prompt "
+                                               "(unconditional generation)")
+    import dlm_engine
+
+    with pytest.warns(UserWarning, match=r"^prompt 0 is empty: decoded without a prompt"):
+        dlm_engine.generate([""])
