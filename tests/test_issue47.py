@@ -276,3 +276,19 @@ def test_an_empty_prompt_warns(tiny_lm, capsys):
 
     with pytest.warns(UserWarning, match=r"^prompt 0 is empty: decoded without a prompt"):
         dlm_engine.generate([""])
+
+
+# -- item 16: a run without a terminal says at once what it decodes ------------------------------------------------
+def test_a_run_without_a_terminal_logs_what_it_decodes_at_the_start(tmp_path, monkeypatch, caplog):
+    import logging
+    import sys
+
+    from dlm_engine.app.run import run
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    cfg = compose(["strategy=pc_sampler", "prompts=['1+1=','2+2=','3+3=']", "trace.record=false", "batch_size=2"])
+    with caplog.at_level(logging.INFO, logger="dlm_engine.progress"):
+        run(cfg, tmp_path)
+    lines = [r.getMessage() for r in caplog.records if r.name == "dlm_engine.progress"]
+    assert lines[0] == "decoding 3 prompts, batch 2, strategy pc_sampler, cache none, gen_length 16, model tiny"
+    assert lines[-1].startswith("decoded 3/3 prompts")

@@ -174,7 +174,8 @@ def run(cfg: DictConfig, out_dir: Path) -> Dict[str, Any]:
     lm = load_model(cfg.model, cfg.device, cfg.dtype)
     inputs = load_inputs(cfg, lm)
     prompts, ids, examples = inputs["prompts"], inputs["ids"], inputs["examples"]
-    progress = ProgressSink(len(ids), enabled=None if cfg.progress else False, log_interval=cfg.progress_interval)
+    progress = ProgressSink(len(ids), enabled=None if cfg.progress else False, log_interval=cfg.progress_interval,
+                            start=start_line(cfg, len(ids), make_strategy()))
 
     torch.manual_seed(cfg.seed)
     from dlm_engine.trace.runtime import open_run_recorder
@@ -214,6 +215,14 @@ def run(cfg: DictConfig, out_dir: Path) -> Dict[str, Any]:
     write_outputs(out_dir, rows, summary)
     report(cfg, rows, summary, stats.totals)
     return summary
+
+
+def start_line(cfg: DictConfig, n: int, strategy) -> str:
+    """What a run decodes, said when it starts: prompts, the batch they run in, strategy (the preset picked) and
+    cache."""
+    batch = max(1, min(int(cfg.batch_size), n, strategy.max_batch or n))
+    return (f"decoding {n} prompt{'s' if n != 1 else ''}, batch {batch}, strategy {strategy.label}, "
+            f"cache {cfg.cache.name}, gen_length {cfg.gen_length}, model {cfg.model.name}")
 
 
 def write_outputs(out_dir: Path, rows: List[dict], summary: Dict[str, Any]) -> None:
