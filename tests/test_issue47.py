@@ -292,3 +292,17 @@ def test_a_run_without_a_terminal_logs_what_it_decodes_at_the_start(tmp_path, mo
     lines = [r.getMessage() for r in caplog.records if r.name == "dlm_engine.progress"]
     assert lines[0] == "decoding 3 prompts, batch 2, strategy pc_sampler, cache none, gen_length 16, model tiny"
     assert lines[-1].startswith("decoded 3/3 prompts")
+
+
+# -- item 18: replay --step shows masked positions in its text -----------------------------------------------------
+def test_replay_at_a_step_shows_the_masked_positions_in_the_text(wino_trace, capsys):
+    import json
+
+    from dlm_engine.trace.cli import main
+
+    assert main(["replay", str(wino_trace), "--step", "4", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert any(r["masked"] for r in rows)
+    for r in rows:
+        assert r["text"].count("\u2592") + r["text"].count("\u2591") == r["masked"]
+    assert rows[1]["text"] == "\u2592i\u2592e"          # (the embedded model, WINO: 'lime' half decoded)

@@ -148,11 +148,11 @@ def cmd_replay(a) -> int:
                         "nfe": s.nfe, "steps": s.n_steps, "generated_tokens": s.generated_tokens()})
         else:
             toks = s.state_at(a.step)
-            shown = [t for t in toks.tolist() if t != mask]
             import numpy as np
 
             again = s.remasked_at(a.step)
-            out.append({"row": s.row, "step": a.step, "tokens": toks.tolist(), "text": tr.decode_text(shown),
+            out.append({"row": s.row, "step": a.step, "tokens": toks.tolist(),
+                        "text": masked_text(tr, toks.tolist(), mask, again),
                         "masked": int((toks == mask).sum()), "remasked": np.flatnonzero(again).tolist()})
     if a.json:
         print(json.dumps(out))
@@ -169,6 +169,24 @@ def cmd_replay(a) -> int:
             note = f", {len(again)} of them re-masked (\u2591)" if again else ""
             print(f"[{o['row']}] step {a.step}: {cells}  ({o['masked']} masked{note})")
     return 0
+
+
+def masked_text(tr, tokens, mask, again) -> str:
+    """The decoded text of a canvas state with its masked positions shown where they are: \u2592 for a position
+    not decoded yet, \u2591 for one re-masked (``p\u2592nk``, not ``pnk``); each run of decoded tokens is decoded
+    on its own."""
+    out, run = [], []
+    for i, t in enumerate(tokens):
+        if t == mask:
+            if run:
+                out.append(tr.decode_text(run))
+                run = []
+            out.append("\u2591" if again[i] else "\u2592")
+        else:
+            run.append(t)
+    if run:
+        out.append(tr.decode_text(run))
+    return "".join(out)
 
 
 def _vis(s: str) -> str:
