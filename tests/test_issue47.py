@@ -306,3 +306,19 @@ def test_replay_at_a_step_shows_the_masked_positions_in_the_text(wino_trace, cap
     for r in rows:
         assert r["text"].count("\u2592") + r["text"].count("\u2591") == r["masked"]
     assert rows[1]["text"] == "\u2592i\u2592e"          # (the embedded model, WINO: 'lime' half decoded)
+
+
+# -- item 19: dlm --version is dlm_engine's -----------------------------------------------------------------------
+def test_dlm_version_prints_dlm_engines_version(monkeypatch, capsys):
+    import sys
+
+    import hydra
+
+    from dlm_engine import __version__
+    from dlm_engine.app.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["dlm", "--version"])
+    with pytest.raises(SystemExit) as done:
+        main()
+    assert done.value.code == 0
+    assert capsys.readouterr().out == f"dlm_engine {__version__} (hydra {hydra.__version__})\n"
