@@ -322,3 +322,17 @@ def test_dlm_version_prints_dlm_engines_version(monkeypatch, capsys):
         main()
     assert done.value.code == 0
     assert capsys.readouterr().out == f"dlm_engine {__version__} (hydra {hydra.__version__})\n"
+
+
+# -- item 21: the strategy x cache table in the docs is the one the code generates --------------------------------
+def test_the_compatibility_page_is_what_the_code_generates():
+    from pathlib import Path
+
+    from dlm_engine.app.compat import DOC, markdown, pairs
+
+    root = Path(__file__).resolve().parents[1]
+    assert (root / DOC).read_text(encoding="utf-8") == markdown(), \
+        "docs/compatibility.md is stale: python -m dlm_engine.app.compat docs/compatibility.md"
+    table = {(s, c): why for s, c, why in pairs()}
+    assert table[("threshold", "dual")] is None and "block_handover" in table[("threshold", "block_store")]
+    assert "strategy.block_length=N" in table[("dream", "dual")]
