@@ -281,7 +281,7 @@ def as_token_ids(lm: LoadedModel, prompts: Sequence[Any], gen_length: int) -> Li
 
     from dlm_engine.app.inputs import prepare
 
-    _, ids, warning = prepare(lm, prompts, gen_length)
+    _, ids, warning = prepare(lm, prompts, gen_length, empty_ids=False)   # (dlm and Session pass ids prepare made)
     if warning:
         warnings.warn(warning, UserWarning, stacklevel=3)
     return ids
