@@ -239,14 +239,16 @@ def test_caches_sweep_plot_labels_every_point_and_draws_it_at_its_value():
     for r in rows:
         groups.setdefault(format_value(r[group]), []).append(r)
     fig = accuracy_figure(plt, rows, group, groups, ["strategy.threshold"])
-    ax = fig.axes[0]
+    ax, side = fig.axes
     fig.canvas.draw()
     for c in ax.collections:                            # every marker exactly at its value on screen
         off = c.get_offsets()
         assert np.allclose(c.get_offset_transform().transform(off), ax.transData.transform(off))
-    text = "\n".join(t.get_text() for t in ax.texts)
-    for r in rows:                                      # every point labelled with the cache and the threshold
-        assert f"cache={r['cache']}, threshold={format_value(r['strategy.threshold'])}" in text
+    key = side.texts[0].get_text().splitlines()         # every point numbered and keyed with what varies
+    assert sorted(int(n) for t in ax.texts for n in t.get_text().split(",")) == list(range(1, len(rows) + 1))
+    for r in rows:
+        assert any(f"cache={r['cache']}, threshold={format_value(r['strategy.threshold'])}: "
+                   f"{format_value(r['accuracy'])} at NFE {format_value(r['nfe_per_prompt'])}" in line for line in key)
     plt.close(fig)
 
 

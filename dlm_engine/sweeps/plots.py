@@ -67,7 +67,8 @@ def accuracy_figure(plt, ok: Sequence[Dict[str, Any]], group: Optional[str], gro
     if not pts:
         return None
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    fig, ax = plt.subplots(figsize=(8.4, 4.8), dpi=100)
+    fig, (ax, side) = plt.subplots(1, 2, figsize=(10.8, 4.8), dpi=100, gridspec_kw={"width_ratios": [3, 2]})
+    side.axis("off")
     ordered = sorted(groups.items(), key=lambda kv: sort_key(parse_scalar(kv[0])))
     style = {g: (colors[i % len(colors)], MARKERS[i % len(MARKERS)]) for i, (g, _) in enumerate(ordered)}
     drawn = [(g, r) for g, rs in ordered for r in rs if r in pts]
@@ -86,22 +87,29 @@ def accuracy_figure(plt, ok: Sequence[Dict[str, Any]], group: Optional[str], gro
                 color="black", lw=1.0, zorder=1, label="Pareto front")
     ax.margins(0.1)
     ax.autoscale_view()
+    handles, names = ax.get_legend_handles_labels()
+    if handles:
+        side.legend(handles, names, fontsize=8, loc="upper left", bbox_to_anchor=(0.0, 1.0), borderaxespad=0.0)
     keys = ([group] if group else []) + list(rest)
     if keys:
+        # every point gets a number beside it (points on one spot share one: "3,4"); the key lists each number with
+        # the settings that vary and the point's values, so no label covers another however close the points are
         xy = [(r["nfe_per_prompt"], r["accuracy"]) for _, r in drawn]
+        key, n = [], 0
         for c in clusters(ax.transData.transform(xy)):
-            x0, y0 = xy[c[0]]
-            lines = [_label(drawn[i][1], keys) + ("" if xy[i] == (x0, y0) else
-                                                   f" ({format_value(xy[i][1])} at {format_value(xy[i][0])})")
-                     for i in c]
-            ax.annotate("\n".join(lines), (x0, y0), textcoords="offset points", xytext=(8, -4), fontsize=6.5,
-                        va="top", zorder=3)
+            nums = list(range(n + 1, n + len(c) + 1))
+            n += len(c)
+            ax.annotate(",".join(map(str, nums)), xy[c[0]], textcoords="offset points", xytext=(6, 3), fontsize=7,
+                        zorder=3)
+            key += [f"{k:>2}  {_label(drawn[i][1], keys)}: {format_value(xy[i][1])} at NFE {format_value(xy[i][0])}"
+                    for k, i in zip(nums, c)]
+        top = 1.0 - 0.075 * (len(handles) + 1) if handles else 1.0
+        side.text(0.0, top, "\n".join(key), va="top", ha="left", fontsize=6.5, family="monospace",
+                  transform=side.transAxes)
     ax.set_xlabel("NFE per sequence (mean forwards a sequence took part in)")
     ax.set_ylabel("accuracy (exact match)")
     ax.set_title("accuracy vs NFE")
     ax.grid(alpha=0.3)
-    if group or front:
-        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     return fig
 
 
