@@ -20,6 +20,8 @@ def test_sweep_rows_and_refusals_name_the_preset(preset):
     rows, cols, _, _ = rows_from_jobs([job, dict(job, _dir="d2c", strategy={"name": "d2c"}, overrides=["strategy=d2c"])])
     assert sorted(r["strategy"] for r in rows) == sorted(["d2c", preset])
     assert "strategy.preset" not in cols
+    old = dict(job, strategy={k: v for k, v in job["strategy"].items() if k != "preset"})   # written before the label
+    assert rows_from_jobs([old])[0][0]["strategy"] == preset
     with pytest.raises(ConfigError, match=f"strategy={preset} does not provide"):
         validate(compose([f"strategy={preset}", "cache=block_store"]))
 

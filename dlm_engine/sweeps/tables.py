@@ -82,6 +82,8 @@ def rows_from_jobs(jobs: Sequence[Dict[str, Any]]) -> Tuple[List[Dict[str, Any]]
         config = job.get("config") or {}
         for ov in job.get("overrides") or []:
             key, val = split_override(ov)
+            if key == "strategy" and strat and not strat.get("preset"):   # (results written before the label)
+                settings["strategy"] = parse_scalar(val)
             if key.startswith("hydra") or key in SKIP_OVERRIDE_KEYS or key in RESERVED:
                 continue
             if key not in swept:
