@@ -19,7 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+import numpy as np
+import torch
+
 from dlm_engine.core.capabilities import Cap, caps
+from dlm_engine.core.devices import host_tensor
 from dlm_engine.core.kvcache import StoredKVCache
 from dlm_engine.core.registry import register_cache
 
@@ -59,6 +63,39 @@ class SpanCache(StoredKVCache):
             a, b = max(a - call.logits_shift, 0), b - call.logits_shift
         return a, b, L
 
+    def row_spans(self, lo: np.ndarray, hi: np.ndarray, L: int):
+        """:meth:`cached_span` of every row at once, from the rows' own blocks ``[lo, hi)`` (host arrays)."""
+        raise NotImplementedError
+
+    def row_columns(self, call, d, fresh):
+        """Each row recomputes what it would alone: everything when its own block starts (or its refresh interval
+        is due), else its own span; the call computes the union, and a row writes fresh keys/values only in its
+        own span (:class:`~dlm_engine.core.kvcache.StoredKVCache`). Host arrays, every row at once."""
+        L, shift = call.input_ids.shape[1], call.logits_shift
+        lo, hi = (np.asarray(x, dtype=np.int64) for x in np.asarray(d.row_blocks).T)
+        refresh = np.asarray(d.row_block_start, dtype=bool) | fresh
+        n = int(getattr(self.cfg, "refresh_interval", 0) or 0)
+        if n > 0:
+            refresh = refresh | (np.asarray(d.row_step_in_block) % n == 0)
+        a, b = self.row_spans(lo, hi, L)
+        if shift and self.extend_for_shift:     # (as forward widens a lone row's span to its window's first logit)
+            a = np.where((lo - shift >= 0) & (lo - shift < a), lo - shift, a)
+        elif shift:
+            a, b = np.maximum(a - shift, 0), b - shift
+        own = (lo < hi) | refresh
+        a, b = np.where(refresh, 0, a), np.where(refresh, L, b)
+        if not own.any():
+            return None
+        cols = np.arange(L)
+        mask = own[:, None] & (cols >= a[:, None]) & (cols < b[:, None])
+        req = call.request
+        if req.full_batch is not None and int(req.full_batch) == 2 * len(lo):   # CFG: the unconditional copies
+            mask = np.concatenate([mask, mask])
+        t = host_tensor(mask, torch.bool, call.input_ids.device)
+        if req.rows is not None:
+            t = t.index_select(0, req.rows.to(t.device))
+        return int(a[own].min()), int(b[own].max()), L, bool(refresh.all()), t
+
 
 @register_cache("prefix", PrefixCacheConfig)
 class PrefixCache(SpanCache):
@@ -66,6 +103,9 @@ class PrefixCache(SpanCache):
 
     def cached_span(self, call, d):
         return d.block[0], call.input_ids.shape[1]
+
+    def row_spans(self, lo, hi, L):
+        return lo, np.full_like(hi, L)
 
     def after_call(self, call, d, refresh):
         if not refresh and self.cfg.wasted_draw:

@@ -63,6 +63,10 @@ class BufferState:
     window: Optional[Tuple[int, int]] = None
     step_in_window: int = 0
     stored: int = 0                        # blocks [0, stored) were handed to the cache as complete
+    # per row, host arrays: the generated positions [lo, hi) of its own buffer at the last step and the steps it
+    # has been decoding them (the span caches recompute for each row what it would alone: CacheDirective.row_blocks)
+    row_span: Optional[np.ndarray] = None
+    row_step: Optional[np.ndarray] = None
 
 
 def host_progress(masked, size):
@@ -149,14 +153,23 @@ class BlockBuffer(Strategy):
         step_in_window = 0 if window != st.window else st.step_in_window + 1
         done_all = int(st.host_first.min())
         store = [self.span(b, g) for b in range(st.stored, done_all)]
-        st = evolve(st, window=window, step_in_window=step_in_window, stored=max(st.stored, done_all))
+        # each row's own buffer (what its window would be alone) and the steps it has decoded it
+        first, count = st.host_first, st.host_count
+        row_span = np.stack([first * self.block_len, np.minimum((first + count) * self.block_len, self.gen_length)], 1)
+        row_span[count == 0] = 0
+        same = (np.zeros(len(first), dtype=bool) if st.row_span is None
+                else (row_span == st.row_span).all(1))
+        row_step = np.where(same, 0 if st.row_step is None else st.row_step + 1, 0)
+        st = evolve(st, window=window, step_in_window=step_in_window, stored=max(st.stored, done_all),
+                    row_span=row_span, row_step=row_step)
         c = self.cfg
         b0, b1 = lo // self.block_len, -(-hi // self.block_len)
         return StepPlan(
             window=window, temperature=c.temperature, masked=st.host_masked[:, b0:b1].sum(1).tolist(),
             confidence="random" if c.remasking == Remasking.random else "prob", softmax_dtype="float64",
             cache=CacheDirective(block=window, block_start=step_in_window == 0, step_in_block=step_in_window,
-                                 store=store),
+                                 store=store, row_blocks=row_span + g, row_block_start=row_step == 0,
+                                 row_step_in_block=row_step),
             suppress=eos_suppress(c, canvas),
         ), st
 

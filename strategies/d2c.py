@@ -53,6 +53,8 @@ class Alg(str, Enum):
 @dataclass
 class D2CConfig:
     name: str = "d2c"
+    preset: Optional[str] = None                # the preset that chose these settings (pc_sampler, eb_sampler,
+                                                # certainty_prior): how tables, plots and messages name the run
     block_length: Optional[int] = None          # null = gen_length (one block)
     num_transfer_tokens: int = 1                # tokens committed per step (at least, with a rule)
     threshold: Optional[float] = None           # commit every masked position scoring >= threshold

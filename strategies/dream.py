@@ -100,6 +100,23 @@ class DreamState:
 @register_strategy("dream", DreamConfig)
 class Dream(DreamBlockLoop, Strategy):
     # -- configuration ---------------------------------------------------------------------------------
+    def cache_hint(self, cache) -> Optional[str]:
+        """Dream's own loop pairs with no block cache; its block loop (``strategy.block_length``) may."""
+        if self.cfg.block_length is not None:
+            return None
+        import dataclasses
+
+        from dlm_engine.core.capabilities import incompatibility
+
+        try:
+            blocks = type(self)(dataclasses.replace(self.cfg, block_length=self.gen_length), self.gen_length)
+        except Exception:   # (a setting the block loop refuses: no hint)
+            return None
+        if incompatibility(blocks, cache) is not None:
+            return None
+        return (f"strategy.block_length=N (Fast-dLLM's block loop for Dream; N divides gen_length={self.gen_length}) "
+                f"enables cache={cache.name}")
+
     def validate(self) -> None:
         c = self.cfg
         self.steps = self.gen_length if c.steps is None else int(c.steps)

@@ -80,7 +80,7 @@ def test_bad_values_raise_the_one_line_the_command_prints(session):
     with pytest.raises(ConfigError, match=r"^strategy=treshold: no such strategy .*did you mean strategy=threshold\?$"):
         session.generate(["x"], strategy="treshold")
     with pytest.raises(ConfigError, match=r"^strategy.treshold: unknown key; did you mean strategy.threshold\?$"):
-        session.generate(["x"], **{"strategy.treshold": 0.5})
+        session.generate(["x"], strategy="threshold", **{"strategy.treshold": 0.5})
     with pytest.raises(ConfigError, match="gen_length=10 is not divisible by strategy.block_length=4"):
         session.generate(["x"], gen_length=10, **{"strategy.block_length": 4})
     with pytest.raises(UserError, match="model options are fixed"):
@@ -94,7 +94,8 @@ def test_bad_values_raise_the_one_line_the_command_prints(session):
 def test_trace_recorded_to_a_path(session, tmp_path):
     from dlm_engine.trace import open_trace
 
-    out = session.generate(["12+34=", "name a color:"], trace=tmp_path / "run.dlmt", batch_size=1)
+    out = session.generate(["12+34=", "name a color:"], strategy="threshold", cache="dual", trace=tmp_path / "run.dlmt",
+                           batch_size=1)
     assert out.trace == str(tmp_path / "run.dlmt")
     tr = open_trace(out.trace, recover=False)
     assert [s.text for s in tr] == out.texts and [s.nfe for s in tr] == [r.nfe for r in out]

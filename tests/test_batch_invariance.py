@@ -34,8 +34,6 @@ SETTINGS = {
 
 # (strategy, cache) pairs whose reference semantics make rows interact; the reason is documented in docs/strategies.md (Batch invariance)
 INTERACTING = {
-    ("block_buffer", "prefix"): "the buffer window is the union of the rows' buffers: cached steps recompute it for all",
-    ("block_buffer", "dual"): "the buffer window is the union of the rows' buffers: cached steps recompute it for all",
     ("block_buffer", "block_store"): "a block is stored once it is complete in every row of the batch",
 }
 # d2Cache tops every row up to the same number of queried positions and takes the block bonus and the top-up

@@ -238,3 +238,23 @@ def test_generate_until_decodes_with_the_thread_count_of_model_args(thread_count
     before = torch.get_num_threads()
     lm.generate_until([Req(DOCS[0]["prompt"])])
     assert thread_counts == [1, before] and lm.cfg.threads == 1
+
+
+def test_sampling_kwargs_that_ask_for_what_the_strategy_does_are_not_warned_about(caplog):
+    """Issue 47 item 17: a task's `do_sample: false` (or temperature 0) with a greedy strategy is applied, in
+    effect: no warning; `do_sample: true` with that strategy still is one."""
+    import logging
+
+    import dlm_engine.integrations.lm_eval as adapter
+
+    class Req:
+        def __init__(self, ctx, kw):
+            self.args = (ctx, kw)
+
+    lm = adapter.DLMEngineLM(**dict(kv.split("=") for kv in ARGS.split(",")))
+    assert not lm.cfg.strategy.get("temperature")
+    with caplog.at_level(logging.WARNING, logger="dlm_engine.integrations.lm_eval"):
+        lm.generate_until([Req("347+085=", {"until": ["\n"], "do_sample": False, "temperature": 0.0})])
+    assert not [r for r in caplog.records if "not applied" in r.getMessage()]
+    assert adapter.sampling_agrees("do_sample", True, 0.7) and not adapter.sampling_agrees("do_sample", True, 0.0)
+    assert adapter.sampling_agrees("temperature", 0.7, 0.7) and not adapter.sampling_agrees("top_p", 0.9, 0.0)

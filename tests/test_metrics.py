@@ -101,6 +101,9 @@ def _figures(stats):
     # semi-autoregressive blocks: a row whose block is full sits the batch's steps out until the block moves on
     ("threshold", "dual", {"block_length": 4}),
     ("factor", "prefix", {"block_length": 8}),
+    # rows at different blocks at once: the span caches recompute for each row only its own buffer (issue 47)
+    ("block_buffer", "dual", {"block_length": 4, "buffer_size": 1}),
+    ("block_buffer", "prefix", {"block_length": 4, "buffer_size": 2}),
 ])
 def test_per_sequence_and_aggregate_figures_do_not_depend_on_the_batch_size(lm, prompts, name, cache, kw):
     runs = {bs: _decode(lm, prompts, name, cache, bs, **kw) for bs in (1, 8, 50)}

@@ -331,31 +331,32 @@ def test_long_tables_are_cut_on_screen_only(fake_sweep, monkeypatch, capsys):
 
 def test_accuracy_plot_shows_every_strategy_even_at_the_same_point():
     """Three strategies with identical accuracy and NFE (block_buffer buffer_size=1 is threshold): each keeps
-    its own marker and legend entry, and no marker lands on another."""
+    its own marker and legend entry, every point is drawn exactly at its value, one number beside the spot names
+    all three and the key beside the plot lists each."""
     pytest.importorskip("matplotlib", reason="plots need the 'viz' extra (matplotlib)")
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from dlm_engine.sweeps.plots import accuracy_figure, spread
+    from dlm_engine.sweeps.plots import accuracy_figure, clusters
 
     rows = [{"status": "ok", "strategy": s, "accuracy": a, "nfe_per_prompt": n, "pareto": p}
             for s, a, n, p in [("threshold", 0.98, 2.56, True), ("block_buffer", 0.98, 2.56, True),
                                ("factor", 0.98, 2.56, True), ("low_confidence", 1.0, 16.0, True)]]
     groups = {r["strategy"]: [r] for r in rows}
     fig = accuracy_figure(plt, rows, "strategy", groups, [])
-    ax = fig.axes[0]
-    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    ax, side = fig.axes
+    labels = [t.get_text() for t in side.get_legend().get_texts()]
     assert labels == ["strategy=block_buffer", "strategy=factor", "strategy=low_confidence", "strategy=threshold",
                       "Pareto front"]
-    fig.canvas.draw()
-    shown = [tuple(c.get_offset_transform().transform(c.get_offsets())[0]) for c in ax.collections
-             if len(c.get_offsets()) and c.get_sizes()[0] > 0]
-    assert len(shown) == 4 and len({(round(x), round(y)) for x, y in shown}) == 4
-    markers = {c.get_paths()[0].vertices.tobytes() for c in ax.collections if c.get_sizes()[0] > 0}
+    points = sorted(tuple(map(float, xy)) for c in ax.collections for xy in c.get_offsets())
+    assert points == sorted((r["nfe_per_prompt"], r["accuracy"]) for r in rows)
+    markers = {c.get_paths()[0].vertices.tobytes() for c in ax.collections}
     assert len(markers) == 4
+    assert sorted(t.get_text() for t in ax.texts) == ["1,2,3", "4"]
+    assert [t.get_text() for t in side.texts] == ["\n".join([
+        " 1  strategy=block_buffer: 0.98 at NFE 2.56", " 2  strategy=factor: 0.98 at NFE 2.56",
+        " 3  strategy=threshold: 0.98 at NFE 2.56", " 4  strategy=low_confidence: 1 at NFE 16"])]
     plt.close(fig)
-    # the layout is deterministic: the same input gives the same offsets; a lone point is not moved
-    assert spread([(10, 10), (11, 10), (200, 50)]) == spread([(10, 10), (11, 10), (200, 50)])
-    assert spread([(10, 10), (11, 10), (200, 50)])[2] == (0.0, 0.0)
+    assert clusters([(10, 10), (11, 10), (200, 50)]) == [[0, 1], [2]]

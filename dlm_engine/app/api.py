@@ -243,6 +243,10 @@ def _run_prompts(lm, prompt_ids, make_strategy, make_cache, gen_length, batch_si
     if prompts is None and any(isinstance(p, str) for p in prompt_ids_given):
         prompts = [p if isinstance(p, str) else None for p in prompt_ids_given]
     strategy0 = make_strategy()
+    built = getattr(strategy0, "gen_length", None)
+    if built is not None and int(built) != int(gen_length):
+        raise UserError(f"gen_length={gen_length} but the strategy was built for gen_length={built} "
+                        f"({type(strategy0).__name__}(config, {built})): build it with the same length")
     bs = max(1, int(batch_size))
     if strategy0.max_batch is not None:
         bs = min(bs, strategy0.max_batch)
@@ -277,7 +281,7 @@ def as_token_ids(lm: LoadedModel, prompts: Sequence[Any], gen_length: int) -> Li
 
     from dlm_engine.app.inputs import prepare
 
-    _, ids, warning = prepare(lm, prompts, gen_length)
+    _, ids, warning = prepare(lm, prompts, gen_length, empty_ids=False)   # (dlm and Session pass ids prepare made)
     if warning:
         warnings.warn(warning, UserWarning, stacklevel=3)
     return ids

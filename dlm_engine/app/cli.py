@@ -95,12 +95,24 @@ def main() -> None:
     from dlm_engine.errors import UserError
 
     keep_freed_memory()      # a step's large temporaries stay with the process (dlm_engine.core.memory)
+    if "--version" in sys.argv[1:]:   # (Hydra's own flag prints Hydra's version)
+        print(version_line())
+        sys.exit(0)
     try:
         load_plugins()
     except UserError as exc:
         _fail(str(exc), None)
     register_configs()
     _run_hydra()
+
+
+def version_line() -> str:
+    """``dlm --version``: this package's version, with the Hydra it runs on."""
+    import hydra as _hydra
+
+    from dlm_engine import __version__
+
+    return f"dlm_engine {__version__} (hydra {_hydra.__version__})"
 
 
 def _run_hydra() -> None:

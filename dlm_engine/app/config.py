@@ -56,7 +56,7 @@ class RunConfig:
     cache: Any = MISSING
     trace: TraceConfig = field(default_factory=TraceConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
-    prompts: Optional[List[str]] = None
+    prompts: Optional[List[Any]] = None      # strings, token-id lists ([[5, 6, 7]]) or {prompt: ...} objects
     prompts_file: Optional[str] = None
     gen_length: int = 16
     seed: int = 0
@@ -142,6 +142,42 @@ def register_configs() -> None:
 
 
 INT64_MAX = (1 << 63) - 1
+
+
+def check_known_keys(cfg) -> None:
+    """Every key of the composed config is a field of its schema. Hydra's schemas reject a misspelt key, but one
+    added with ``+`` (``+strategy.treshold=0.7``, or the Python API's overrides) is taken as it is: it would be
+    recorded in summary.json while decoding at the default. Raises ConfigError naming the key (with a "did you
+    mean")."""
+    import dataclasses
+
+    from dlm_engine.app.compose import _suggest
+    from dlm_engine.core.registry import cache_class, strategy_class
+    from dlm_engine.errors import ConfigError
+
+    def fields(schema) -> list:
+        return [f.name for f in dataclasses.fields(schema)]
+
+    def check(node, keys, where: str, also=()) -> None:
+        for key in node.keys():
+            if key not in keys and key not in also:
+                hint = _suggest(str(key), keys)
+                full = f"{where}.{key}" if where else str(key)
+                raise ConfigError(f"{full}: unknown key" + (f"; did you mean {where + '.' if where else ''}{hint}?"
+                                                            if hint else f" (keys of {where or 'the run config'}: "
+                                                            f"{', '.join(keys)})"))
+
+    check(cfg, fields(RunConfig), "", also=("hydra",))   # (a sweep's checks compose the jobs with Hydra's node)
+    groups = {"model": ModelConfig, "trace": TraceConfig, "task": TaskConfig}
+    try:
+        groups["strategy"] = strategy_class(str(cfg.strategy.name)).Config
+        groups["cache"] = cache_class(str(cfg.cache.name)).Config
+    except Exception:   # an unknown name is reported where the strategy/cache is built
+        pass
+    for group, schema in groups.items():
+        node = cfg.get(group)
+        if node is not None and hasattr(node, "keys") and dataclasses.is_dataclass(schema):
+            check(node, fields(schema), group)
 
 
 def check_values(cfg) -> None:

@@ -148,11 +148,13 @@ def describe_chars(chars: Set[str]) -> str:
     return ", ".join(repr(c) for c in shown) + (f" and {len(chars) - 10} more" if len(chars) > 10 else "")
 
 
-def prepare(lm, prompts: Sequence[Any], gen_length: int, cfg=None) -> Tuple[List[Prompt], List[List[int]], Optional[str]]:
+def prepare(lm, prompts: Sequence[Any], gen_length: int, cfg=None,
+            empty_ids: bool = True) -> Tuple[List[Prompt], List[List[int]], Optional[str]]:
     """Everything between the prompts a user gave and decoding: each as a :class:`Prompt` (errors name its
     index), the strategy config's token ids (``cfg``) and every prompt's ids checked against the model's
-    vocabulary, prompt + ``gen_length`` against its context. Returns (prompts, token ids, the one warning
-    about characters the tokenizer cannot represent, or None)."""
+    vocabulary, prompt + ``gen_length`` against its context. Returns (prompts, token ids, the warning
+    about characters the tokenizer cannot represent and empty prompts, or None). ``empty_ids=False``: an empty
+    token-id list is not warned about (ids that :func:`prepare` made already, warned about then)."""
     items = []
     for i, p in enumerate(prompts):
         try:
@@ -163,11 +165,16 @@ def prepare(lm, prompts: Sequence[Any], gen_length: int, cfg=None) -> Tuple[List
         check_token_ids(cfg, lm)
     ids, lost = encode(lm, items)
     check_lengths(lm, ids, int(gen_length))
-    warning = None
+    warnings = []
     if lost:
-        warning = (f"the prompts contain characters model '{lm.name}' cannot represent ({describe_chars(lost)}); "
-                   "its tokenizer encodes them as its unknown token")
-    return items, ids, warning
+        warnings.append(f"the prompts contain characters model '{lm.name}' cannot represent ({describe_chars(lost)}); "
+                        "its tokenizer encodes them as its unknown token")
+    empty = [i for i, p in enumerate(items) if (p.text is not None and not p.text.strip()) or (empty_ids and p.ids == [])]
+    if empty:
+        which = ", ".join(map(str, empty[:10])) + (f" and {len(empty) - 10} more" if len(empty) > 10 else "")
+        warnings.append(f"prompt{'s' if len(empty) > 1 else ''} {which} {'are' if len(empty) > 1 else 'is'} empty: "
+                        "decoded without a prompt (unconditional generation)")
+    return items, ids, "; ".join(warnings) or None
 
 
 def _declared(model_config: Dict[str, Any]) -> Optional[Tuple[str, int]]:

@@ -32,8 +32,9 @@ def build_cache(cfg: DictConfig):
 
 def validate(cfg: DictConfig):
     """Every check that needs no model; raises ConfigError naming the key."""
-    from dlm_engine.app.config import check_values
+    from dlm_engine.app.config import check_known_keys, check_values
 
+    check_known_keys(cfg)  # keys added with `+` that no schema has (a typo would be recorded, not applied)
     check_values(cfg)  # NaN/inf floats, integers beyond 64 bits, seed range
     if cfg.gen_length <= 0:
         raise ConfigError(f"gen_length={cfg.gen_length} must be a positive integer")
@@ -65,10 +66,24 @@ def validate(cfg: DictConfig):
     from dlm_engine.models.loader import resolve_device, resolve_dtype
 
     resolve_dtype(cfg.dtype, resolve_device(cfg.device))
-    from dlm_engine.trace.runtime import check_config
+    from dlm_engine.trace.runtime import check_batch_size, check_config
 
     check_config(cfg.trace)
+    check_batch_size(cfg, known_prompt_count(cfg))   # before the model loads, not in the trace header's terms
     return make_strategy, make_cache
+
+
+def known_prompt_count(cfg: DictConfig):
+    """How many prompts ``dlm`` will decode, as far as the config tells without the model (None: not known)."""
+    if cfg.prompts is not None:
+        return len(cfg.prompts)
+    if cfg.prompts_file:
+        from dlm_engine.app.inputs import read_prompts_file
+
+        return len(read_prompts_file(cfg.prompts_file))
+    if cfg.task.name == "prompts":
+        return len(DEMO_PROMPTS)
+    return int(cfg.task.n) if cfg.task.n is not None else None
 
 
 def check_text_file(path: str, key: str) -> None:
@@ -114,7 +129,7 @@ def load_inputs(cfg: DictConfig, lm) -> Dict[str, Any]:
 
     examples = None
     if cfg.prompts is not None:
-        prompts = [inp.Prompt(text=str(p)) for p in cfg.prompts]
+        prompts = [_config_prompt(p, i) for i, p in enumerate(cfg.prompts)]
     elif cfg.prompts_file:
         prompts = inp.read_prompts_file(cfg.prompts_file)
     elif cfg.task.name == "prompts":
@@ -134,6 +149,20 @@ def load_inputs(cfg: DictConfig, lm) -> Dict[str, Any]:
     return {"prompts": [p.shown for p in prompts], "ids": ids, "examples": examples, "extra": extra}
 
 
+def _config_prompt(p, i: int):
+    """A ``prompts`` entry: a list is token ids (as in the Python API), an object a ``{prompt}``/``{messages}``
+    prompt; any other value is text (``prompts=[1234]`` is the prompt "1234")."""
+    from dlm_engine.app import inputs as inp
+    from dlm_engine.errors import UserError
+
+    if OmegaConf.is_config(p):
+        try:
+            return inp.as_prompt(OmegaConf.to_container(p, resolve=True))
+        except UserError as exc:
+            raise ConfigError(f"prompts[{i}]: {exc}") from None
+    return inp.Prompt(text=str(p))
+
+
 def run(cfg: DictConfig, out_dir: Path) -> Dict[str, Any]:
     import torch
 
@@ -145,7 +174,8 @@ def run(cfg: DictConfig, out_dir: Path) -> Dict[str, Any]:
     lm = load_model(cfg.model, cfg.device, cfg.dtype)
     inputs = load_inputs(cfg, lm)
     prompts, ids, examples = inputs["prompts"], inputs["ids"], inputs["examples"]
-    progress = ProgressSink(len(ids), enabled=None if cfg.progress else False, log_interval=cfg.progress_interval)
+    progress = ProgressSink(len(ids), enabled=None if cfg.progress else False, log_interval=cfg.progress_interval,
+                            start=start_line(cfg, len(ids), make_strategy()))
 
     torch.manual_seed(cfg.seed)
     from dlm_engine.trace.runtime import open_run_recorder
@@ -185,6 +215,14 @@ def run(cfg: DictConfig, out_dir: Path) -> Dict[str, Any]:
     write_outputs(out_dir, rows, summary)
     report(cfg, rows, summary, stats.totals)
     return summary
+
+
+def start_line(cfg: DictConfig, n: int, strategy) -> str:
+    """What a run decodes, said when it starts: prompts, the batch they run in, strategy (the preset picked) and
+    cache."""
+    batch = max(1, min(int(cfg.batch_size), n, strategy.max_batch or n))
+    return (f"decoding {n} prompt{'s' if n != 1 else ''}, batch {batch}, strategy {strategy.label}, "
+            f"cache {cfg.cache.name}, gen_length {cfg.gen_length}, model {cfg.model.name}")
 
 
 def write_outputs(out_dir: Path, rows: List[dict], summary: Dict[str, Any]) -> None:

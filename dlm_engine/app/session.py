@@ -11,6 +11,10 @@ argument is spelled as the command-line override would be::
     s = dlm_engine.Session(model="tiny")          # loads the model once
     s.generate(["347+085="], strategy="low_confidence", gen_length=16, **{"strategy.steps": 8})
 
+Defaults are ``dlm``'s (``conf/config.yaml``: ``strategy``, ``cache``, ``gen_length``, ``batch_size``, ...): an
+argument left out is what the command line runs without it; ``strategy=None``/``cache=None`` keep the config's
+choice (a strategy preset may pick its cache, as on the command line).
+
 Keyword arguments are top-level keys (``gen_length=32``, ``batch_size=4``, ``seed=1``) or dotted keys
 (``**{"strategy.threshold": 0.7}``); ``strategy``/``cache`` take a preset name or a dict of the preset name and
 its options (``strategy={"name": "threshold", "threshold": 0.7}``); ``overrides=[...]`` takes raw override
@@ -26,6 +30,8 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 from dlm_engine.errors import UserError
 
 MODEL_KEYS = ("model", "device", "dtype")
+# arguments whose None means the default of the composed config (conf/config.yaml: dlm's own)
+DEFAULTED = ("strategy", "cache", "model", "device", "dtype")
 
 
 def _is_model_key(key: str) -> bool:
@@ -48,6 +54,8 @@ def _overrides(options: Dict[str, Any], extra: Iterable[str]) -> List[str]:
 
     out: List[str] = []
     for key, value in options.items():
+        if key in DEFAULTED and value is None:      # the config's default (conf/config.yaml), not restated here
+            continue
         if key in ("strategy", "cache", "model"):
             out += _group_overrides(key, value)
         else:
@@ -90,11 +98,12 @@ class Results:
 
 
 class Session:
-    """A model loaded once, decoded with any strategy and cache: ``Session(model="tiny")`` or
-    ``Session(model="local", **{"model.path": DIR}, device="cuda")``. Model keys (``model``, ``model.*``,
+    """A model loaded once, decoded with any strategy and cache: ``Session()`` (``dlm``'s default model, device
+    and dtype) or ``Session(model="local", **{"model.path": DIR}, device="cuda")``. Model keys (``model``, ``model.*``,
     ``device``, ``dtype``) are fixed here; everything else is chosen per :meth:`generate` call."""
 
-    def __init__(self, model: Union[str, Dict[str, Any]] = "tiny", device: str = "auto", dtype: str = "auto",
+    def __init__(self, model: Union[str, Dict[str, Any], None] = None, device: Optional[str] = None,
+                 dtype: Optional[str] = None,
                  **model_options: Any):
         bad = sorted(k for k in model_options if not _is_model_key(k))
         if bad:
@@ -113,7 +122,7 @@ class Session:
     def _model_overrides(self) -> List[str]:
         return _overrides({"model": self.model, "device": self.device, "dtype": self.dtype, **self.options}, ())
 
-    def config(self, strategy: Any = "threshold", cache: Any = "dual", overrides: Iterable[str] = (), **options: Any):
+    def config(self, strategy: Any = None, cache: Any = None, overrides: Iterable[str] = (), **options: Any):
         """The validated run config of a :meth:`generate` call (nothing is loaded)."""
         from dlm_engine.app.compose import compose
         from dlm_engine.app.run import validate
@@ -138,7 +147,7 @@ class Session:
             self._lm = load_model(cfg.model, cfg.device, cfg.dtype)
         return self._lm
 
-    def generate(self, prompts: Sequence[Any], strategy: Any = "threshold", cache: Any = "dual", *,
+    def generate(self, prompts: Sequence[Any], strategy: Any = None, cache: Any = None, *,
                  trace: Optional[Union[str, os.PathLike]] = None, overrides: Iterable[str] = (),
                  **options: Any) -> Results:
         """Decode ``prompts`` (strings, token-id lists, ``{"prompt": ...}`` or ``{"messages": [...]}``) and
@@ -151,8 +160,7 @@ class Session:
         from dlm_engine.app.api import run_prompts
         from dlm_engine.app.run import build_cache, build_strategy
 
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         if not len(prompts):
             raise UserError("prompts: no prompts to decode")
         if trace is not None:
@@ -187,12 +195,26 @@ class Session:
                        trace=str(recorder.written_path) if recorder else None)
 
 
+def _prompt_list(prompts: Any) -> List[Any]:
+    """``prompts`` as a list: one prompt (a string or an object) or a collection of them; anything else (None, a
+    number, bytes) is the UserError other bad prompts get."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if hasattr(prompts, "tolist") and not isinstance(prompts, (list, tuple)):   # a tensor / array of token ids
+        prompts = prompts.tolist()
+    if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):
+        raise UserError("prompts: expected a prompt or a list of prompts (strings, token-id lists, {\"prompt\": ...} "
+                        f"or {{\"messages\": [...]}}), got {type(prompts).__name__}")
+    return list(prompts)
+
+
 _default: Optional[Session] = None
 
 
-def generate(prompts: Sequence[Any], strategy: Any = "threshold", cache: Any = "dual", model: Any = "tiny", *,
+def generate(prompts: Sequence[Any], strategy: Any = None, cache: Any = None, model: Any = None, *,
              trace: Optional[Union[str, os.PathLike]] = None, overrides: Iterable[str] = (), **options: Any) -> Results:
-    """Decode ``prompts`` with a strategy and cache on a model (preset names as on the ``dlm`` command line).
+    """Decode ``prompts`` with a strategy and cache on a model (preset names as on the ``dlm`` command line;
+    None, the default: the one ``dlm`` runs, from ``conf/config.yaml``).
 
     The model stays loaded for the next call with the same model options (``model``, ``model.*``, ``device``,
     ``dtype``); :class:`Session` gives explicit control. See :meth:`Session.generate`.

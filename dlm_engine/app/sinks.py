@@ -13,7 +13,8 @@ from dlm_engine.core.loop import Sink
 class ProgressSink(Sink):
     """tqdm bar over prompts on a terminal; elsewhere (pipes, files, batch jobs, launcher workers) a log line
     at most every ``log_interval`` seconds -- checked at every step, so a long batch is not silent -- and one
-    when the last prompt is done: ``decoded 40/200 prompts (12.1 s, 3.3 prompts/s, ETA 48 s)``.
+    when the last prompt is done: ``decoded 40/200 prompts (12.1 s, 3.3 prompts/s, ETA 48 s)``; ``start``, a line
+    logged at once (``decoding 200 prompts, batch 8, strategy threshold, cache dual``).
 
     ``enabled=None`` (auto): a bar only on a terminal and never in a parallel/remote Hydra launcher worker;
     ``enabled=False`` (``progress=false``): silent. Lines go through ``logging`` (``dlm_engine.progress``);
@@ -21,7 +22,7 @@ class ProgressSink(Sink):
     """
 
     def __init__(self, total: int, enabled: Optional[bool] = None, desc: str = "decode",
-                 log_lines: Optional[bool] = None, log_interval: float = 30.0):
+                 log_lines: Optional[bool] = None, log_interval: float = 30.0, start: Optional[str] = None):
         from tqdm.auto import tqdm
 
         auto = enabled is None
@@ -34,6 +35,8 @@ class ProgressSink(Sink):
         self.log_lines, self.log_interval, self.total, self.done = log_lines, float(log_interval), total, 0
         self.t0 = self.last_log = time.perf_counter()
         self.bar = tqdm(total=total, desc=desc, unit="prompt", disable=not enabled, leave=False, file=sys.stderr)
+        if log_lines and start:      # without a bar, say at once what runs (the first progress line may be minutes away)
+            logging.getLogger("dlm_engine.progress").info("%s", start)
 
     def on_delta(self, delta: FrameDelta, canvas: Canvas) -> None:
         if not self.bar.disable and delta.step % 8 == 0:

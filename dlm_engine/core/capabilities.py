@@ -48,7 +48,16 @@ def missing(needs: Iterable[Cap], offers: Iterable[Cap]) -> Caps:
 
 
 def incompatibility(strategy, cache) -> Optional[str]:
-    s_name, c_name = getattr(strategy, "name", type(strategy).__name__), getattr(cache, "name", type(cache).__name__)
+    """Why ``strategy`` and ``cache`` do not pair (None: they do), with the strategy's hint of a setting that
+    would make them pair, if it has one."""
+    problem = _incompatibility(strategy, cache)
+    hint = strategy.cache_hint(cache) if problem is not None and hasattr(strategy, "cache_hint") else None
+    return problem if not hint else f"{problem}; {hint}"
+
+
+def _incompatibility(strategy, cache) -> Optional[str]:
+    s_name = getattr(strategy, "label", None) or getattr(strategy, "name", type(strategy).__name__)
+    c_name = getattr(cache, "name", type(cache).__name__)
     lack = missing(strategy.needs, cache.offers)
     if lack:
         what = "; ".join(f"'{c.value}' ({c.doc})" for c in sorted(lack, key=lambda c: c.value))

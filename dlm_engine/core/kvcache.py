@@ -126,6 +126,7 @@ class StoredKVCache(Cache):
         self.store = RowStore()
         self.since_refresh = 0       # cached calls since the last refresh
         self._span = None            # (a, b, key_end) of the call in flight; None = pass-through
+        self._rows_mask = None       # [rows, L] bool: columns each row writes fresh (per-row blocks); None = all
 
     def end(self, canvas) -> None:
         self.k, self.v, self._span = {}, {}, None
@@ -146,6 +147,13 @@ class StoredKVCache(Cache):
         refresh (``n = 1``: every call, i.e. exact but without savings)."""
         n = int(getattr(self.cfg, "refresh_interval", 0) or 0)
         return bool(directive.block_start) or (n > 0 and self.since_refresh + 1 >= n)
+
+    def row_columns(self, call: ForwardCall, directive, fresh: bool):
+        """For a directive with per-row blocks (``CacheDirective.row_blocks``): ``(a, b, key_end, refresh,
+        mask)``, the call's span, whether every row refreshes, and a ``[rows of the call, L]`` bool tensor of the
+        columns each row writes fresh (the others keep their stored keys/values in this call). None (the
+        default): the cache treats every row alike, by ``block``/``block_start``."""
+        return None
 
     def on_reset(self) -> None:
         """Called when the stored tensors are (re)started from nothing (first call, shape change)."""
@@ -170,8 +178,13 @@ class StoredKVCache(Cache):
         if fresh:
             self.since_refresh = 0
             self.on_reset()
-        refresh = fresh or self.wants_refresh(call, d)
-        a, b, key_end = self.compute_span(call, d, refresh)
+        per_row = self.row_columns(call, d, fresh) if d.row_blocks is not None else None
+        if per_row is None:
+            refresh = fresh or self.wants_refresh(call, d)
+            a, b, key_end = self.compute_span(call, d, refresh)
+            self._rows_mask = None
+        else:
+            a, b, key_end, refresh, self._rows_mask = per_row
         if self.extend_for_shift and call.logits_shift and 0 <= call.logits_range[0] - call.logits_shift < a:
             # a shifted-logits model (Dream) reads column j from hidden state j - 1: recompute from there
             a = int(call.logits_range[0]) - call.logits_shift
@@ -184,7 +197,7 @@ class StoredKVCache(Cache):
         yield call
         self.since_refresh = 0 if refresh else self.since_refresh + 1
         self.after_call(call, d, refresh)
-        self._span = None
+        self._span = self._rows_mask = None
 
     def keys_values(self, layer: int, io, k: torch.Tensor, v: torch.Tensor):
         if self._span is None or io.query_rows is not None:
@@ -200,6 +213,9 @@ class StoredKVCache(Cache):
         t = store.get(layer)
         if t is None or t.shape != (rs.n_held, H, rs.shape[1], D) or t.dtype != fresh.dtype or t.device != fresh.device:
             t = store[layer] = rs.alloc((0, H, rs.shape[1], D), fresh)
+        if self._rows_mask is not None:    # per-row blocks: a row keeps its stored keys/values outside its own span
+            old = t[:, :, a:b] if rs.index is None else t[rs.index, :, a:b]
+            fresh = torch.where(self._rows_mask[:, None, a:b, None], fresh, old)
         if rs.index is None:
             t[:, :, a:b] = fresh
             return t

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -37,6 +37,13 @@ class CacheDirective:
     ``store``: completed blocks whose keys/values may be stored for good (block buffer).
     ``stored``: filled by the cache during the forward with the ``store`` ranges it actually stored, so
     the strategy can report them as ``stored`` block events (stays empty with caches that store nothing).
+
+    A strategy whose rows decode different blocks at once (``block_buffer``: a buffer per row) also gives, per
+    canvas row, its own block (``row_blocks``: ``[B, 2]`` host array of canvas columns ``[lo, hi)``, ``lo == hi``
+    for none), whether this step starts it (``row_block_start``, ``[B]`` bool) and the step within it
+    (``row_step_in_block``, ``[B]`` int); ``block`` is then the union the call computes. The span caches
+    (``prefix``, ``dual``) recompute and store for each row only what it would alone, so a row's trajectory does
+    not depend on its neighbours; other caches use ``block``/``block_start`` for every row.
     """
 
     block: Tuple[int, int]
@@ -45,6 +52,9 @@ class CacheDirective:
     store: List[Tuple[int, int]] = field(default_factory=list)
     stored: List[Tuple[int, int]] = field(default_factory=list)
     block_size: Optional[int] = None      # block-causal models without a fixed block size (LLaDA2) attend with this
+    row_blocks: Optional[Any] = None
+    row_block_start: Optional[Any] = None
+    row_step_in_block: Optional[Any] = None
 
 
 @dataclass

@@ -96,6 +96,16 @@ class Strategy:
         self.gen_length = int(gen_length)
         self.validate()
 
+    def cache_hint(self, cache) -> Optional[str]:
+        """A setting of this strategy that would make it pair with ``cache``, said after a refusal (None: none)."""
+        return None
+
+    @property
+    def label(self) -> str:
+        """How messages name the strategy: the preset the user picked (``strategy=pc_sampler`` runs ``d2c`` with
+        ``preset: pc_sampler``), else its registered name."""
+        return getattr(self.cfg, "preset", None) or self.name
+
     # -- the policy ------------------------------------------------------------------------------------
     def validate(self) -> None:
         """Cross-field checks; raise :class:`ConfigError` naming the keys."""

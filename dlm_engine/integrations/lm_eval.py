@@ -226,7 +226,9 @@ class DLMEngineLM(LM):
 
         contexts = [r.args[0] for r in requests]
         kwargs = [dict(r.args[1] or {}) for r in requests]
-        ignored = sorted({k for kw in kwargs for k in kw} - HONOURED_GEN_KWARGS)
+        temp = self.cfg.strategy.get("temperature")
+        ignored = sorted({k for kw in kwargs for k, v in kw.items()
+                          if k not in HONOURED_GEN_KWARGS and not sampling_agrees(k, v, temp)})
         if ignored and not self._warned_gen_kwargs:
             self._warned_gen_kwargs = True
             log.warning("dlm_engine: generation kwargs %s are not applied; sampling is the strategy's "
@@ -255,6 +257,17 @@ class DLMEngineLM(LM):
             out.append(text)
             self.cache_hook.add_partial("generate_until", (row.prompt, kw), text)
         return out
+
+
+def sampling_agrees(key: str, value: Any, temperature: Optional[float]) -> bool:
+    """A task's sampling kwarg that asks for what the strategy does anyway (``do_sample: false`` or
+    ``temperature: 0`` with a greedy strategy, ``temperature`` equal to the strategy's): nothing to warn about."""
+    greedy = not temperature
+    if key == "do_sample" and isinstance(value, bool):
+        return value != greedy
+    if key == "temperature" and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value) == float(temperature or 0.0)
+    return False
 
 
 def cut(text: str, until, max_gen_toks: Optional[int] = None, lm=None) -> str:

@@ -155,6 +155,9 @@ def check_config_json(raw: dict, where: str) -> None:
 
 def read_config(path: Path) -> dict:
     cfg_file = path / "config.json"
+    if path.exists() and not path.is_dir():
+        raise UserError(f"model.path: '{path}' is a file, not a directory (give the checkpoint directory that holds "
+                        "config.json and the weights)")
     if not path.is_dir():
         raise UserError(f"model.path: checkpoint directory '{path}' does not exist")
     if not cfg_file.is_file():

@@ -79,6 +79,8 @@ def config_digest(cfg) -> Optional[str]:
     for k, v in ADDED_KEYS.items():
         if k in c and c[k] == v:
             del c[k]
+    if isinstance(c.get("strategy"), dict):
+        c["strategy"].pop("preset", None)   # a label (added later): results of pc_sampler & co. still hold
     return "sha256:" + hashlib.sha256(json.dumps(c, sort_keys=True, default=str).encode()).hexdigest()
 
 

@@ -12,9 +12,11 @@ def _label(row: Dict[str, Any], keys: Sequence[str]) -> str:
 
 
 def _group_key(rows: Sequence[Dict[str, Any]], vary: Sequence[str]) -> Optional[str]:
-    """Legend grouping: strategy when several are compared, else the varying setting with fewest values."""
-    if "strategy" in vary:
-        return "strategy"
+    """Legend grouping: the strategy, cache or model when several are compared (in that order), else the varying
+    setting with fewest values."""
+    for key in ("strategy", "cache", "model"):
+        if key in vary:
+            return key
     best = None
     for k in vary:
         n = len({json.dumps(r.get(k), default=str) for r in rows})
@@ -38,70 +40,76 @@ def _numeric_params(rows: Sequence[Dict[str, Any]], vary: Sequence[str]) -> List
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h", "p")
 
 
-def spread(display_xy, radius_px: float = 7.0, offset_pt: float = 5.0) -> List[Tuple[float, float]]:
-    """Offsets (in points) that keep markers visible where they would cover each other: points closer than
-    ``radius_px`` on screen form a cluster, and a cluster of k points is laid out on a small circle around
-    its first point, in input order. Deterministic (no jitter); a lone point stays where it is."""
+def clusters(display_xy, radius_px: float = 9.0) -> List[List[int]]:
+    """Points closer than ``radius_px`` on screen, grouped (in input order; each cluster led by its first point):
+    one label per cluster names all of its points. Deterministic."""
     import math
 
-    clusters: List[List[int]] = []
+    out: List[List[int]] = []
     for i, (x, y) in enumerate(display_xy):
-        for c in clusters:
+        for c in out:
             cx, cy = display_xy[c[0]]
             if math.hypot(x - cx, y - cy) < radius_px:
                 c.append(i)
                 break
         else:
-            clusters.append([i])
-    out = [(0.0, 0.0)] * len(display_xy)
-    for c in clusters:
-        if len(c) > 1:
-            for k, i in enumerate(c):
-                a = math.pi / 2 + 2 * math.pi * k / len(c)
-                out[i] = (offset_pt * math.cos(a), offset_pt * math.sin(a))
+            out.append([i])
     return out
 
 
 def accuracy_figure(plt, ok: Sequence[Dict[str, Any]], group: Optional[str], groups: Dict[str, List[Dict[str, Any]]],
                     rest: Sequence[str]):
-    """Accuracy vs NFE per sequence: a marker and colour per group (strategy when several are compared),
-    every group in the legend, overlapping points moved apart (:func:`spread`), the Pareto front outlined."""
-    from matplotlib.transforms import ScaledTranslation
-
+    """Accuracy vs NFE per sequence: every point drawn at its own value (never moved), a marker and colour per
+    group (strategy when several are compared), the Pareto front outlined, and every point labelled with the
+    settings that vary (``group`` and ``rest``). Points that land on (or next to) each other share one label that
+    names each of them; one not exactly at the label's point has its values added."""
     pts = [r for r in ok if is_number(r.get("accuracy")) and is_number(r.get("nfe_per_prompt"))]
     if not pts:
         return None
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    fig, ax = plt.subplots(figsize=(7.6, 4.4), dpi=100)
+    fig, (ax, side) = plt.subplots(1, 2, figsize=(10.8, 4.8), dpi=100, gridspec_kw={"width_ratios": [3, 2]})
+    side.axis("off")
     ordered = sorted(groups.items(), key=lambda kv: sort_key(parse_scalar(kv[0])))
     style = {g: (colors[i % len(colors)], MARKERS[i % len(MARKERS)]) for i, (g, _) in enumerate(ordered)}
     drawn = [(g, r) for g, rs in ordered for r in rs if r in pts]
-    ax.scatter([r["nfe_per_prompt"] for _, r in drawn], [r["accuracy"] for _, r in drawn], s=0)  # sets the limits
-    ax.margins(0.08)
-    ax.autoscale_view()
-    shifts = spread(ax.transData.transform([(r["nfe_per_prompt"], r["accuracy"]) for _, r in drawn]))
-    labelled = set()
-    for (g, r), (dx, dy) in zip(drawn, shifts):
+    for i, (g, _) in enumerate(ordered):
+        mine = [r for gg, r in drawn if gg == g]
+        if not mine:
+            continue
         color, marker = style[g]
-        where = ax.transData + ScaledTranslation(dx / 72, dy / 72, fig.dpi_scale_trans)
-        ax.scatter([r["nfe_per_prompt"]], [r["accuracy"]], s=42, marker=marker, color=color, alpha=0.85,
-                   edgecolors="white", linewidths=0.6, transform=where, zorder=2,
-                   label=(f"{group.split('.')[-1]}={g}" if group else None) if g not in labelled else None)
-        labelled.add(g)
+        # hollow markers, larger for later groups: points at the same value stay visible, each exactly there
+        ax.scatter([r["nfe_per_prompt"] for r in mine], [r["accuracy"] for r in mine], s=36 + 22 * (i % 4),
+                   marker=marker, facecolors="none", edgecolors=color, linewidths=1.3, zorder=2,
+                   label=f"{group.split('.')[-1]}={g}" if group else None)
     front = sorted((r for r in pts if r.get("pareto")), key=lambda r: (r["nfe_per_prompt"], -r["accuracy"]))
     if front:
         ax.plot([r["nfe_per_prompt"] for r in front], [r["accuracy"] for r in front], drawstyle="steps-post",
                 color="black", lw=1.0, zorder=1, label="Pareto front")
-        if len(front) <= 12 and rest:
-            for r in front:
-                ax.annotate(_label(r, rest), (r["nfe_per_prompt"], r["accuracy"]), textcoords="offset points",
-                            xytext=(7, -12), fontsize=7)
+    ax.margins(0.1)
+    ax.autoscale_view()
+    handles, names = ax.get_legend_handles_labels()
+    if handles:
+        side.legend(handles, names, fontsize=8, loc="upper left", bbox_to_anchor=(0.0, 1.0), borderaxespad=0.0)
+    keys = ([group] if group else []) + list(rest)
+    if keys:
+        # every point gets a number beside it (points on one spot share one: "3,4"); the key lists each number with
+        # the settings that vary and the point's values, so no label covers another however close the points are
+        xy = [(r["nfe_per_prompt"], r["accuracy"]) for _, r in drawn]
+        key, n = [], 0
+        for c in clusters(ax.transData.transform(xy)):
+            nums = list(range(n + 1, n + len(c) + 1))
+            n += len(c)
+            ax.annotate(",".join(map(str, nums)), xy[c[0]], textcoords="offset points", xytext=(6, 3), fontsize=7,
+                        zorder=3)
+            key += [f"{k:>2}  {_label(drawn[i][1], keys)}: {format_value(xy[i][1])} at NFE {format_value(xy[i][0])}"
+                    for k, i in zip(nums, c)]
+        top = 1.0 - 0.075 * (len(handles) + 1) if handles else 1.0
+        side.text(0.0, top, "\n".join(key), va="top", ha="left", fontsize=6.5, family="monospace",
+                  transform=side.transAxes)
     ax.set_xlabel("NFE per sequence (mean forwards a sequence took part in)")
     ax.set_ylabel("accuracy (exact match)")
     ax.set_title("accuracy vs NFE")
     ax.grid(alpha=0.3)
-    if group or front:
-        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     return fig
 
 

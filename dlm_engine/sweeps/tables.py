@@ -72,8 +72,8 @@ def rows_from_jobs(jobs: Sequence[Dict[str, Any]]) -> Tuple[List[Dict[str, Any]]
         strat = job.get("strategy") if isinstance(job.get("strategy"), dict) else {}
         cache = job.get("cache") if isinstance(job.get("cache"), dict) else {}
         if strat:
-            settings["strategy"] = strat.get("name")
-            settings.update({f"strategy.{k}": v for k, v in strat.items() if k != "name"})
+            settings["strategy"] = strat.get("preset") or strat.get("name")   # the preset picked (pc_sampler: d2c's)
+            settings.update({f"strategy.{k}": v for k, v in strat.items() if k not in ("name", "preset")})
         if cache:
             settings["cache"] = cache.get("name")
             settings.update({f"cache.{k}": v for k, v in cache.items() if k != "name"})
@@ -82,6 +82,8 @@ def rows_from_jobs(jobs: Sequence[Dict[str, Any]]) -> Tuple[List[Dict[str, Any]]
         config = job.get("config") or {}
         for ov in job.get("overrides") or []:
             key, val = split_override(ov)
+            if key == "strategy" and strat and not strat.get("preset"):   # (results written before the label)
+                settings["strategy"] = parse_scalar(val)
             if key.startswith("hydra") or key in SKIP_OVERRIDE_KEYS or key in RESERVED:
                 continue
             if key not in swept:

@@ -106,7 +106,7 @@ def cmd_show(a) -> int:
     print()
     print(f"steps of row {s.row} (batch {s.batch.index}):")
     names = [k for k in st.scalars if k not in ("committed",)]
-    cps = np.bincount(s.step_of[s.step_of >= 1], minlength=int(st.step.max()) + 1 if len(st.step) else 1)
+    cps = s.commits_per_step()     # every write of the step, those re-masked later included (not the final step_of)
     print(f"{'step':>5} {'NFE':>4} {'wall ms':>8} {'window':>11} {'commit':>6} {'done':>4}  " + "  ".join(names) + "  events")
     for i in range(min(len(st.step), a.max_steps)):
         t = int(st.step[i])
@@ -148,11 +148,11 @@ def cmd_replay(a) -> int:
                         "nfe": s.nfe, "steps": s.n_steps, "generated_tokens": s.generated_tokens()})
         else:
             toks = s.state_at(a.step)
-            shown = [t for t in toks.tolist() if t != mask]
             import numpy as np
 
             again = s.remasked_at(a.step)
-            out.append({"row": s.row, "step": a.step, "tokens": toks.tolist(), "text": tr.decode_text(shown),
+            out.append({"row": s.row, "step": a.step, "tokens": toks.tolist(),
+                        "text": masked_text(tr, toks.tolist(), mask, again),
                         "masked": int((toks == mask).sum()), "remasked": np.flatnonzero(again).tolist()})
     if a.json:
         print(json.dumps(out))
@@ -169,6 +169,24 @@ def cmd_replay(a) -> int:
             note = f", {len(again)} of them re-masked (\u2591)" if again else ""
             print(f"[{o['row']}] step {a.step}: {cells}  ({o['masked']} masked{note})")
     return 0
+
+
+def masked_text(tr, tokens, mask, again) -> str:
+    """The decoded text of a canvas state with its masked positions shown where they are: \u2592 for a position
+    not decoded yet, \u2591 for one re-masked (``p\u2592nk``, not ``pnk``); each run of decoded tokens is decoded
+    on its own."""
+    out, run = [], []
+    for i, t in enumerate(tokens):
+        if t == mask:
+            if run:
+                out.append(tr.decode_text(run))
+                run = []
+            out.append("\u2591" if again[i] else "\u2592")
+        else:
+            run.append(t)
+    if run:
+        out.append(tr.decode_text(run))
+    return "".join(out)
 
 
 def _vis(s: str) -> str:
@@ -224,6 +242,8 @@ def cmd_diff(a) -> int:
           f"{d['rows_identical']}, equal final outputs {d['outputs_equal']}; NFE per sequence "
           f"{d['nfe_per_sequence'][0]:.2f} vs {d['nfe_per_sequence'][1]:.2f}, TPF {d['tpf'][0]:.2f} vs {d['tpf'][1]:.2f} "
           f"(model calls {d['model_calls'][0]} vs {d['model_calls'][1]})")
+    print("(each row is compared on its own steps, the steps it took part in: a row that sat batch steps out or "
+          "ran in another batch is not a divergence)")
     if d["first"] is None:
         same = not d["rows_only_a"] and not d["rows_only_b"]
         print("no divergence" + ("" if same else " in the common rows"))
@@ -234,7 +254,7 @@ def cmd_diff(a) -> int:
         if not e["identical"] and shown < a.max:
             shown += 1
             dv = e["divergence"]
-            print(f"  row {e['row']}: step {dv['step']} position {dv['position']}, "
+            print(f"  row {e['row']}: own step {dv['step']} position {dv['position']}, "
                   f"{e['positions_differing']} final positions differ, NFE {e['nfe'][0]} vs {e['nfe'][1]}")
     return 1
 

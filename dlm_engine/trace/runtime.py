@@ -34,6 +34,23 @@ def check_config(trace_cfg) -> None:
         raise ConfigError(f"trace.filename='{name}' must be a plain file name (it is written in the run directory)")
 
 
+def batch_rows(cfg, prompts: Optional[int]) -> int:
+    """The most rows one batch of the run holds: ``batch_size``, or fewer when there are fewer prompts."""
+    bs = int(cfg.batch_size)
+    return max(1, min(bs, int(prompts))) if prompts is not None else bs
+
+
+def check_batch_size(cfg, prompts: Optional[int]) -> None:
+    """A recorded run's batches fit what a trace holds (``MAX_BATCH`` rows a batch); ``prompts``: how many the run
+    decodes, None when not known yet. ConfigError in the run's own terms."""
+    from ..errors import ConfigError
+    from .reader import MAX_BATCH
+
+    if cfg.trace.record and batch_rows(cfg, prompts) > MAX_BATCH:
+        raise ConfigError(f"batch_size={int(cfg.batch_size)} is more than a trace records in one batch "
+                          f"({MAX_BATCH} rows): use batch_size<={MAX_BATCH}, or trace.record=false")
+
+
 @functools.lru_cache(maxsize=1)
 def git_commit() -> Dict[str, Any]:
     """Commit of the source tree dlm_engine runs from (editable installs), if git knows it."""
@@ -130,7 +147,9 @@ def build_header(cfg, lm, rows_expected: Optional[int] = None, prompt_length: Op
         "device": str(lm.device),
         "dtype": str(lm.dtype).replace("torch.", ""),
         "rows_expected": rows_expected,
-        "shape": {"vocab_size": vocab_size(lm), "batch_size": int(cfg.batch_size), "gen_length": int(cfg.gen_length),
+        # the largest batch the run decodes (batch_size is only an upper bound: 100000 with 20 prompts decodes 20)
+        "shape": {"vocab_size": vocab_size(lm), "batch_size": batch_rows(cfg, rows_expected),
+                  "gen_length": int(cfg.gen_length),
                   "prompt_length": None if prompt_length is None else max(int(prompt_length), 1)},
     }
 
@@ -149,6 +168,7 @@ def open_run_recorder(cfg, out_dir, lm, prompt_ids: Sequence) -> Optional[TraceR
     t = cfg.trace
     if not t.record:
         return None
+    check_batch_size(cfg, len(prompt_ids))
     header = build_header(cfg, lm, rows_expected=len(prompt_ids),
                           prompt_length=max((len(p) for p in prompt_ids), default=1))
     return TraceRecorder(str(Path(out_dir) / t.filename), header, capture=t.capture, topk=t.topk,

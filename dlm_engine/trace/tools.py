@@ -39,11 +39,41 @@ def _event_steps(s: Sequence) -> np.ndarray:
     return np.unique(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64)
 
 
+class OwnSteps:
+    """A sequence seen on its own steps: step ``t`` is the ``t``-th step the row took part in (a row that sat batch
+    steps out -- its block done while its neighbours' was not -- or ran in another batch counts only its own), so
+    two runs of a row compare by what it did, not by the batch around it."""
+
+    def __init__(self, s: Sequence):
+        self.seq, self.gen_length, self.gen_start = s, s.gen_length, s.gen_start
+        self.batch_steps = np.asarray(s.steps.step, dtype=np.int64)     # the batch steps the row took part in
+        self.tokens = s.tokens
+        self.step_of = self.own(s.step_of)
+        e = s.edits
+        self.edits = None if e is None else dict(e, start=self.own(e["start"]), end=self.own(e["end"]))
+
+    def own(self, t):
+        """Batch step(s) ``t`` as the row's own step numbers (0 and -1 kept)."""
+        t = np.asarray(t, dtype=np.int64)
+        return np.where(t >= 1, np.searchsorted(self.batch_steps, t, side="right"), t)
+
+    def batch_step(self, t: int) -> int:
+        """The batch step of the row's own step ``t``."""
+        if t <= 0 or not len(self.batch_steps):
+            return int(t)
+        return int(self.batch_steps[min(t, len(self.batch_steps)) - 1])
+
+    def state_at(self, t: int) -> np.ndarray:
+        return self.seq.state_at(self.batch_step(t))
+
+
 def first_divergence(a: Sequence, b: Sequence) -> Optional[Dict[str, Any]]:
     """The first step whose canvas differs between two sequences, the first such position and both tokens.
 
-    ``None`` when the trajectories are identical (same tokens committed at the same steps).
+    Steps are each row's own (:class:`OwnSteps`); ``batch_step_a``/``batch_step_b`` give the batch steps.
+    ``None`` when the trajectories are identical (same tokens committed at the same of their own steps).
     """
+    a, b = OwnSteps(a), OwnSteps(b)
     if a.gen_length != b.gen_length:
         return {"step": 0, "position": None, "column": None, "token_a": None, "token_b": None,
                 "reason": f"generation lengths differ ({a.gen_length} vs {b.gen_length})"}
@@ -69,7 +99,8 @@ def first_divergence(a: Sequence, b: Sequence) -> Optional[Dict[str, Any]]:
             return None
     return {"step": t, "position": p, "column": a.gen_start + p,
             "token_a": int(a.state_at(t)[p]), "token_b": int(b.state_at(t)[p]),
-            "step_of_a": int(a.step_of[p]), "step_of_b": int(b.step_of[p])}
+            "step_of_a": int(a.step_of[p]), "step_of_b": int(b.step_of[p]),
+            "batch_step_a": a.batch_step(t), "batch_step_b": b.batch_step(t)}
 
 
 def token_str(tr: Trace, tid: Optional[int], mask_id: Optional[int] = None) -> str:
@@ -132,7 +163,7 @@ def describe_divergence(tr: Trace, d: Dict[str, Any], other: Optional[Trace] = N
     mask = (tr.header.get("model") or {}).get("mask_id")
     ta = token_str(tr, d["token_a"], mask)
     tb = token_str(other, d["token_b"], mask)
-    return (f"row {d['row']} step {d['step']} position {d['position']} (column {d['column']}): "
+    return (f"row {d['row']} own step {d['step']} position {d['position']} (column {d['column']}): "
             f"{d['token_a']} {ta!r} vs {d['token_b']} {tb!r}")
 
 
