@@ -65,8 +65,8 @@ def test_thresholds_inside_the_kind_are_accepted(name, kw):
     ("cadllm", dict(threshold=0.0), "strategy.threshold=0.0 is outside (0, 1]"),
     ("dream", dict(threshold=2.0), "strategy.threshold=2.0 is impossible for probability confidences"),
     ("block_buffer", dict(block_length=8, accept_threshold=1.5), "strategy.accept_threshold=1.5 is impossible"),
-    ("early_exit", dict(mid_threshold=-1.0), "strategy.mid_threshold=-1.0 is outside (0, inf) for the answer "
-                                             "window's mean top-1 minus top-2 logit gap: every row would exit"),
+    ("early_exit", dict(mid_threshold=-1.0), "strategy.mid_threshold=-1.0 is outside [0, inf) for the answer "
+                                             "window's mean top-1 minus top-2 logit gap: it is below any gap"),
 ])
 def test_impossible_thresholds_say_why_in_one_line(name, kw, message):
     with pytest.raises(ConfigError) as exc:

@@ -40,12 +40,13 @@ class ConfidenceKind:
     high: float
     high_reached: bool = True
     passes_all: str = "every candidate would pass it"      # what a threshold at or below ``low`` means
+    low_admitted: bool = False      # a rule whose threshold at ``low`` is a meaningful setting (early exit at once)
 
     @property
     def interval(self) -> str:
         """The thresholds this kind admits, as an interval."""
         closed = self.high_reached and not math.isinf(self.high)
-        return f"({_num(self.low)}, {_num(self.high)}{']' if closed else ')'}"
+        return f"{'[' if self.low_admitted else '('}{_num(self.low)}, {_num(self.high)}{']' if closed else ')'}"
 
     def check(self, key: str, value: Any, allow_none: bool = False) -> None:
         """Raise :class:`ConfigError` (naming ``strategy.<key>``) unless ``value`` is a threshold this kind can
@@ -64,7 +65,7 @@ class ConfidenceKind:
             bound = "never exceed" if self.high_reached else "stay below"
             raise ConfigError(f"strategy.{key}={value} is impossible for {self.what}, which {bound} "
                               f"{_num(self.high)}: no position would ever pass it; use a value in {self.interval}")
-        if t <= self.low:
+        if t < self.low or (t == self.low and not self.low_admitted):
             raise ConfigError(f"strategy.{key}={value} is outside {self.interval} for {self.what}: {self.passes_all}")
 
 
