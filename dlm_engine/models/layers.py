@@ -124,7 +124,7 @@ def attention_mask(call: ForwardCall, q_cols: torch.Tensor, k_cols: Optional[tor
         size = int(call.block_size or 0)
         if size <= 0:
             raise ValueError("block_causal attention needs a block size (config.block_causal_size)")
-        origin = call.gen_start
+        origin = call.gen_start if call.block_origin is None else int(call.block_origin)
 
         def block_id(c: torch.Tensor) -> torch.Tensor:
             return torch.where(c < origin, torch.full_like(c, -1), torch.div(c - origin, size, rounding_mode="floor"))
@@ -240,7 +240,8 @@ def window_logits(call: ForwardCall, h: torch.Tensor, head: Callable[[torch.Tens
         return
     if cols.is_span:
         s, e = cols.start, cols.end
-        a, b = max(lo - shift, 0), max(hi - 1 - shift, 0) + 1          # the hidden states the window reads
+        floor = s if call.shift_within else 0                          # column `floor` reads its own hidden state
+        a, b = max(lo - shift, floor), max(hi - 1 - shift, floor) + 1  # the hidden states the window reads
         if s <= a and b <= e:                                           # all computed: the common case
             out = head(h[:, a - s:b - s])
             if b - a != hi - lo:                                       # column 0 of a shifted model reads hidden 0 twice
@@ -248,7 +249,7 @@ def window_logits(call: ForwardCall, h: torch.Tensor, head: Callable[[torch.Tens
             call.logits, call.valid = out, None
             return
     j = torch.arange(lo, hi)
-    src = (j - shift).clamp_min(0)
+    src = (j - shift).clamp_min(cols.start if cols.is_span and call.shift_within else 0)
     if cols.is_span:
         ok = (src >= s) & (src < e)
         out = h.new_zeros((B, hi - lo, vocab))
