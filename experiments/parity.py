@@ -54,6 +54,8 @@ class Setup:
     per_row: bool = False                      # batched cases record unmask_step per row (else row 0 only)
     eos_id: Optional[int] = None               # the EOS id the reference was given
     extra: Optional[Callable[[List[dict]], dict]] = None   # per-step scalars -> the reference's extra outputs
+    output: Optional[Callable[[List[int], int], List[int]]] = None   # (row tokens, prompt length) -> returned row
+    events: bool = False                       # report every write (the fixtures' `events`)
 
 
 class StepLog(Sink):
@@ -238,7 +240,33 @@ def d2c_cache(spec: dict) -> Tuple[str, dict]:
     raise Unsupported(f"d2Cache cache '{name}'")
 
 
+SDAR_SAMPLERS = {"huggingface_bd3": "eval", "generate": "generate"}
+
+
+def sdar_setup(case: dict, suite: Optional[dict] = None) -> Setup:
+    """SDAR's two samplers (``huggingface_bd3.block_diffusion_generate`` and ``generate.py``'s): the canvas ends
+    on the block boundary after ``P + gen_length``; the returned sequence is the whole canvas."""
+    from dlm_engine.strategies.sdar import sdar_gen_length
+
+    kw = dict(case["kwargs"])
+    sampler = SDAR_SAMPLERS[case["id"].split("/")[1]]
+    kw.pop("mask_id", None)
+    gen = kw.pop("gen_length", 128)
+    stop = kw.pop("stopping_criteria_idx", None)
+    if sampler == "generate":
+        kw["remasking"] = kw.pop("remasking_strategy", "low_confidence_dynamic")
+        kw["threshold"] = kw.pop("confidence_threshold", 0.85)
+        if kw.pop("eb_threshold", None) is not None:
+            raise Unsupported("generate.py's eb_threshold (entropy_bounded crashes in the reference)")
+    elif stop is None:
+        raise Unsupported("the evaluation sampler needs stopping_criteria_idx (the reference raises TypeError)")
+    conf = _config("sdar", dict(kw, sampler=sampler, stop_ids=[] if stop is None else list(stop)))
+    P = int(case["prompt_len"])
+    return Setup("sdar", conf, cache="block_kv", gen_length=sdar_gen_length(P, gen, conf.block_length), events=True)
+
+
 ADAPTERS: Dict[str, Callable[[dict, Optional[dict]], Setup]] = {
+    "sdar": sdar_setup,
     "llada": llada_setup, "fastdllm_v2": fastdllm_setup, "cadllm": cadllm_setup, "prophet": prophet_setup,
     "dream": dream_setup, "dream_block": dream_setup,
     **{s: d2c_setup for s in ("d2c_vanilla", "d2c_threshold", "d2c_factor", "d2c_pc", "d2c_eb", "d2c_klass",
@@ -324,9 +352,14 @@ def run_case(case: dict, prompts: List[List[int]], model, mask_id: int, pad_id: 
     unmask = [[log.cum[s] if s > 0 else 0 for s in so] for so in canvas.step_of[:, g:].tolist()]
     if not (batched and (st.per_row or case["id"].startswith("dream"))):   # the LLaDA suites record row 0 only
         unmask = unmask[0]
+    if st.output is not None:
+        out = [st.output(row, g) for row in out]
     res = {"id": case["id"], "output": out if batched else out[0], "nfe": canvas.nfe, "unmask_step": unmask}
     if st.strategy == "wino":              # every write, re-masks included (the fixtures' `events`)
         res["events"] = log.writes if batched else log.writes[0]
+    elif st.events:                        # every write at the forward that made it (the bdparity fixtures)
+        ev = [[[log.cum[w[0]], w[1], w[2]] for w in row] for row in log.writes]
+        res["events"] = ev if batched else ev[0]
     if st.extra is not None:
         res["extra"] = st.extra(log.scalars)
     return res

@@ -21,6 +21,7 @@ class Cap(str, Enum):
     SUFFIX_LOGITS = "suffix_logits"
     WINDOW_LOGITS = "window_logits"
     AUX_COLUMNS = "aux_columns"
+    BLOCK_KV = "block_kv"
 
     @property
     def doc(self) -> str:
@@ -34,6 +35,8 @@ _DOCS = {
     Cap.SUFFIX_LOGITS: "valid logits from the block start to the end of the canvas",
     Cap.WINDOW_LOGITS: "valid logits for any window, whatever the block",
     Cap.AUX_COLUMNS: "extra query columns appended after the canvas",
+    Cap.BLOCK_KV: "a call may query part of its block against the stored prefix and the block's stored slots "
+                  "(CacheDirective.query / key_start)",
 }
 
 Caps = FrozenSet[Cap]

@@ -132,6 +132,11 @@ def attention_mask(call: ForwardCall, q_cols: torch.Tensor, k_cols: Optional[tor
         kb = block_id(k_cols)
         kb = kb[None, None, :] if kb.dim() == 1 else kb[:, None, :]
         bc = (kb <= block_id(q_cols)[:, :, None])[:, None]
+        d = call.directive
+        ks = int(d.key_start) if d is not None else 0
+        if ks > 0:          # columns before key_start are seen by no query at or after it (a reference quirk)
+            kc = k_cols[None, None, :] if k_cols.dim() == 1 else k_cols[:, None, :]
+            bc = bc & ((kc >= ks) | (q_cols[:, :, None] < ks))[:, None]
         mask = bc if mask is None else (mask & bc)
     return mask
 
