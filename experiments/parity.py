@@ -265,8 +265,25 @@ def sdar_setup(case: dict, suite: Optional[dict] = None) -> Setup:
     return Setup("sdar", conf, cache="block_kv", gen_length=sdar_gen_length(P, gen, conf.block_length), events=True)
 
 
+def fdv2_setup(case: dict, suite: Optional[dict] = None) -> Setup:
+    """Fast-dLLM v2's ``generate`` (one prompt): the canvas holds every block plus the last AR token; the
+    returned row is cut after the first stop id."""
+    from dlm_engine.strategies.fdv2 import fdv2_gen_length, fdv2_output
+
+    if case["function"] != "generate":
+        raise Unsupported(f"Fast-dLLM v2's {case['function']} is not implemented yet")
+    kw = dict(case["kwargs"])
+    kw.pop("mask_id", None)
+    gen = kw.pop("max_new_tokens")
+    conf = _config("fdv2", kw)
+    P = int(case["prompt_len"])
+    stop = int(conf.stop_token)
+    return Setup("fdv2", conf, cache="block_kv", gen_length=fdv2_gen_length(P, gen, conf.block_size), events=True,
+                 output=lambda row, g: fdv2_output(row, g, stop))
+
+
 ADAPTERS: Dict[str, Callable[[dict, Optional[dict]], Setup]] = {
-    "sdar": sdar_setup,
+    "sdar": sdar_setup, "fdv2": fdv2_setup,
     "llada": llada_setup, "fastdllm_v2": fastdllm_setup, "cadllm": cadllm_setup, "prophet": prophet_setup,
     "dream": dream_setup, "dream_block": dream_setup,
     **{s: d2c_setup for s in ("d2c_vanilla", "d2c_threshold", "d2c_factor", "d2c_pc", "d2c_eb", "d2c_klass",
@@ -350,10 +367,11 @@ def run_case(case: dict, prompts: List[List[int]], model, mask_id: int, pad_id: 
     out = canvas.tokens.tolist()
     g = canvas.gen_start
     unmask = [[log.cum[s] if s > 0 else 0 for s in so] for so in canvas.step_of[:, g:].tolist()]
-    if not (batched and (st.per_row or case["id"].startswith("dream"))):   # the LLaDA suites record row 0 only
-        unmask = unmask[0]
     if st.output is not None:
         out = [st.output(row, g) for row in out]
+        unmask = [u[:len(row) - g] for u, row in zip(unmask, out)]
+    if not (batched and (st.per_row or case["id"].startswith("dream"))):   # the LLaDA suites record row 0 only
+        unmask = unmask[0]
     res = {"id": case["id"], "output": out if batched else out[0], "nfe": canvas.nfe, "unmask_step": unmask}
     if st.strategy == "wino":              # every write, re-masks included (the fixtures' `events`)
         res["events"] = log.writes if batched else log.writes[0]
