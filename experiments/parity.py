@@ -270,8 +270,8 @@ def fdv2_setup(case: dict, suite: Optional[dict] = None) -> Setup:
     returned row is cut after the first stop id."""
     from dlm_engine.strategies.fdv2 import fdv2_gen_length, fdv2_output
 
-    if case["function"] != "generate":
-        raise Unsupported(f"Fast-dLLM v2's {case['function']} is not implemented yet")
+    if case["function"] == "batch_sample":
+        return fdv2_batch_setup(case)
     kw = dict(case["kwargs"])
     kw.pop("mask_id", None)
     gen = kw.pop("max_new_tokens")
@@ -280,6 +280,21 @@ def fdv2_setup(case: dict, suite: Optional[dict] = None) -> Setup:
     stop = int(conf.stop_token)
     return Setup("fdv2", conf, cache="block_kv", gen_length=fdv2_gen_length(P, gen, conf.block_size), events=True,
                  output=lambda row, g: fdv2_output(row, g, stop))
+
+
+def fdv2_batch_setup(case: dict) -> Setup:
+    """NVlabs' ``batch_sample``: right-padded rows from column 0 (``batch_canvas``); each row returns its own
+    length (``row_ends``/``x_width`` scalars), ``unmask_step`` and events count from the row's own prompt end."""
+    from dlm_engine.strategies.fdv2 import batch_gen_length
+
+    kw = dict(case["kwargs"])
+    for k in ("mask_id", "min_len", "seq_len"):
+        kw.pop(k, None)
+    pad = int(kw.pop("tokenizer")["pad_token_id"])
+    seq = list(case["kwargs"]["seq_len"])
+    conf = _config("fdv2_batch", dict(kw, pad_id=pad))
+    return Setup("fdv2_batch", conf, cache="block_kv", per_row=True, events=True,
+                 gen_length=batch_gen_length(seq, conf.max_new_tokens, conf.block_size))
 
 
 ADAPTERS: Dict[str, Callable[[dict, Optional[dict]], Setup]] = {
@@ -353,6 +368,8 @@ def run_case(case: dict, prompts: List[List[int]], model, mask_id: int, pad_id: 
     strategy, cache, st = build(case, suite, overrides)
     rows, batched = _rows(case, prompts)
     dev = next(model.parameters()).device
+    if st.strategy == "fdv2_batch":
+        return run_batch_sample(case, rows, model, mask_id, strategy, cache, st)
     canvas = Canvas.from_prompts(rows, st.gen_length, mask_id, pad_id, device=dev, eos_id=st.eos_id)
     if canvas.is_padded and st.ignore_padding:
         # The LLaDA references run Fast-dLLM's copy of the model, which ignores padding masks (spec §1.5):
@@ -381,6 +398,34 @@ def run_case(case: dict, prompts: List[List[int]], model, mask_id: int, pad_id: 
     if st.extra is not None:
         res["extra"] = st.extra(log.scalars)
     return res
+
+
+def run_batch_sample(case: dict, rows: List[List[int]], model, mask_id: int, strategy, cache, st: Setup) -> dict:
+    """A ``batch_sample`` case: rows of their own lengths (what the reference returns as a dict of rows)."""
+    from dlm_engine.strategies.fdv2 import batch_canvas
+
+    rows = [r[:n] for r, n in zip(case["input_ids"], case["kwargs"]["seq_len"])]
+    canvas = batch_canvas(rows, st.gen_length, mask_id, device=next(model.parameters()).device)
+    log = StepLog()
+    if case.get("seed") is not None:
+        torch.manual_seed(case["seed"])
+    decode(model, canvas, strategy, cache=cache, sinks=[log])
+    ends = [0] * canvas.batch_size
+    width = canvas.length
+    for sc in log.scalars:
+        if "row_ends" in sc:
+            ends = list(sc["row_ends"])
+        if "x_width" in sc:
+            width = int(sc["x_width"])
+    ends = [e or width for e in ends]
+    g = canvas.gen_start
+    out, unmask, events = [], [], []
+    for r, (toks, so) in enumerate(zip(canvas.tokens.tolist(), canvas.step_of.tolist())):
+        n = len(rows[r])
+        out.append(toks[:ends[r]])
+        unmask.append([log.cum[s] if s > 0 else 0 for s in so[n:ends[r]]])
+        events.append([[log.cum[w[0]], w[1] + g - n, w[2]] for w in log.writes[r]])
+    return {"id": case["id"], "output": out, "nfe": canvas.nfe, "unmask_step": unmask, "events": events}
 
 
 def model_dirs(folder: Path) -> Dict[str, Path]:
