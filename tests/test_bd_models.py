@@ -88,3 +88,67 @@ def test_sdar_without_mask_id_is_refused(tmp_path):
     (tmp_path / "model.safetensors").write_bytes((BD / "tiny_sdar" / "model.safetensors").read_bytes())
     with pytest.raises(UserError, match="mask_token_id"):
         load_pretrained(tmp_path)
+
+
+# -- through the block store (cache=block_kv): what the references' cached forwards compute -------------------
+def cached_call(model, cache, ids, block, store=False, query=None, attention_block=None, window=None):
+    from dlm_engine.core.protocol import CacheDirective, CallRequest
+
+    d = CacheDirective(block=block, block_start=False, store=[block] if store else [], query=query,
+                       attention_block=attention_block)
+    lo, hi = window or (query or block)
+    call = model(ids, hooks=cache, request=CallRequest(directive=d), logits_range=(lo, hi), shift_logits=False)
+    return call, d
+
+
+@pytest.fixture
+def block_kv():
+    from dlm_engine.core.registry import cache_class
+
+    cls = cache_class("block_kv")
+    return cls(cls.Config())
+
+
+@torch.no_grad()
+def test_sdar_forward_through_the_block_store(sdar, block_kv):
+    f = forwards("sdar")
+    ids = torch.tensor([f["prefill"]["input_ids"] + f["decode_cached"]["input_ids"]])
+    block_kv.begin(None)
+    call, d = cached_call(sdar, block_kv, ids, (0, 16), store=True, attention_block=4)
+    check(call.logits[0], f["prefill"])
+    assert d.stored == [(0, 16)] and call.compute == (0, 16)
+    call, d = cached_call(sdar, block_kv, ids, (16, 20), attention_block=4)
+    assert call.compute == (16, 20) and d.stored == []          # only the block is computed, nothing stored
+    check(call.logits[0], f["decode_cached"])
+
+
+@torch.no_grad()
+def test_fdv2_forward_through_the_block_store(fdv2, block_kv):
+    f = forwards("fdv2")
+    pre = f["prefill"]["input_ids"]
+    block_kv.begin(None)
+    ids = torch.tensor([pre + f["decode_cached"]["input_ids"]])
+    call, d = cached_call(fdv2, block_kv, ids, (0, 64), store=True, attention_block=32)
+    check(call.logits[0], f["prefill"])
+    call, _ = cached_call(fdv2, block_kv, ids, (64, 96), attention_block=32)
+    check(call.logits[0], f["decode_cached"])
+    # the block cache: a full forward of the block, then a sub-block query against its (stale) slots
+    sub = f["blockcache_sub_query"]
+    ids = torch.tensor([pre + sub["block"]])
+    cached_call(fdv2, block_kv, ids, (64, 96), attention_block=32)
+    ids[0, 72:80] = torch.tensor(sub["input_ids"])
+    call, _ = cached_call(fdv2, block_kv, ids, (64, 96), query=(72, 80), attention_block=32)
+    assert call.compute == (72, 80)
+    check(call.logits[0], sub)
+    # the store forward of a finished block
+    ids = torch.tensor([pre + f["store"]["input_ids"]])
+    call, d = cached_call(fdv2, block_kv, ids, (64, 96), store=True, attention_block=32)
+    check(call.logits[0], f["store"])
+    assert d.stored == [(64, 96)]
+
+
+def test_block_store_refuses_a_query_without_its_keys(fdv2, block_kv):
+    ids = torch.tensor([forwards("fdv2")["prefill"]["input_ids"]])
+    block_kv.begin(None)
+    with pytest.raises(RuntimeError, match="never computed"):
+        cached_call(fdv2, block_kv, ids, (32, 64), attention_block=32)
