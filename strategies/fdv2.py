@@ -32,6 +32,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from dlm_engine.core.canvas import BlockEvent
+from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.registry import register_strategy
 from dlm_engine.core.strategy import CacheDirective, StepPlan, evolve
 from dlm_engine.errors import ConfigError
@@ -93,6 +94,8 @@ class Fdv2(BlockDiffusionStrategy):
         if not 0 < float(c.top_p) <= 1:
             raise ConfigError(f"strategy.top_p={c.top_p} is outside (0, 1]")
         self.n_sub = c.block_size // c.small_block_size
+        if c.use_block_cache:       # sub-block queries against the block's stored slots
+            self.needs = caps(Cap.BLOCK_LOGITS, Cap.BLOCK_KV)
 
     # -- geometry -------------------------------------------------------------------------------------------
     def _geometry(self, canvas):
@@ -105,8 +108,10 @@ class Fdv2(BlockDiffusionStrategy):
         return int(self.cfg.stop_token) if self.cfg.stop_token is not None else canvas.eos_id
 
     def _blocks(self, canvas) -> int:
+        """Blocks the canvas holds before its last column (the reference's last AR token); a canvas that does not
+        end on that layout gets a last, shorter block."""
         bs, P, S0, _, _ = self._geometry(canvas)
-        return max(0, (canvas.length - S0 - 1) // bs)
+        return max(0, -(-(canvas.length - S0 - 1) // bs))
 
     def _has_ar(self, canvas, k: int) -> bool:
         bs, P, S0, prefill, _ = self._geometry(canvas)
@@ -150,7 +155,7 @@ class Fdv2(BlockDiffusionStrategy):
         bs, P, S0, _, _ = self._geometry(canvas)
         S = S0 + st.block * bs
         start = S + 1 if self._has_ar(canvas, st.block) else max(P, S)
-        new = st.toks[start - S:bs]
+        new = st.toks[start - S:min(S + bs, canvas.length) - S]
         stop = self._stop(canvas)
         if stop is None or stop not in new:
             return False
@@ -170,16 +175,16 @@ class Fdv2(BlockDiffusionStrategy):
         if st.block >= self._blocks(canvas) or st.stopped or self._settled(canvas, st):
             return None, evolve(st, phase="done")
         S = S0 + st.block * bs
+        E = min(S + bs, canvas.length)
         M, sbs = canvas.mask_id, int(c.small_block_size)
-        j = next((j for j in range(self.n_sub) if M in st.toks[j * sbs:(j + 1) * sbs]), None)
+        j = next((j for j in range(self.n_sub) if M in st.toks[j * sbs:min((j + 1) * sbs, E - S)]), None)
         if j is None:                               # the block is complete: store it, predict the next token
-            end = S + bs
-            window = (end, end + 1) if end < canvas.length else (end, end)
-            return quiet_plan(S, end, window, (S, end), bs, key_start=ks, position_ids=pos,
+            window = (E, E + 1) if E < canvas.length else (E, E)
+            return quiet_plan(S, E, window, (S, E), bs, key_start=ks, position_ids=pos,
                               block_start=not st.have_block_cache), st
-        a, b = S + j * sbs, S + (j + 1) * sbs
+        a, b = S + j * sbs, min(S + (j + 1) * sbs, E)
         sub = c.use_block_cache and st.have_block_cache and st.toks[j * sbs] != M
-        d = CacheDirective(block=(S, S + bs), block_start=not st.have_block_cache, key_start=ks,
+        d = CacheDirective(block=(S, E), block_start=not st.have_block_cache, key_start=ks,
                            query=(a, b) if sub else None,
                            attention_block=bs if sub else int(c.decode_mask_block or bs))
         return StepPlan(window=(a, b), sample=False, cache=d, position_ids=pos, info={"sub": sub}), st

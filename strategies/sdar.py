@@ -61,7 +61,7 @@ class SdarConfig:
     remasking: str = "low_confidence"      # eval: low_confidence | random; generate: low_confidence_static |
                                            # low_confidence_dynamic | sequential
     threshold: float = 1.0                 # eval: < 1 = dynamic; generate: low_confidence_dynamic's threshold
-    stop_ids: Optional[List[int]] = None   # checked after every stored block; null = the model's EOS, [] = never
+    stop_ids: Optional[List[int]] = None   # checked after every stored block; null = the model's EOS and EOT, [] = never
     overwrite: bool = True                 # generate.py writes fresh samples over non-mask positions it selects
 
 
@@ -114,8 +114,8 @@ class Sdar(BlockDiffusionStrategy):
 
     def _stop_ids(self, canvas) -> Optional[List[int]]:
         ids = self.cfg.stop_ids
-        if ids is None:
-            return [canvas.eos_id] if canvas.eos_id is not None else None
+        if ids is None:     # the model's end of sequence and end of turn
+            ids = [i for i in (canvas.eos_id, canvas.eot_id) if i is not None]
         return [int(i) for i in ids] or None
 
     def init_state(self, canvas):

@@ -148,8 +148,9 @@ class ForwardCall:
     block_size: Optional[int] = None              # set by the model: block-causal block size
     block_origin: Optional[int] = None            # set by the model: column where block 0 starts (None: the
                                                   # generation start, the prompt is block -1; 0: absolute blocks)
-    shift_within: bool = False                    # set by the model: a shifted model's first computed column
-                                                  # reads its own hidden state (block-diffusion references)
+    shift_floor: Optional[int] = None             # set by the model: for a shifted model, column ``shift_floor``
+                                                  # reads its own hidden state (the block-diffusion references
+                                                  # shift within the queried block); None = 0
     logits: Optional[torch.Tensor] = None         # [B, hi - lo, V], set by the model (zeros where not valid)
     valid: Optional[torch.Tensor] = None          # [B, hi - lo] bool: logits computed in this call; None = all
     aux_logits: Optional[torch.Tensor] = None     # [B, W_aux, V] logits of request.aux

@@ -245,7 +245,7 @@ def window_logits(call: ForwardCall, h: torch.Tensor, head: Callable[[torch.Tens
         return
     if cols.is_span:
         s, e = cols.start, cols.end
-        floor = s if call.shift_within else 0                          # column `floor` reads its own hidden state
+        floor = call.shift_floor or 0                                  # column `floor` reads its own hidden state
         a, b = max(lo - shift, floor), max(hi - 1 - shift, floor) + 1  # the hidden states the window reads
         if s <= a and b <= e:                                           # all computed: the common case
             out = head(h[:, a - s:b - s])
@@ -254,7 +254,7 @@ def window_logits(call: ForwardCall, h: torch.Tensor, head: Callable[[torch.Tens
             call.logits, call.valid = out, None
             return
     j = torch.arange(lo, hi)
-    src = (j - shift).clamp_min(cols.start if cols.is_span and call.shift_within else 0)
+    src = (j - shift).clamp_min(call.shift_floor or 0)
     if cols.is_span:
         ok = (src >= s) & (src < e)
         out = h.new_zeros((B, hi - lo, vocab))

@@ -7,8 +7,8 @@ decoders with grouped-query attention and full RoPE, run with **block-causal att
 at absolute column 0, a query sees every key of its own block and of earlier blocks. They differ in:
 
 * Fast-dLLM v2 (Qwen2.5): biases on the q/k/v projections; **shifted logits** (the distribution of column
-  ``j`` is the head applied to hidden state ``j - 1``), where the first column a call computes reads its own
-  hidden state (the reference shifts within the queried block: ``ForwardCall.shift_within``). Its checkpoints
+  ``j`` is the head applied to hidden state ``j - 1``), where the first column of the queried block (or
+  sub-block) reads its own hidden state (the reference shifts within the block: ``ForwardCall.shift_floor``). Its checkpoints
   name no mask id: ``|<MASK>|`` is 22 ids after ``<|endoftext|>`` (``bos_token_id``) in the Qwen2.5 vocabulary.
 * SDAR (Qwen3): no biases, **QK-norm** (an RMSNorm over each head's query and key before RoPE); no shift.
 
@@ -208,10 +208,11 @@ class _QwenBDModel(DiffusionLMMixin, PreTrainedModel):
         hooks = NULL_HOOKS if hooks is None else hooks
         call = new_call(input_ids, attention_mask, position_ids, logits_range, request, _positions)
         call.logits_shift = self.shift if shift_logits else 0
-        call.shift_within = True
         call.attention_mode = "block_causal"
         call.block_origin = 0
         d = call.directive
+        if d is not None:       # the references shift within the queried block: its first column reads itself
+            call.shift_floor = int((d.query or d.block)[0])
         call.block_size = int(block_size or (d.attention_block if d is not None and d.attention_block else 0)
                               or self.config.block_size)
         m, c = self.model, self.config

@@ -1,0 +1,134 @@
+"""The block-diffusion strategies (``fdv2``, ``fdv2_batch``, ``sdar``) and ``cache=block_kv`` beyond the reference
+cases: the block store is exact (same tokens and NFE as recomputing everything), only the working block is
+computed, validation names the keys, capabilities refuse what cannot work, the presets compose."""
+import pytest
+import torch
+
+from conftest import FIXTURES, record_calls
+from dlm_engine.app.api import load_directory, run_prompts
+from dlm_engine.core.canvas import Canvas
+from dlm_engine.core.capabilities import incompatibility
+from dlm_engine.core.loop import decode
+from dlm_engine.core.registry import cache_class, load_plugins, strategy_class
+from dlm_engine.errors import ConfigError
+
+BD = FIXTURES / "bdparity"
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9, 1, 2, 3, 4, 5], list(range(40, 59))]
+
+
+@pytest.fixture(scope="module")
+def fdv2():
+    return load_directory(str(BD / "tiny_fdv2"), name="tiny_fdv2")
+
+
+@pytest.fixture(scope="module")
+def sdar():
+    return load_directory(str(BD / "tiny_sdar"), name="tiny_sdar")
+
+
+def make(kind, name, **kw):
+    load_plugins()
+    cls = (strategy_class if kind == "strategy" else cache_class)(name)
+    return cls, cls.Config(**kw)
+
+
+def run(lm, name, cache, gen=24, prompts=PROMPTS, **kw):
+    S, sc = make("strategy", name, **kw)
+    C, cc = make("cache", cache)
+    res = run_prompts(lm, prompts, lambda: S(sc, gen), lambda: C(cc), gen_length=gen, batch_size=len(prompts))
+    return [(r.tokens, r.nfe) for r in res.rows]
+
+
+@pytest.mark.parametrize("kw", [dict(block_size=8, small_block_size=4, decode_mask_block=None),
+                                dict(block_size=32, small_block_size=8, threshold=0.8),
+                                dict(block_size=4, small_block_size=2, decode_mask_block=None, temperature=0.7)])
+def test_fdv2_block_store_equals_recomputing_everything(fdv2, kw):
+    torch.manual_seed(0)
+    a = run(fdv2, "fdv2", "block_kv", **kw)
+    torch.manual_seed(0)
+    assert run(fdv2, "fdv2", "none", **kw) == a
+    # every row is decoded to its end, or up to a stop id (masks after it are left, as the reference cuts them)
+    assert all(fdv2.mask_id not in toks or fdv2.eos_id in toks[:toks.index(fdv2.mask_id)] for toks, _ in a)
+
+
+@pytest.mark.parametrize("kw", [dict(block_length=4, denoising_steps=4, top_k=1),
+                                dict(block_length=8, denoising_steps=4, threshold=0.9),
+                                dict(sampler="generate", block_length=8, denoising_steps=8,
+                                     remasking="low_confidence_dynamic", threshold=0.85)])
+def test_sdar_block_store_equals_recomputing_everything(sdar, kw):
+    torch.manual_seed(3)
+    a = run(sdar, "sdar", "block_kv", stop_ids=[], **kw)
+    torch.manual_seed(3)
+    assert run(sdar, "sdar", "none", stop_ids=[], **kw) == a
+
+
+def test_only_the_working_block_is_computed(sdar):
+    S, sc = make("strategy", "sdar", block_length=4, denoising_steps=4, top_k=1, stop_ids=[])
+    C, cc = make("cache", "block_kv")
+    cache = C(cc)
+    calls = record_calls(cache)
+    canvas = Canvas.from_prompts([list(range(40, 50))], 14, sdar.mask_id, 0)
+    decode(sdar.model, canvas, S(sc, 14), cache=cache)
+    spans = [(a, b) for _, (a, b), _ in calls]
+    assert spans[0] == (0, 8)                                         # prefill: the prompt's two full blocks
+    assert all(b - a == 4 and a % 4 == 0 for a, b in spans[1:])       # then one block per forward
+    # prefill; block [8, 12) holds the prompt tail (2 masks: 2 steps), 3 blocks of 4 masks; a store each (n_k = 1)
+    assert canvas.nfe == len(calls) == 1 + (2 + 1) + 3 * (4 + 1)
+    assert not canvas.masked().any()
+
+
+def test_sub_block_queries_compute_only_the_sub_block(fdv2):
+    S, sc = make("strategy", "fdv2", block_size=16, small_block_size=4, use_block_cache=True, threshold=0.8)
+    C, cc = make("cache", "block_kv")
+    cache = C(cc)
+    calls = record_calls(cache)
+    canvas = Canvas.from_prompts([list(range(40, 60))], 29, fdv2.mask_id, 0)
+    decode(fdv2.model, canvas, S(sc, 29), cache=cache)
+    widths = {b - a for _, (a, b), _ in calls}
+    assert widths == {16, 4}
+
+
+def test_block_cache_needs_the_block_store():
+    S, sc = make("strategy", "fdv2", use_block_cache=True)
+    N, nc = make("cache", "none")
+    msg = incompatibility(S(sc, 64), N(nc))
+    assert "block_kv" in msg and "cache=none" in msg
+    S2, sc2 = make("strategy", "fdv2")
+    assert incompatibility(S2(sc2, 64), N(nc)) is None
+
+
+@pytest.mark.parametrize("name, kw, match", [
+    ("sdar", dict(temperature=0.0), r"strategy\.temperature=0\.0 must be > 0"),
+    ("sdar", dict(block_length=8, denoising_steps=3), r"block_length=8 is not divisible by strategy\.denoising_steps"),
+    ("sdar", dict(remasking="low_confidence_static"), r"strategy\.remasking='low_confidence_static' \(sampler=eval"),
+    ("sdar", dict(sampler="generate", remasking="entropy_bounded"), r"entropy_bounded crashes"),
+    ("sdar", dict(top_p=0.0), r"strategy\.top_p=0\.0"),
+    ("fdv2", dict(block_size=32, small_block_size=5), r"block_size=32 is not divisible by strategy\.small_block_size"),
+    ("fdv2", dict(top_p=1.5), r"strategy\.top_p=1\.5"),
+])
+def test_bad_settings_name_the_key(name, kw, match):
+    S, sc = make("strategy", name, **kw)
+    with pytest.raises(ConfigError, match=match):
+        S(sc, 32)
+
+
+def test_sdar_generate_overwrite_option(sdar):
+    """generate.py's overwrite of selected non-mask positions (default) against the corrected option: with
+    S < B the last steps select already-decoded positions; without overwrite the prompt is never changed."""
+    kw = dict(sampler="generate", block_length=8, denoising_steps=2, remasking="low_confidence_static", top_k=1,
+              stop_ids=[])
+    prompt = [list(range(100, 111))]
+    a = run(sdar, "sdar", "block_kv", gen=21, prompts=prompt, **kw)
+    b = run(sdar, "sdar", "block_kv", gen=21, prompts=prompt, overwrite=False, **kw)
+    assert a != b
+
+
+def test_presets_compose():
+    from dlm_engine.app.compose import compose
+
+    for model in ("fast_dllm_v2_1_5b", "fast_dllm_v2_7b", "sdar_1_7b_chat", "sdar_4b_chat", "sdar_8b_chat"):
+        cfg = compose([f"model={model}", "strategy=sdar" if "sdar" in model else "strategy=fdv2", "cache=block_kv"])
+        assert cfg.model.model_type in ("sdar", "Fast_dLLM_Qwen") and cfg.cache.name == "block_kv"
+    cfg = compose(["strategy=sdar", "strategy.sampler=generate", "strategy.remasking=sequential"])
+    assert getattr(cfg.strategy.sampler, "value", cfg.strategy.sampler) == "generate"
+    assert compose(["strategy=fdv2_batch"]).strategy.name == "fdv2_batch"
