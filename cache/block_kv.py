@@ -34,7 +34,7 @@ class BlockKVCacheConfig:
 
 @register_cache("block_kv", BlockKVCacheConfig)
 class BlockKVCache(StoredKVCache):
-    needs = caps(Cap.BLOCKS, Cap.BLOCK_HANDOVER)
+    needs = caps(Cap.BLOCKS, Cap.BLOCK_HANDOVER, Cap.STORE_FORWARDS)
     offers = caps(Cap.BLOCK_LOGITS, Cap.BLOCK_KV)
     extend_for_shift = False
 

@@ -21,7 +21,8 @@ class BlockDiffusionStrategy(Strategy):
     batch) whose blocks start at multiples of the block length, the first one holding the prompt's tail."""
 
     max_batch = 1
-    offers = caps(Cap.BLOCKS, Cap.BLOCK_HANDOVER)
+    sets_attention_blocks = True          # every plan names its mask's block size (CacheDirective.attention_block)
+    offers = caps(Cap.BLOCKS, Cap.BLOCK_HANDOVER, Cap.STORE_FORWARDS)
     needs = caps(Cap.BLOCK_LOGITS)
 
     def max_steps(self, canvas) -> int:

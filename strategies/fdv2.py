@@ -289,6 +289,7 @@ class Fdv2Batch(Fdv2):
     reproduced."""
 
     max_batch = None
+    unpadded_only = True        # rows start at column 0, right-padded with the mask id (batch_canvas)
 
     def _lens(self, canvas) -> List[int]:
         return [int(n) for n in (canvas.step_of == 0).sum(-1).tolist()]
@@ -301,7 +302,7 @@ class Fdv2Batch(Fdv2):
         skip = self.cfg.prompt_block_quirk and not prefill and m >= bs
         if not self.cfg.prompt_block_quirk and m >= bs:
             prefill = True
-        last = (canvas.length - 1) // bs
+        last = -(-(canvas.length - 1) // bs)      # (a canvas off the reference layout ends with a shorter block)
         if self.cfg.max_new_tokens is not None:
             last = min(last, int(self.cfg.max_new_tokens) // bs + max(seq) // bs)
         return bs, seq, m, prefill, skip, last
@@ -319,6 +320,10 @@ class Fdv2Batch(Fdv2):
         if canvas.batch_size > 1 and self.cfg.temperature > 0:
             raise ConfigError("strategy=fdv2_batch samples row 0 only at temperature > 0 (the reference raises "
                               "IndexError for batches of more than one row)")
+        if canvas.is_padded:
+            raise ConfigError("strategy=fdv2_batch decodes rows right-padded with the mask id from column 0 "
+                              "(dlm_engine.strategies.fdv2.batch_canvas), not a left-padded batch: decode one row "
+                              "at a time or use strategy=fdv2")
         bs, seq, m, prefill, skip, last = self._geo(canvas)
         B = canvas.batch_size
         return Fdv2BatchState(phase="prefill" if prefill else "block", block=m // bs, blk=tuple(s // bs for s in seq),
@@ -327,7 +332,8 @@ class Fdv2Batch(Fdv2):
     def _stop_pad(self, canvas):
         stop = self._stop(canvas)
         pad = self.cfg.pad_id if self.cfg.pad_id is not None else canvas.eos_id
-        return stop, int(pad)
+        # no stop id known: no row ever finishes (-1 matches no token)
+        return (-1 if stop is None else int(stop)), (-1 if pad is None else int(pad))
 
     # -- host reads -----------------------------------------------------------------------------------------
     def sync_request(self, canvas, st):
@@ -359,21 +365,22 @@ class Fdv2Batch(Fdv2):
         if b >= last or not any(live):
             return None, evolve(st, phase="done")
         S, M, sbs = b * bs, canvas.mask_id, int(c.small_block_size)
+        E = min(S + bs, canvas.length)
         rows = [r for r in range(canvas.batch_size) if live[r]]
-        j = next((j for j in range(self.n_sub) if any(M in st.toks[r][j * sbs:(j + 1) * sbs] for r in rows)), None)
+        j = next((j for j in range(self.n_sub) if any(M in st.toks[r][j * sbs:min((j + 1) * sbs, E - S)]
+                                                     for r in rows)), None)
         if j is None:
             if all(st.finished[r] for r in rows):
                 if ks == 0 and not prefill and b == m // bs:
                     raise BlockDiffusionError("strategy=fdv2_batch: every row finished in the first block and no "
                                               "block was stored yet (the reference raises TypeError here)")
                 return None, evolve(st, phase="done")
-            end = S + bs
-            window = (end, end + 1) if end < canvas.length else (end, end)
-            return quiet_plan(S, end, window, (S, end), bs, key_start=ks, position_ids=pos,
+            window = (E, E + 1) if E < canvas.length else (E, E)
+            return quiet_plan(S, E, window, (S, E), bs, key_start=ks, position_ids=pos,
                               block_start=not st.opened), st
-        a, b_ = S + j * sbs, S + (j + 1) * sbs
+        a, b_ = S + j * sbs, min(S + (j + 1) * sbs, E)
         sub = c.use_block_cache and st.have_block_cache and all(st.toks[r][j * sbs] != M for r in rows)
-        d = CacheDirective(block=(S, S + bs), block_start=not st.opened, key_start=ks,
+        d = CacheDirective(block=(S, E), block_start=not st.opened, key_start=ks,
                            query=(a, b_) if sub else None,
                            attention_block=bs if sub else int(c.decode_mask_block or bs))
         return StepPlan(window=(a, b_), sample=False, cache=d, position_ids=pos), st
@@ -390,7 +397,7 @@ class Fdv2Batch(Fdv2):
         if st.phase == "prefill":
             return self._prefill_step(canvas, proposal, idx, st, seq, m, bs)
         if d.store:
-            return self._store_step(canvas, proposal, idx, st, seq, bs, pad)
+            return self._store_step(canvas, proposal, idx, st, seq, bs, pad, E)
         lo, hi = plan.window
         c_rows, t_rows, _ = self._commit(canvas.tokens[idx, lo:hi] == canvas.mask_id, proposal.logits)
         commit = torch.zeros((B, hi - lo), dtype=torch.bool, device=canvas.device)
@@ -448,9 +455,9 @@ class Fdv2Batch(Fdv2):
             delta = self.delta(canvas, _Proposal(None, F, proposal.active), z, tokens=z.long(), finished=canvas.no_rows())
         return delta, evolve(st, phase="block", width=width)
 
-    def _store_step(self, canvas, proposal, idx, st, seq, bs, pad):
+    def _store_step(self, canvas, proposal, idx, st, seq, bs, pad, E):
         B, b = canvas.batch_size, st.block
-        S, E = b * bs, (b + 1) * bs
+        S = b * bs
         live = [not g for g in st.gone]
         aligned = all(st.blk[r] == b for r in range(B) if live[r])
         t = proposal.logits[:, -1].argmax(-1) if proposal.logits.shape[1] else torch.zeros_like(idx)

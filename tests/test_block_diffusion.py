@@ -132,3 +132,36 @@ def test_presets_compose():
     cfg = compose(["strategy=sdar", "strategy.sampler=generate", "strategy.remasking=sequential"])
     assert getattr(cfg.strategy.sampler, "value", cfg.strategy.sampler) == "generate"
     assert compose(["strategy=fdv2_batch"]).strategy.name == "fdv2_batch"
+
+
+# -- the other strategies on block-diffusion models ---------------------------------------------------------------
+def test_block_by_block_strategies_run_with_the_model_block_size(sdar, fdv2):
+    for lm in (sdar, fdv2):
+        bs = lm.model.block_size
+        for name, kw in (("threshold", dict(threshold=0.9)), ("low_confidence", dict(steps=32)),
+                         ("factor", dict(factor=1.0))):
+            out = {}
+            for cache in ("none", "prefix"):
+                S, sc = make("strategy", name, block_length=bs, **kw)
+                C, cc = make("cache", cache)
+                canvas = Canvas.from_prompts([list(range(40, 51))], 32, lm.mask_id, lm.pad_id)
+                decode(lm.model, canvas, S(sc, 32), cache=C(cc))
+                assert not canvas.masked().any()
+                out[cache] = canvas.tokens.tolist()
+            assert out["none"] == out["prefix"]       # blocks of the model's size: the prefix cache is exact
+
+
+def test_a_conflicting_block_length_or_a_whole_canvas_strategy_is_refused(sdar):
+    S, sc = make("strategy", "threshold", block_length=8)
+    canvas = Canvas.from_prompts([[1, 2, 3]], 32, sdar.mask_id, sdar.pad_id)
+    with pytest.raises(ConfigError, match=r"strategy\.block_length=8 conflicts with the block size .*sdar: 4"):
+        decode(sdar.model, canvas, S(sc, 32))
+    W, wc = make("strategy", "wino")
+    with pytest.raises(ConfigError, match=r"strategy=wino needs bidirectional attention"):
+        decode(sdar.model, canvas, W(wc, 32))
+
+
+def test_block_kv_pairs_only_with_store_forwards():
+    S, sc = make("strategy", "block_buffer", block_length=4)
+    C, cc = make("cache", "block_kv")
+    assert "store_forwards" in incompatibility(S(sc, 32), C(cc))

@@ -209,12 +209,18 @@ class _QwenBDModel(DiffusionLMMixin, PreTrainedModel):
         call = new_call(input_ids, attention_mask, position_ids, logits_range, request, _positions)
         call.logits_shift = self.shift if shift_logits else 0
         call.attention_mode = "block_causal"
-        call.block_origin = 0
         d = call.directive
-        if d is not None:       # the references shift within the queried block: its first column reads itself
+        if d is not None and d.attention_block:
+            # a block-diffusion strategy (fdv2, sdar): blocks aligned at column 0 of the strategy's size, and the
+            # shift within the queried block (its first column reads itself), as the references
+            call.block_origin, call.block_size = 0, int(d.attention_block)
             call.shift_floor = int((d.query or d.block)[0])
-        call.block_size = int(block_size or (d.attention_block if d is not None and d.attention_block else 0)
-                              or self.config.block_size)
+        elif d is not None:
+            # any other block-by-block strategy: its blocks (the model's size, counted from the generation start)
+            # are the mask's; the prompt is one block before them and column j reads hidden state j - 1
+            call.block_origin, call.block_size = None, int(self.config.block_size)
+        else:
+            call.block_origin, call.block_size = 0, int(block_size or self.config.block_size)
         m, c = self.model, self.config
         return run_layers(call, hooks, m.embed_tokens, m.layers, c.head_dim, c.rope_theta, self._head, c.vocab_size,
                           rope_in_model_dtype=True)
