@@ -2,7 +2,7 @@
 **SDAR** (``model_type: "sdar"``, Qwen3 converted).
 
 Written from the published checkpoint formats (``config.json`` field names, ``model.layers.*`` / ``lm_head``
-parameter names) and the SPEC of ``../shared/fixtures/bdparity/README.md``; no remote code. Both are Qwen
+parameter names) and the SPEC of ``tests/fixtures/bdparity/README.md``; no remote code. Both are Qwen
 decoders with grouped-query attention and full RoPE, run with **block-causal attention**: blocks are aligned
 at absolute column 0, a query sees every key of its own block and of earlier blocks. They differ in:
 
