@@ -211,7 +211,9 @@ class Sdar(BlockDiffusionStrategy):
             probs = torch.softmax(top_p_filter(top_k_filter(scaled, c.top_k), c.top_p), dim=-1)
             x0 = torch.multinomial(probs.reshape(-1, V), 1).view(1, W)
             p = probs.gather(-1, x0[..., None]).squeeze(-1)
-        conf = torch.where(masked, p.to(torch.float32), torch.full_like(p, float("-inf"), dtype=torch.float32))
+        # in the probabilities' dtype (the logits'), as the reference ranks them: torch.topk's order of equal values
+        # is the reference's only on the same tensor
+        conf = torch.where(masked, p, torch.full_like(p, float("-inf")))
         transfer = self._transfer(conf, masked, n_k, W)
         if c.sampler == SdarSampler.generate and not c.overwrite:
             transfer &= masked
