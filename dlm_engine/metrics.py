@@ -106,13 +106,14 @@ def finish_step(steps: np.ndarray, finished: np.ndarray, step_of: np.ndarray) ->
 
     ``steps`` [S]: step indices; ``finished`` [S]: the sequence marked finished after that step;
     ``step_of`` [L]: its generation region at the end (-1 masked, 0 given, t: committed by step t).
-    The earlier of the explicit finish and the step that committed its last masked position; when neither
-    happened (the decode stopped with positions still masked), its last step.
+    The explicit finish when the strategy marked one (a block-diffusion strategy marks it after the store forward
+    that follows its last commit: that forward is one of the sequence's); else the step that committed its last
+    masked position; when neither happened (the decode stopped with positions still masked), its last step.
     """
     candidates = []
     hit = np.flatnonzero(np.asarray(finished, dtype=bool))
     if hit.size:
-        candidates.append(int(steps[hit[0]]))
+        return int(steps[hit[0]])
     so = np.asarray(step_of)
     if so.size == 0 or bool((so >= 0).all()):
         candidates.append(int(so.max()) if so.size else 0)

@@ -201,6 +201,8 @@ class Fdv2(BlockDiffusionStrategy):
             if st.phase == "prefill":
                 return delta, evolve(st, phase="block")
             delta.block_events = [BlockEvent("completed", st.block, S, E), BlockEvent("stored", st.block, S, E)]
+            if st.block + 1 >= self._blocks(canvas):      # the last block's store: the row is finished
+                delta.finished = ~canvas.finished
             return delta, Fdv2State(phase="block", block=st.block + 1, stopped=st.stopped)
         delta = self._decode_step(canvas, proposal, lo, hi)
         if not st.have_block_cache:
@@ -238,6 +240,8 @@ class Fdv2BatchConfig(Fdv2Config):
     pad_id: Optional[int] = None           # written after a finished row's stop id (null = the model's EOS)
     max_new_tokens: Optional[int] = None   # blocks = max_new_tokens // block_size + max(prompt) // block_size
                                            # (null: as many as the canvas holds)
+    right_padded: bool = False             # the canvas holds rows right-padded from column 0 (batch_canvas): batch
+                                           # them; false: one row at a time (the generic runners pad left)
 
 
 @dataclass(frozen=True)
@@ -288,8 +292,13 @@ class Fdv2Batch(Fdv2):
     token overwritten by its own AR token) and its error when every row finishes in an uncached first block are
     reproduced."""
 
-    max_batch = None
     unpadded_only = True        # rows start at column 0, right-padded with the mask id (batch_canvas)
+
+    @property
+    def max_batch(self):
+        """Batches only on a right-padded canvas (``right_padded: true`` with :func:`batch_canvas`); the generic
+        runners' left-padded batches are decoded one row at a time."""
+        return None if self.cfg.right_padded else 1
 
     def _lens(self, canvas) -> List[int]:
         return [int(n) for n in (canvas.step_of == 0).sum(-1).tolist()]
@@ -426,6 +435,9 @@ class Fdv2Batch(Fdv2):
             old = canvas.tokens[:, g0:E]
             full_commit = (new != old) & alive[:, None]
             delta = self.delta(canvas, _Proposal(None, g0, proposal.active), full_commit, tokens=new, finished=canvas.no_rows())
+            everyone = all(bool(f) for f, a in zip(fin.tolist(), alive.tolist()) if a)
+            if everyone:                   # no store follows: the rows are finished after this step
+                delta.finished = fin & alive
         else:
             delta = self.delta(canvas, _Proposal(None, lo, proposal.active), commit, tokens=tokens, finished=canvas.no_rows())
         delta.scalars["x_width"] = E
@@ -478,7 +490,8 @@ class Fdv2Batch(Fdv2):
         else:
             z = torch.zeros((B, 0), dtype=torch.bool, device=canvas.device)
             delta = self.delta(canvas, _Proposal(None, E, proposal.active), z, tokens=z.long(), finished=canvas.no_rows())
-        leaving = tuple(bool(f) and lv for f, lv in zip(st.finished, live))
+        final = b + 1 >= self._geo(canvas)[5]          # the last block: every live row is done after its store
+        leaving = tuple((bool(f) or final) and lv for f, lv in zip(st.finished, live))
         delta.finished = torch.tensor(leaving, device=canvas.device) | canvas.finished
         delta.finished_host = tuple(a or bb for a, bb in zip(canvas.finished_host, leaving))
         delta.block_events = [BlockEvent("completed", b, S, E), BlockEvent("stored", b, S, E)]

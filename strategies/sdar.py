@@ -173,6 +173,15 @@ class Sdar(BlockDiffusionStrategy):
             return self._quiet(canvas, proposal, s), evolve(st, phase="block", masks=-1)
         if d.store:                             # the store forward: nothing is written
             delta = self._quiet(canvas, proposal, s)
+            # the decode ends after this forward when it stored the last block or a stop id is in the generation:
+            # the row is finished here (the store forward is one of its forwards)
+            if e >= canvas.length:
+                delta.finished = ~canvas.finished
+            else:
+                ids = self._stop_ids(canvas)
+                if ids is not None:
+                    gen = canvas.tokens[:, canvas.gen_start:]
+                    delta.finished = torch.isin(gen, torch.tensor(ids, device=gen.device)).any(-1) & ~canvas.finished
             delta.block_events = [BlockEvent("completed", st.block, s, e), BlockEvent("stored", st.block, s, e)]
             return delta, SdarState(phase="block", block=st.block + 1, step=0, masks=-1)
         delta = self._decode_step(canvas, proposal, s, e, st)

@@ -165,3 +165,16 @@ def test_block_kv_pairs_only_with_store_forwards():
     S, sc = make("strategy", "block_buffer", block_length=4)
     C, cc = make("cache", "block_kv")
     assert "store_forwards" in incompatibility(S(sc, 32), C(cc))
+
+
+def test_sequence_metrics_count_the_last_store_forward(sdar, fdv2):
+    """The store forward after a row's last commit is one of its forwards: the row is marked finished after it."""
+    S, sc = make("strategy", "sdar", block_length=4, denoising_steps=4, top_k=1, stop_ids=[])
+    C, cc = make("cache", "block_kv")
+    res = run_prompts(sdar, [list(range(40, 50))], lambda: S(sc, 14), lambda: C(cc), gen_length=14, batch_size=1)
+    assert res.rows[0].nfe == 1 + (2 + 1) + 3 * (4 + 1)
+    F, fc = make("strategy", "fdv2", block_size=8, small_block_size=4, stop_token=5)     # (greedy: this decode never emits 5)
+    res = run_prompts(fdv2, [list(range(40, 50))], lambda: F(fc, 13), lambda: C(cc), gen_length=13, batch_size=1)
+    canvas = Canvas.from_prompts([list(range(40, 50))], 13, fdv2.mask_id, fdv2.pad_id)
+    decode(fdv2.model, canvas, F(fc, 13), cache=C(cc))
+    assert res.rows[0].nfe == canvas.nfe and not canvas.masked().any()
