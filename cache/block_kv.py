@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from dlm_engine.core.capabilities import Cap, caps
-from dlm_engine.core.kvcache import StoredKVCache
+from dlm_engine.core.kvcache import Cache, RowStore, StoredKVCache, keep_layer_rows
 from dlm_engine.core.protocol import Columns, ForwardCall
 from dlm_engine.core.registry import register_cache
 
@@ -33,17 +33,37 @@ class BlockKVCacheConfig:
 
 
 @register_cache("block_kv", BlockKVCacheConfig)
-class BlockKVCache(StoredKVCache):
+class BlockKVCache(Cache):
+    """Not a :class:`StoredKVCache` (whose calls may start from nothing stored and equal a full call with any
+    model): only the strategies' prefill and store forwards put columns in this store, and it is exact only with
+    block-causal models."""
+
     needs = caps(Cap.BLOCKS, Cap.BLOCK_HANDOVER, Cap.STORE_FORWARDS)
     offers = caps(Cap.BLOCK_LOGITS, Cap.BLOCK_KV)
-    extend_for_shift = False
+
+    def __init__(self, config: BlockKVCacheConfig = None):
+        super().__init__(config)
+        self.begin(None)
+
+    def begin(self, canvas) -> None:
+        self.k: dict = {}
+        self.v: dict = {}
+        self.store = RowStore()
+        self._span = None
+        self.on_reset()
+
+    def end(self, canvas) -> None:
+        self.k, self.v, self._span = {}, {}, None
+        self.store.reset()
+
+    def keep_rows(self, index: torch.Tensor) -> None:
+        keep_layer_rows(index, self.k, self.v)
 
     def on_reset(self) -> None:
         self.frozen = 0        # columns [0, frozen) hold stored, final keys/values
         self.written = 0       # columns [0, written) hold keys/values of some call (the block cache included)
 
-    def wants_refresh(self, call, d) -> bool:
-        return False
+    _write = StoredKVCache._write      # (write a call's fresh keys/values into the per-column store)
 
     @contextmanager
     def forward(self, call: ForwardCall):

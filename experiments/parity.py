@@ -295,7 +295,7 @@ def fdv2_batch_setup(case: dict) -> Setup:
         kw.pop(k, None)
     pad = int(kw.pop("tokenizer")["pad_token_id"])
     seq = list(case["kwargs"]["seq_len"])
-    conf = _config("fdv2_batch", dict(kw, pad_id=pad, right_padded=True))
+    conf = _config("fdv2_batch", dict(kw, pad_id=pad, right_padded=True, uncached_finish_error=True))
     return Setup("fdv2_batch", conf, cache="block_kv", per_row=True, events=True,
                  gen_length=batch_gen_length(seq, conf.max_new_tokens, conf.block_size))
 

@@ -240,6 +240,8 @@ class Fdv2BatchConfig(Fdv2Config):
     pad_id: Optional[int] = None           # written after a finished row's stop id (null = the model's EOS)
     max_new_tokens: Optional[int] = None   # blocks = max_new_tokens // block_size + max(prompt) // block_size
                                            # (null: as many as the canvas holds)
+    uncached_finish_error: bool = False    # the reference raises when every row finishes in a first block no
+                                           # store followed (TypeError); false: the decode just ends there
     right_padded: bool = False             # the canvas holds rows right-padded from column 0 (batch_canvas): batch
                                            # them; false: one row at a time (the generic runners pad left)
 
@@ -290,7 +292,7 @@ class Fdv2Batch(Fdv2):
     too) and then leaves the batch and the cache. There is no stop check inside a block. The prompt-block quirk
     applies when the shortest prompt is exactly one block; the reference's width quirk (a longer row's prompt
     token overwritten by its own AR token) and its error when every row finishes in an uncached first block are
-    reproduced."""
+    reproduced (the latter with ``uncached_finish_error: true``; by default such a decode just ends)."""
 
     unpadded_only = True        # rows start at column 0, right-padded with the mask id (batch_canvas)
 
@@ -380,7 +382,7 @@ class Fdv2Batch(Fdv2):
                                                      for r in rows)), None)
         if j is None:
             if all(st.finished[r] for r in rows):
-                if ks == 0 and not prefill and b == m // bs:
+                if c.uncached_finish_error and ks == 0 and not prefill and b == m // bs:
                     raise BlockDiffusionError("strategy=fdv2_batch: every row finished in the first block and no "
                                               "block was stored yet (the reference raises TypeError here)")
                 return None, evolve(st, phase="done")

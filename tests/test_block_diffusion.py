@@ -178,3 +178,25 @@ def test_sequence_metrics_count_the_last_store_forward(sdar, fdv2):
     canvas = Canvas.from_prompts([list(range(40, 50))], 13, fdv2.mask_id, fdv2.pad_id)
     decode(fdv2.model, canvas, F(fc, 13), cache=C(cc))
     assert res.rows[0].nfe == canvas.nfe and not canvas.masked().any()
+
+
+def test_batch_sample_uncached_finish_is_an_option(fdv2):
+    """Every row finishing in an uncached first block: the reference raises (reproduced on request), by default
+    the decode ends there."""
+    from dlm_engine.strategies._block_diffusion import BlockDiffusionError
+    from dlm_engine.strategies.fdv2 import batch_canvas, batch_gen_length
+
+    prompt = [808, 908, 545, 699, 513]                      # the fixtures' p0: finishes in its first block
+    gen = batch_gen_length([5], 32, 8)
+    kw = dict(block_size=8, small_block_size=8, threshold=0.9, stop_token=992, pad_id=990, max_new_tokens=32,
+              right_padded=True)
+    C, cc = make("cache", "block_kv")
+    for flag in (False, True):
+        S, sc = make("strategy", "fdv2_batch", uncached_finish_error=flag, **kw)
+        canvas = batch_canvas([prompt], gen, fdv2.mask_id, eos_id=fdv2.eos_id)
+        if flag:
+            with pytest.raises(BlockDiffusionError, match="every row finished in the first block"):
+                decode(fdv2.model, canvas, S(sc, gen), cache=C(cc))
+        else:
+            decode(fdv2.model, canvas, S(sc, gen), cache=C(cc))
+            assert canvas.nfe == 2 and 992 in canvas.tokens[0, 5:8].tolist()
