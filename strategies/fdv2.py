@@ -295,12 +295,12 @@ class Fdv2Batch(Fdv2):
     reproduced (the latter with ``uncached_finish_error: true``; by default such a decode just ends)."""
 
     unpadded_only = True        # rows start at column 0, right-padded with the mask id (batch_canvas)
+    max_batch = 1               # the generic runners' left-padded batches: one row at a time (see validate)
 
-    @property
-    def max_batch(self):
-        """Batches only on a right-padded canvas (``right_padded: true`` with :func:`batch_canvas`); the generic
-        runners' left-padded batches are decoded one row at a time."""
-        return None if self.cfg.right_padded else 1
+    def validate(self) -> None:
+        super().validate()
+        if self.cfg.right_padded:   # a right-padded canvas (batch_canvas) is decoded as one batch
+            self.max_batch = None
 
     def _lens(self, canvas) -> List[int]:
         return [int(n) for n in (canvas.step_of == 0).sum(-1).tolist()]
