@@ -110,6 +110,8 @@ def finish_step(steps: np.ndarray, finished: np.ndarray, step_of: np.ndarray) ->
     happened (the decode stopped with positions still masked), its last step. A strategy that keeps rewriting
     written tokens after its last masked position is filled (LLaDA2.1's post-edit steps: a step that writes
     nothing may end it) marks its finish explicitly: a finish after its last write then stands.
+    A block-diffusion strategy marks its finish after the store forward that follows its last commit: that
+    forward is one of the sequence's.
     """
     candidates = []
     hit = np.flatnonzero(np.asarray(finished, dtype=bool))

@@ -12,8 +12,8 @@ from typing import FrozenSet, Iterable, Optional
 
 
 class Cap(str, Enum):
-    """One capability (described in ``_DOCS``). Strategies offer and caches need ``BLOCKS`` and
-    ``BLOCK_HANDOVER``; caches offer and strategies need the others."""
+    """One capability (described in ``_DOCS``). Strategies offer and caches need ``BLOCKS``,
+    ``BLOCK_HANDOVER`` and ``STORE_FORWARDS``; caches offer and strategies need the others."""
 
     BLOCKS = "blocks"
     BLOCK_HANDOVER = "block_handover"
@@ -21,6 +21,8 @@ class Cap(str, Enum):
     SUFFIX_LOGITS = "suffix_logits"
     WINDOW_LOGITS = "window_logits"
     AUX_COLUMNS = "aux_columns"
+    BLOCK_KV = "block_kv"
+    STORE_FORWARDS = "store_forwards"
 
     @property
     def doc(self) -> str:
@@ -34,6 +36,10 @@ _DOCS = {
     Cap.SUFFIX_LOGITS: "valid logits from the block start to the end of the canvas",
     Cap.WINDOW_LOGITS: "valid logits for any window, whatever the block",
     Cap.AUX_COLUMNS: "extra query columns appended after the canvas",
+    Cap.STORE_FORWARDS: "a completed block is stored by a forward over its final tokens and every step names its "
+                        "mask's block size (the block-diffusion references' prefill and store forwards)",
+    Cap.BLOCK_KV: "a call may query part of its block against the stored prefix and the block's stored slots "
+                  "(CacheDirective.query / key_start)",
 }
 
 Caps = FrozenSet[Cap]
@@ -66,4 +72,27 @@ def _incompatibility(strategy, cache) -> Optional[str]:
     if lack:
         what = "; ".join(f"'{c.value}' ({c.doc})" for c in sorted(lack, key=lambda c: c.value))
         return f"strategy={s_name} does not provide what cache={c_name} needs: {what}"
+    return None
+
+
+def model_incompatibility(strategy, model) -> Optional[str]:
+    """Why ``strategy`` cannot decode with ``model`` (None = it can). A block-diffusion model (``block_diffusion``
+    true: block-causal attention, blocks of ``block_size``) needs a strategy that decodes block by block (offers
+    ``blocks``) with the model's block size, unless the strategy sets the mask's blocks itself
+    (``sets_attention_blocks``: the block-diffusion references)."""
+    if not getattr(model, "block_diffusion", False) or getattr(strategy, "sets_attention_blocks", False):
+        return None
+    name = getattr(strategy, "name", type(strategy).__name__)
+    size = int(model.block_size)
+    mtype = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+    if Cap.BLOCKS not in strategy.offers:
+        return (f"strategy={name} needs bidirectional attention over the whole generation, which the block-causal "
+                f"model ({mtype}, blocks of {size}) lacks: use a block-by-block strategy (one that offers "
+                f"'{Cap.BLOCKS.value}') with strategy.block_length={size}")
+    length = getattr(strategy, "block_length", None)
+    if length is None:
+        length = getattr(getattr(strategy, "cfg", None), "block_length", None)
+    if length is not None and int(length) != size:
+        return (f"strategy.block_length={length} conflicts with the block size of the block-causal model "
+                f"({mtype}: {size}); set strategy.block_length={size}")
     return None

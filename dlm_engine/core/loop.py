@@ -10,13 +10,14 @@ from typing import Iterable, Optional, Tuple
 import torch
 
 from dlm_engine.core.canvas import NO_MODEL_INFO, Canvas, FrameDelta, ModelInfo
+from dlm_engine.core.capabilities import model_incompatibility
 from dlm_engine.core.protocol import CallRequest, ForwardCall
 from dlm_engine.core.registry import cache_class
 from dlm_engine.core.rows import ActiveRows, call_rows, expand_proposal, full_batch, idle_proposal, recomputed_rows
 from dlm_engine.core import sampler
 from dlm_engine.core.sampler import Proposal, propose
 from dlm_engine.core.strategy import StepPlan, Strategy
-from dlm_engine.errors import check_finite_logits
+from dlm_engine.errors import ConfigError, check_finite_logits
 
 
 
@@ -132,6 +133,9 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
     if strategy.max_batch is not None and canvas.batch_size > strategy.max_batch:
         raise ValueError(f"strategy '{strategy.name}' decodes at most {strategy.max_batch} row(s) at a time "
                          f"(max_batch); this canvas has {canvas.batch_size}: split the batch (decode_batch does)")
+    problem = model_incompatibility(strategy, model)
+    if problem is not None:
+        raise ConfigError(problem)
     if cache is None:
         cache = cache_class("none")()
     if canvas.model_info is NO_MODEL_INFO or canvas.model_info == NO_MODEL_INFO:

@@ -51,10 +51,15 @@ class CacheDirective:
     step_in_block: int = 0
     store: List[Tuple[int, int]] = field(default_factory=list)
     stored: List[Tuple[int, int]] = field(default_factory=list)
-    block_size: Optional[int] = None      # block-causal models without a fixed block size (LLaDA2) attend with this
     row_blocks: Optional[Any] = None
     row_block_start: Optional[Any] = None
     row_step_in_block: Optional[Any] = None
+    # block-diffusion models (Fast-dLLM v2, SDAR, LLaDA2): the block size of this call's block-causal mask (None =
+    # the model's own), the columns the call queries when only part of the block is (a sub-block; None = ``block``)
+    # and the first column its keys may come from (0 = all; a reference that never attends the prompt sets more)
+    attention_block: Optional[int] = None
+    query: Optional[Tuple[int, int]] = None
+    key_start: int = 0
 
 
 @dataclass
@@ -151,7 +156,11 @@ class ForwardCall:
     logits_shift: int = 0                         # set by the model: column j's logits come from hidden j - shift
     attention_mode: str = "bidirectional"         # set by the model: bidirectional | block_causal
     block_size: Optional[int] = None              # set by the model: block-causal block size
-    block_origin: Optional[int] = None            # set by the model: column where block 0 starts (None = gen_start)
+    block_origin: Optional[int] = None            # set by the model: column where block 0 starts (None: the
+                                                  # generation start, the prompt is block -1; 0: absolute blocks)
+    shift_floor: Optional[int] = None             # set by the model: for a shifted model, column ``shift_floor``
+                                                  # reads its own hidden state (the block-diffusion references
+                                                  # shift within the queried block); None = 0
     logits: Optional[torch.Tensor] = None         # [B, hi - lo, V], set by the model (zeros where not valid)
     valid: Optional[torch.Tensor] = None          # [B, hi - lo] bool: logits computed in this call; None = all
     aux_logits: Optional[torch.Tensor] = None     # [B, W_aux, V] logits of request.aux

@@ -125,7 +125,7 @@ def attention_mask(call: ForwardCall, q_cols: torch.Tensor, k_cols: Optional[tor
         size = int(call.block_size or 0)
         if size <= 0:
             raise ValueError("block_causal attention needs a block size (config.block_causal_size)")
-        origin = call.gen_start if call.block_origin is None else call.block_origin
+        origin = call.gen_start if call.block_origin is None else int(call.block_origin)
 
         def block_id(c: torch.Tensor) -> torch.Tensor:
             return torch.where(c < origin, torch.full_like(c, -1), torch.div(c - origin, size, rounding_mode="floor"))
@@ -133,6 +133,11 @@ def attention_mask(call: ForwardCall, q_cols: torch.Tensor, k_cols: Optional[tor
         kb = block_id(k_cols)
         kb = kb[None, None, :] if kb.dim() == 1 else kb[:, None, :]
         bc = (kb <= block_id(q_cols)[:, :, None])[:, None]
+        d = call.directive
+        ks = int(d.key_start) if d is not None else 0
+        if ks > 0:          # columns before key_start are seen by no query at or after it (a reference quirk)
+            kc = k_cols[None, None, :] if k_cols.dim() == 1 else k_cols[:, None, :]
+            bc = bc & ((kc >= ks) | (q_cols[:, :, None] < ks))[:, None]
         mask = bc if mask is None else (mask & bc)
     return mask
 
@@ -241,7 +246,8 @@ def window_logits(call: ForwardCall, h: torch.Tensor, head: Callable[[torch.Tens
         return
     if cols.is_span:
         s, e = cols.start, cols.end
-        a, b = max(lo - shift, 0), max(hi - 1 - shift, 0) + 1          # the hidden states the window reads
+        floor = call.shift_floor or 0                                  # column `floor` reads its own hidden state
+        a, b = max(lo - shift, floor), max(hi - 1 - shift, floor) + 1  # the hidden states the window reads
         if s <= a and b <= e:                                           # all computed: the common case
             out = head(h[:, a - s:b - s])
             if b - a != hi - lo:                                       # column 0 of a shifted model reads hidden 0 twice
@@ -249,7 +255,7 @@ def window_logits(call: ForwardCall, h: torch.Tensor, head: Callable[[torch.Tens
             call.logits, call.valid = out, None
             return
     j = torch.arange(lo, hi)
-    src = (j - shift).clamp_min(0)
+    src = (j - shift).clamp_min(call.shift_floor or 0)
     if cols.is_span:
         ok = (src >= s) & (src < e)
         out = h.new_zeros((B, hi - lo, vocab))

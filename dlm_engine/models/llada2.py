@@ -8,7 +8,7 @@ What differs from LLaDA-8B:
   value heads, ``head_dim`` rows each), a per-head RMSNorm of queries and keys (one weight shared by all heads,
   *before* RoPE), **partial RoPE** on the first ``head_dim * partial_rotary_factor`` channels of each head, GQA;
 * **block-causal attention** with blocks aligned to absolute column 0 (position ``i`` sees ``j`` iff
-  ``j // bl <= i // bl``); the block size is the decoding's (``CacheDirective.block_size``, else
+  ``j // bl <= i // bl``); the block size is the decoding's (``CacheDirective.attention_block``, else
   ``config.block_size``, 32 = the reference ``generate``'s default);
 * **MoE feed-forward** after the first ``first_k_dense_replace`` dense layers: a sigmoid router computed in
   float32, whose ``expert_bias`` decides the *selection* only (group-limited top-k: ``n_group`` groups scored by
@@ -365,11 +365,11 @@ class LLaDA2MoeModelLM(DiffusionLMMixin, PreTrainedModel):
         block_size: Optional[int] = None,
     ) -> ForwardCall:
         """Logits for the columns ``logits_range`` (default: all). The block-causal block size is ``block_size``,
-        else the step's ``CacheDirective.block_size``, else ``config.block_size``; blocks start at column 0."""
+        else the step's ``CacheDirective.attention_block``, else ``config.block_size``; blocks start at column 0."""
         hooks = NULL_HOOKS if hooks is None else hooks
         call = new_call(input_ids, attention_mask, position_ids, logits_range, request, _positions)
         d = call.request.directive
-        size = block_size or (d.block_size if d is not None and d.block_size else None) or self.config.block_size
+        size = block_size or (d.attention_block if d is not None and d.attention_block else None) or self.config.block_size
         call.attention_mode, call.block_size, call.block_origin = "block_causal", int(size), 0
         # columns in blocks after the window's last one cannot influence it: leave them out (the reference forwards
         # x[:, :window_end] too); a cache may still choose its own span

@@ -107,6 +107,16 @@ CONFIG_FIELDS = {
                    "use_qkv_bias": ("bool", False, None), "use_bias": ("bool", False, None),
                    "use_qk_norm": ("bool", False, None), "hidden_act": ("str", False, None)},
 }
+_QWEN_BD = {"hidden_size": ("pos", True, _DIM), "num_attention_heads": ("pos", True, _DIM),
+            "num_key_value_heads": ("pos", False, _DIM), "num_hidden_layers": ("pos", True, _LAYERS),
+            "intermediate_size": ("pos", True, 1 << 20), "vocab_size": ("pos", True, _VOCAB),
+            "head_dim": ("pos", False, 1 << 12), "max_position_embeddings": ("pos", False, _POS),
+            "rope_theta": ("real", False, None), "rms_norm_eps": ("real", False, None),
+            "initializer_range": ("nonneg", False, None), "mask_token_id": ("id", False, None),
+            "pad_token_id": ("id", False, None), "bos_token_id": ("id", False, None),
+            "tie_word_embeddings": ("bool", False, None), "hidden_act": ("str", False, None)}
+CONFIG_FIELDS["Fast_dLLM_Qwen"] = dict(_QWEN_BD, bd_size=("pos", False, _POS), eos_token_id=("id", False, None))
+CONFIG_FIELDS["sdar"] = dict(_QWEN_BD, block_size=("pos", False, _POS), eos_token_id=("id", False, None))
 
 
 def check_config_json(raw: dict, where: str) -> None:
@@ -147,7 +157,7 @@ def check_config_json(raw: dict, where: str) -> None:
             raise bad(key, f"is outside the vocabulary (0..{vocab - 1})")
     heads, dim, kv = (("n_heads", "d_model", "n_kv_heads") if raw["model_type"] == "llada"
                       else ("num_attention_heads", "hidden_size", "num_key_value_heads"))
-    if raw[dim] % raw[heads]:
+    if raw.get("head_dim") is None and raw[dim] % raw[heads]:
         raise bad(dim, f"is not divisible by {heads}={raw[heads]}")
     if raw.get(kv) is not None and raw[heads] % raw[kv]:
         raise bad(heads, f"is not a multiple of {kv}={raw[kv]}")
