@@ -50,6 +50,7 @@ class BlockKVCache(Cache):
         self.v: dict = {}
         self.store = RowStore()
         self._span = None
+        self._rows_mask = None       # every row writes its whole span (StoredKVCache._write's per-row mask: unused)
         self.on_reset()
 
     def end(self, canvas) -> None:
