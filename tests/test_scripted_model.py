@@ -22,7 +22,21 @@ SETTINGS = {
     "dream": dict(steps=8, block_length=8),
     "cadllm": dict(initial_block_length=8, min_block=4, max_block=8),
     "block_buffer": dict(block_length=4, buffer_size=2),
+    "sdar": dict(block_length=8, temperature=1.0, top_k=1),      # SDAR has no greedy mode: top-1 sampling is one
 }
+
+
+# strategies that rewrite written tokens (T2T edits): the script depends on the token a column holds, so an edit
+# moves a column off the argmax of the masked canvas by design; they are checked for an unmasked end and, under
+# every cache, for the trajectory of the uncached decode
+EDITING = {"edit"}
+# a strategy with blocks aligned at column 0 on a shifted-logit model under block_store: the first generated
+# column's logits come from the prompt's last column, which the store has frozen (known gap, issue 45 notes)
+# (the real shifted block-diffusion model, Fast-dLLM v2, shifts within the queried block instead: parity suites)
+KNOWN = {(n, c, 1) for n in ("llada2", "edit", "fdv2", "fdv2_batch", "sdar") for c in ("block_store", "block_kv")}
+# edits under d2Cache on a shifted-logit model leave the trajectory of the uncached decode: the cache does not yet
+# recompute a column whose token an edit changed (issue 48, item 4)
+KNOWN |= {("edit", "d2cache", 1)}
 
 
 def make(name):
@@ -92,11 +106,14 @@ def test_every_strategy_with_every_cache_decodes_the_script(name, cache, shift):
     rows, marks computed columns invalid (or the reverse), or a strategy that loses or repeats a column, shows
     here in a fraction of a second, with LLaDA's logits and with a shifted-logit model's (Dream: the span caches
     recompute one more column). (Staleness itself needs a real model: the parity suites.)"""
+    if (name, cache, shift) in KNOWN:
+        pytest.xfail("a known gap (see KNOWN)")
     script = random_script()
     model = ScriptedModel(script, V, shift=shift)
     canvas = run(model, name, cache)
     assert not canvas.masked()[:, canvas.gen_start:].any()
-    assert torch.equal(canvas.tokens[:, canvas.gen_start:], script_argmax(script, canvas))
+    if name not in EDITING:
+        assert torch.equal(canvas.tokens[:, canvas.gen_start:], script_argmax(script, canvas))
     if cache != "none":
         alone = run(ScriptedModel(script, V, shift=shift), name, "none")
         assert torch.equal(canvas.step_of, alone.step_of) and torch.equal(canvas.row_nfe, alone.row_nfe)
@@ -106,13 +123,16 @@ def test_every_strategy_with_every_cache_decodes_the_script(name, cache, shift):
 def test_every_strategy_at_a_small_vocabulary(name):
     script, vocab = random_script(seed=1), 64
     canvas = run(ScriptedModel(script, vocab), name, "none", vocab)
-    assert torch.equal(canvas.tokens[:, canvas.gen_start:], script_argmax(script, canvas, vocab))
+    assert not canvas.masked()[:, canvas.gen_start:].any()
+    if name not in EDITING:
+        assert torch.equal(canvas.tokens[:, canvas.gen_start:], script_argmax(script, canvas, vocab))
     assert int(canvas.nfe) >= 1
 
 
 @pytest.mark.parametrize("cache", [c for c in CACHES.names() if c != "none"])
 def test_every_cache_computes_fewer_positions(cache):
-    name = next(n for n, c in sorted(pairs(), key=lambda p: p[0] != "low_confidence") if c == cache)
+    order = {"low_confidence": 0, "sdar": 1}        # fdv2's uncached forwards already stop at the block's end
+    name = next(n for n, c in sorted(pairs(), key=lambda p: order.get(p[0], 2)) if c == cache)
     full, cached = ScriptedModel(random_script(), V), ScriptedModel(random_script(), V)
     run(full, name, "none")
     run(cached, name, cache)
