@@ -151,7 +151,7 @@ def compose_dlm(argv, monkeypatch):
     from dlm_engine.sweeps.grid import config_loader, expand
 
     monkeypatch.setattr(dlm_engine.models.checkpoint, "check_checkpoint", lambda model: None)
-    monkeypatch.setattr(dlm_engine.app.inputs, "read_prompts_file", lambda path: None)
+    monkeypatch.setattr(dlm_engine.app.inputs, "read_prompts_file", lambda path: ["1+1="])     # (a one-prompt file)
     overrides, multirun, i = [], False, 0
     while i < len(argv):
         a = argv[i]
