@@ -96,12 +96,13 @@ def test_malformed_checkpoint_is_reported_before_loading(tmp_path):
 
 @pytest.mark.parametrize("args, line", [
     (["strategy=treshold"], "strategy=treshold: no such strategy (choose from ar, block_buffer, cadllm, certainty_prior, d2c, "
-                            "dream, early_exit, eb_sampler, factor, klass, low_confidence, pc_sampler, threshold, wino); "
+                            "dream, early_exit, eb_sampler, edit, factor, fdv2, fdv2_batch, klass, llada2, "
+                            "low_confidence, pc_sampler, sdar, threshold, wino); "
                             "did you mean strategy=threshold?"),
     (["strategy=threshold", "strategy.treshold=0.5"], "strategy.treshold: unknown key; did you mean strategy.threshold?"),
     (["gen_lenght=8"], "gen_lenght: unknown key; did you mean gen_length?"),
     (["gen_length=abc"], "gen_length: Value 'abc' of type 'str' could not be converted to Integer"),
-    (["cache=dul"], "cache=dul: no such cache (choose from block_store, d2cache, dllm, dual, none, prefix); did you mean cache=dual?"),
+    (["cache=dul"], "cache=dul: no such cache (choose from block_kv, block_store, d2cache, dllm, dual, none, prefix); did you mean cache=dual?"),
 ])
 def test_hydra_config_errors_are_one_line_with_a_suggestion(tmp_path, args, line):
     proc, out = _run(tmp_path, *args)

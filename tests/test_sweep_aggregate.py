@@ -214,7 +214,7 @@ def test_presets_expand_to_valid_jobs(preset, n, keys):
     if preset == "caches":
         from dlm_engine.core.registry import CACHES
 
-        assert {c.cache.name for c in configs} == set(CACHES) - {"block_store"}    # every cache threshold pairs with
+        assert {c.cache.name for c in configs} == set(CACHES) - {"block_store", "block_kv"}    # every one threshold pairs with
     if preset == "all_strategies":
         from dlm_engine.core.registry import STRATEGIES
 
@@ -243,7 +243,7 @@ def test_every_job_is_checked_before_the_first_one_runs(tmp_path):
     """Bad values and unsupported strategy x cache pairs are reported together, and nothing runs."""
     d = tmp_path / "sw"
     proc = run_dlm(["-m", f"hydra.sweep.dir={d}", "strategy=threshold", "strategy.block_length=5,8",
-                    "cache=glob([n*,p*,b*])", 'prompts=["12+34="]', "gen_length=16", "device=cpu",
+                    "cache=glob([n*,p*,block_s*])", 'prompts=["12+34="]', "gen_length=16", "device=cpu",
                     "trace.record=false"], cwd=tmp_path)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
@@ -259,9 +259,9 @@ def test_every_job_is_checked_before_the_first_one_runs(tmp_path):
 
 @pytest.mark.slow
 def test_glob_sweep_of_valid_jobs_runs_clean(tmp_path):
-    """The glob() example of docs/sweeps.md: every cache the strategy supports (block_store excluded)."""
+    """The glob() example of docs/sweeps.md: every cache the strategy supports (the block stores excluded)."""
     d = tmp_path / "sw"
-    proc = run_dlm(["-m", f"hydra.sweep.dir={d}", "strategy=threshold", "cache=glob(*,exclude=block_store)",
+    proc = run_dlm(["-m", f"hydra.sweep.dir={d}", "strategy=threshold", "cache=glob(*,exclude=[block_store,block_kv])",
                     'prompts=["12+34="]', "device=cpu", "trace.record=false"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     with open(d / "sweep.csv") as f:

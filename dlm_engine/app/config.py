@@ -144,11 +144,11 @@ def register_configs() -> None:
 INT64_MAX = (1 << 63) - 1
 
 
-def check_known_keys(cfg) -> None:
+def check_known_keys(cfg, schema=None) -> None:
     """Every key of the composed config is a field of its schema. Hydra's schemas reject a misspelt key, but one
     added with ``+`` (``+strategy.treshold=0.7``, or the Python API's overrides) is taken as it is: it would be
     recorded in summary.json while decoding at the default. Raises ConfigError naming the key (with a "did you
-    mean")."""
+    mean"). ``schema``: the dataclass of the top level (default :class:`RunConfig`; ``dlm-serve``'s extends it)."""
     import dataclasses
 
     from dlm_engine.app.compose import _suggest
@@ -167,7 +167,7 @@ def check_known_keys(cfg) -> None:
                                                             if hint else f" (keys of {where or 'the run config'}: "
                                                             f"{', '.join(keys)})"))
 
-    check(cfg, fields(RunConfig), "", also=("hydra",))   # (a sweep's checks compose the jobs with Hydra's node)
+    check(cfg, fields(schema or RunConfig), "", also=("hydra",))   # (a sweep's checks compose the jobs with Hydra's node)
     groups = {"model": ModelConfig, "trace": TraceConfig, "task": TaskConfig}
     try:
         groups["strategy"] = strategy_class(str(cfg.strategy.name)).Config

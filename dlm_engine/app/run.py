@@ -30,11 +30,12 @@ def build_cache(cfg: DictConfig):
     return lambda: cls(conf)
 
 
-def validate(cfg: DictConfig):
-    """Every check that needs no model; raises ConfigError naming the key."""
+def validate(cfg: DictConfig, schema=None):
+    """Every check that needs no model; raises ConfigError naming the key. ``schema``: the top level's dataclass
+    when not ``dlm``'s RunConfig (``dlm-serve``)."""
     from dlm_engine.app.config import check_known_keys, check_values
 
-    check_known_keys(cfg)  # keys added with `+` that no schema has (a typo would be recorded, not applied)
+    check_known_keys(cfg, schema)  # keys added with `+` that no schema has (a typo would be recorded, not applied)
     check_values(cfg)  # NaN/inf floats, integers beyond 64 bits, seed range
     if cfg.gen_length <= 0:
         raise ConfigError(f"gen_length={cfg.gen_length} must be a positive integer")

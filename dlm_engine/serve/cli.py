@@ -29,14 +29,14 @@ def build_server(cfg: DictConfig, out_dir, overrides=()):
     from dlm_engine.app.api import load_model
     from dlm_engine.app.run import validate
     from dlm_engine.serve.app import Server
-    from dlm_engine.serve.config import RequestConfigs, base_overrides, check_server
+    from dlm_engine.serve.config import RequestConfigs, ServeConfig, base_overrides, check_server
     from dlm_engine.serve.engine import Engine
     from dlm_engine.serve.metrics import ServeMetrics
 
     check_server(cfg)
     configs = RequestConfigs(base_overrides(list(overrides)), cfg)
     base = configs.get({})                 # the server's own decoding config, composed as a request's is
-    validate(cfg)
+    validate(cfg, ServeConfig)
     torch.manual_seed(int(cfg.seed))
     lm = load_model(base.model, base.device, base.dtype)
     with torch.inference_mode():           # a first forward before the first request (allocations, kernels)
