@@ -478,6 +478,9 @@ def test_every_strategy_and_cache_batched_by_the_engine_equals_decoding_alone(sr
         eng.max_wait = wait
 
 
+GREEDY = {"sdar": {"top_k": 1}}       # SDAR samples by default (no greedy mode): top-1 is its greedy decode
+
+
 def check_pairs(server, eng, ids):
     from test_batch_invariance import SETTINGS
 
@@ -491,7 +494,7 @@ def check_pairs(server, eng, ids):
     checked, batched = 0, 0
     for name in STRATEGIES.names():
         cls = strategy_class(name)
-        opts = SETTINGS.get(name, {})
+        opts = dict(SETTINGS.get(name, {}), **GREEDY.get(name, {}))
         for cache, ccls in CACHES.items():
             if incompatibility(cls(cls.Config(**opts), 16), ccls()) is not None:
                 continue
