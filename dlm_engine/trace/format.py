@@ -29,7 +29,7 @@ import zstandard as zstd
 from ..errors import UserError
 
 MAGIC = b"\x89DLMT\r\n\x1a"          # PNG-style: catches text-mode transfers and truncated starts
-VERSION = (2, 0)                    # major, minor of what this version writes
+VERSION = (2, 1)                    # major, minor of what this version writes
 READ_MAJORS = (1, 2)                # majors this version reads (any minor of each)
 PREAMBLE = MAGIC + struct.pack("<HH", *VERSION)
 REC_HEAD = struct.Struct("<BII")    # kind, length, crc32

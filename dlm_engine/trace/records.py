@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import re
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -415,6 +416,9 @@ def batch_defaults(header: Dict[str, Any]) -> Tuple[Dict[str, Any], Optional[byt
     strategy = cfg.get("strategy") if isinstance(cfg.get("strategy"), dict) else {}
     info = {"strategy": strategy["name"]} if isinstance(strategy.get("name"), str) else {}
     rng = header.get("rng") if isinstance(header.get("rng"), dict) else {}
+    if "fingerprint" in rng:        # 2.1: written (the CPU state itself may be left out: torch_cpu_seed)
+        fp = rng["fingerprint"]
+        return info, (bytes.fromhex(fp) if isinstance(fp, str) and re.fullmatch(r"[0-9a-f]{16}", fp) else None)
     try:
         state = b"".join(base64.b64decode(rng[k], validate=True) for k in ("torch_cpu_b64", "torch_cuda_b64")
                          if isinstance(rng.get(k), str))
