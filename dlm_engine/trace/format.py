@@ -30,7 +30,7 @@ from ..errors import UserError
 
 MAGIC = b"\x89DLMT\r\n\x1a"          # PNG-style: catches text-mode transfers and truncated starts
 VERSION = (2, 1)                    # major, minor of what this version writes
-READ_MAJORS = (1, 2)                # majors this version reads (any minor of each)
+READ_MAJORS = (2,)                  # majors this version reads (any minor of each)
 PREAMBLE = MAGIC + struct.pack("<HH", *VERSION)
 REC_HEAD = struct.Struct("<BII")    # kind, length, crc32
 MAX_PAYLOAD = 1 << 31               # bound on one record's payload (compressed or not)
@@ -1253,12 +1253,6 @@ def decode_seq(buf: bytes, lim: Optional[SeqLimits] = None) -> SeqData:
         pos += ln
         tok = unplanes(raw, L, tb)
         zs = unplanes(raw, L, sb, offset=L * tb)
-    elif layout == 0:
-        tok, pos = decode_ints(buf, pos, L)
-        zs, pos = decode_ints(buf, pos, L)
-    elif layout == 2:
-        tok, pos = _decode_dict(buf, pos, L, as_col=False)
-        zs, pos = decode_ints(buf, pos, L)
     elif layout == 4:
         tok, pos = _decode_tokens(buf, pos, L)
         step_of, pos = _decode_steps(buf, pos, L, lim.max_step)

@@ -1,11 +1,10 @@
-"""Binary payloads of the 2.x batch, steps, batch-end and end records (``docs/trace_format.md``).
+"""Binary payloads of the batch, steps, batch-end and end records (``docs/trace_format.md``): varints and
+column streams, so a batch of one row and 128 steps costs a few hundred bytes in all (format 1.x wrote them as
+zstd-compressed JSON bundles, whose keys, index and frame cost more than the decode they described; 2.x
+readers refuse 1.x files).
 
-Format 1.x wrote these records as zstd-compressed JSON bundles: at batch 1 the JSON keys, the array index and
-one zstd frame per record cost more than the decode they describe. Format 2.x writes them as varints and
-column streams, so a batch of one row and 128 steps costs a few hundred bytes in all.
-
-Decoders return the same ``(meta, arrays)`` dictionaries the 1.x bundles held, so the reader checks both
-layouts with the same code. Every decoder reads through a :class:`Cursor`: each count is checked against a
+Decoders return ``(meta, arrays)`` dictionaries (a step table as named arrays: ``wall_dus``, ``nfe``, ...),
+which the reader checks. Every decoder reads through a :class:`Cursor`: each count is checked against a
 caller-given bound before anything is allocated, every allocation of a step table is charged against the
 record's byte budget, and anything malformed raises :class:`TraceError`.
 """
@@ -296,7 +295,7 @@ def encode_table(meta: Dict[str, Any], arrays: Dict[str, np.ndarray], wall_base:
 
 def decode_table(cur: Cursor, B: int, max_n: int, max_step: int, array_budget, index_budget
                  ) -> Tuple[Dict[str, Any], Dict[str, np.ndarray]]:
-    """A step table of a batch of ``B`` rows, to the end of the cursor, as the 1.x ``(meta, arrays)``.
+    """A step table of a batch of ``B`` rows, to the end of the cursor, as ``(meta, arrays)``.
 
     ``array_budget(n)`` / ``index_budget(n)``: the bytes its arrays / its text may take for ``n`` steps."""
     first = cur.varint("steps record start", max_step)
