@@ -19,7 +19,7 @@ from typing import Dict, List, Tuple
 import numpy as np
 
 from dlm_engine.trace import format as fmt
-from dlm_engine.trace import records
+from dlm_engine.trace import framing, records, sequence
 from dlm_engine.trace.reader import SLACK, check_header, scan_frames
 
 Rec = Tuple[int, bytes]          # (kind, payload)
@@ -487,7 +487,7 @@ def crafted_v2(base: bytes) -> Dict[str, bytes]:
     s0 = fmt.decode_seq(recs[_kinds(recs, fmt.SEQ)[0]][1])
     L = int(s0.tokens.shape[0])
     tok = b"\x00" + ints(s0.tokens)
-    order = fmt._commit_order(s0.step_of, fmt.ZSTD_LEVEL)
+    order = sequence._commit_order(s0.step_of, fmt.ZSTD_LEVEL)
     assert order is not None
     ohead, vals, radix = order
     layout = seq_payload(s0.row, L, s0.nfe, s0.finish_step, 0, b"\x04" + tok)
@@ -498,7 +498,7 @@ def crafted_v2(base: bytes) -> Dict[str, bytes]:
     bad = list(vals)
     bad[-1] = radix[-1]
     out["sequence: commit order rank out of range"] = _with(recs, qi, layout + b"\x03" + ohead + ints(bad))
-    out["sequence: commit order with a value left over"] = _with(recs, qi, layout + b"\x02" + ohead + fmt._pack_radix(
+    out["sequence: commit order with a value left over"] = _with(recs, qi, layout + b"\x02" + ohead + sequence._pack_radix(
         vals[:-1] + [vals[-1] + radix[-1] * 7], radix[:-1] + [radix[-1] * 8]))
     out["sequence: unknown step coding"] = _with(recs, qi, layout + b"\x07")
     out["sequence: unknown token coding"] = _with(recs, qi, seq_payload(s0.row, L, s0.nfe, s0.finish_step, 0, b"\x04\x07"))
@@ -588,7 +588,7 @@ def _retype(meta, arrays) -> bytes:
     index, blobs = [], []
     for name, a in arrays.items():
         a = np.ascontiguousarray(a)
-        code = "b1" if name in ("active", "finished") else fmt._dtype_code(a)
+        code = "b1" if name in ("active", "finished") else framing._dtype_code(a)
         index.append([name, code, list(a.shape)])
         blobs.append(a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes())
     js = json.dumps({"m": meta, "a": index}, separators=(",", ":")).encode()

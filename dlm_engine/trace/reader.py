@@ -27,7 +27,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 import numpy as np
 
 from . import format as fmt
-from . import records
+from . import framing, records
 from .format import SeqData, TraceError, check_float, check_int, check_type
 
 _TEXT_LOCK = threading.Lock()     # loading a trace's text decoder (Trace.tokenizer)
@@ -129,7 +129,7 @@ def check_header(h: Any) -> Limits:
     cap = h.get("capture") or {}
     level = cap.get("level", "tokens")
     if level not in fmt.CAPTURE_LEVELS:
-        raise TraceError(f"header field 'capture.level' is {fmt._show(level)}, not one of {', '.join(fmt.CAPTURE_LEVELS)}")
+        raise TraceError(f"header field 'capture.level' is {framing._show(level)}, not one of {', '.join(fmt.CAPTURE_LEVELS)}")
     topk = None
     if level in ("topk", "logits"):
         topk = check_int(cap.get("topk"), "header field 'capture.topk'", 1, MAX_TOPK)
@@ -315,7 +315,7 @@ class BatchInfo:
             raise TraceError(f"batch {self.index}: unexpected arrays")
         self.prompt_tokens = arrays["prompt_tokens"]
         self.prompt_mask = arrays["prompt_mask"]
-        fmt._in_range(self.prompt_tokens, 0, lim.vocab - 1, f"batch {self.index}: prompt token id")
+        fmt.in_range(self.prompt_tokens, 0, lim.vocab - 1, f"batch {self.index}: prompt token id")
 
     @property
     def complete(self) -> bool:
@@ -357,13 +357,13 @@ def check_steps(meta: dict, arrays: dict, b: BatchInfo, lim: Limits) -> int:
     else:
         s0 = check_int(meta.get("step0"), "steps record step0", 0, lim.max_steps)
         steps = np.arange(s0, s0 + n, dtype=np.int64)
-    fmt._in_range(steps, 0, lim.max_steps, f"batch {b.index}: step")
+    fmt.in_range(steps, 0, lim.max_steps, f"batch {b.index}: step")
     if n > 1 and not (np.diff(steps) > 0).all():
         raise TraceError(f"steps record of batch {b.index}: steps are not increasing")
-    fmt._in_range(arrays["nfe"], 0, 1 << 20, f"batch {b.index}: per-step NFE")
-    fmt._in_range(arrays["wall_dus"], 0, 1 << 50, f"batch {b.index}: wall time (us)")
-    fmt._in_range(arrays["start"], 0, b.length, f"batch {b.index}: window start")
-    fmt._in_range(arrays["width"], 0, b.length, f"batch {b.index}: window width")
+    fmt.in_range(arrays["nfe"], 0, 1 << 20, f"batch {b.index}: per-step NFE")
+    fmt.in_range(arrays["wall_dus"], 0, 1 << 50, f"batch {b.index}: wall time (us)")
+    fmt.in_range(arrays["start"], 0, b.length, f"batch {b.index}: window start")
+    fmt.in_range(arrays["width"], 0, b.length, f"batch {b.index}: window width")
     if bool((arrays["start"].astype(np.int64) + arrays["width"] > b.length).any()):
         raise TraceError(f"steps record of batch {b.index}: a window ends past the canvas")
     events = check_type(meta.get("events", []), list, "steps record events")

@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from . import codecs
 from . import format as fmt
 from .format import TraceError, get_varint, put_varint
 
@@ -147,7 +148,7 @@ def get_rows(cur: Cursor, max_rows: int, max_row: int) -> List[int]:
     if B and (int(gaps.min()) < -max_row - 2 or int(gaps.max()) > max_row):
         raise TraceError("batch row out of range")
     rows = np.cumsum(gaps + 1) - 1
-    fmt._in_range(rows, 0, max_row, "batch row")
+    fmt.in_range(rows, 0, max_row, "batch row")
     return [int(x) for x in rows]
 
 
@@ -217,7 +218,7 @@ def encode_table(meta: Dict[str, Any], arrays: Dict[str, np.ndarray], wall_base:
     n = int(arrays["nfe"].shape[0])
     steps = arrays["step"].astype(np.int64)
     consecutive = n > 0 and bool((steps == steps[0] + np.arange(n)).all())
-    sizer = fmt._Sizer()          # every column of the table sized together, then built in order
+    sizer = codecs._Sizer()          # every column of the table sized together, then built in order
     parts: List[Any] = []          # bytes as they are, and (int) the handles of columns to build
 
     def col(v) -> None:
@@ -393,7 +394,7 @@ def decode_table(cur: Cursor, B: int, max_n: int, max_step: int, array_budget, i
 
 
 def _bounded(v: np.ndarray, lo: int, hi: int, what: str) -> np.ndarray:
-    fmt._in_range(v, lo, hi, what)
+    fmt.in_range(v, lo, hi, what)
     return v
 
 
