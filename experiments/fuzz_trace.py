@@ -1,6 +1,6 @@
 """Fuzz the trace reader: random single-byte flips, truncations and the crafted hostile corpus.
 
-    python experiments/fuzz_trace.py [--flips N] [--cuts N] [--rows R] [--seed S] [--v1-flips N]
+    python experiments/fuzz_trace.py [--flips N] [--cuts N] [--rows R] [--seed S]
 
 For every damaged file: *detected* = the strict reader or ``verify`` raises TraceError (one line),
 *accepted* = it passes as intact, *crashed* = any other exception (a traceback). Then ``--recover`` on
@@ -96,7 +96,6 @@ def main() -> int:
     ap.add_argument("--cuts", type=int, default=2000)
     ap.add_argument("--rows", type=int, default=24, help="rows of the base trace (batches of 8)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--v1-flips", type=int, default=1500, help="flips of the 1.x file (0: skip it; cuts: a third)")
     a = ap.parse_args()
     rng = np.random.default_rng(a.seed)
     with tempfile.TemporaryDirectory() as d:     # recorded in a child: this process never imports torch
@@ -107,11 +106,7 @@ def main() -> int:
     base_mb = peak_mb()
     t0 = time.perf_counter()
     tallies = fuzz(base, a.flips, a.cuts, rng, "base trace", "tiny_random model, low_confidence, capture=confidence; "
-                   "format 2.0, step tables of 5 steps so that steps records and batch-end tables both occur")
-    if a.v1_flips:
-        with open(tc.V1_BASE, "rb") as f:
-            tallies += fuzz(f.read(), a.v1_flips, a.v1_flips // 3, rng, "1.x base trace", "tests/data/trace_v1.dlmt, "
-                            "format 1.0 as written before 2.0")
+                   "format 2.1, step tables of 5 steps so that steps records and batch-end tables both occur")
     heavy = [m for m in ("torch", "transformers") if m in sys.modules]
     print(f"time {time.perf_counter() - t0:.1f} s; peak memory of this process {peak_mb():.0f} MB "
           f"({base_mb:.0f} MB before the first damaged file; torch/transformers imported: {heavy or 'no'})")

@@ -100,6 +100,8 @@ def test_trace_recorded_to_a_path(session, tmp_path):
     tr = open_trace(out.trace, recover=False)
     assert [s.text for s in tr] == out.texts and [s.nfe for s in tr] == [r.nfe for r in out]
     assert tr.config["strategy"]["name"] == "threshold" and tr.config["cache"]["name"] == "dual"
+    # the header records the generator state the decode started from: the seeded one (not whatever came before)
+    assert tr.header["rng"].get("torch_cpu_seed") == tr.header["seed"] and "torch_cpu_b64" not in tr.header["rng"]
     with pytest.raises(UserError, match="must be a file in an existing directory"):
         session.generate(["x"], trace=tmp_path / "missing" / "t.dlmt")
 

@@ -63,6 +63,18 @@ def test_run_writes_trace_named_in_summary(run):
     assert not (out / "trace.dlmt.partial").exists()
 
 
+def test_the_header_is_at_most_2_kb(run):
+    """The provenance header (a zstd frame of JSON) stays small: the seeded generator state is recorded by its
+    seed, and ``verify --rerun`` (below) still reproduces this sampled decode from it."""
+    from dlm_engine.trace import format as fmt
+    from dlm_engine.trace import open_trace
+
+    _, _, out = run
+    tr = open_trace(str(out / "trace.dlmt"))
+    assert fmt.REC_HEAD.size + len(tr.records[0].payload) <= 2048
+    assert tr.header["rng"]["torch_cpu_seed"] == 5 and "torch_cpu_b64" not in tr.header["rng"]
+
+
 def test_replay_json_matches_results_in_order(run, capsys):
     _, ck, out = run
     rows = [json.loads(l) for l in (out / "results.jsonl").read_text().splitlines()]

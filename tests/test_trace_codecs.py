@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from dlm_engine.trace import format as fmt
-from dlm_engine.trace import records
+from dlm_engine.trace import codecs, records
 
 
 def _streams(seed: int, count: int):
@@ -40,7 +40,7 @@ def _built_sizes(v: np.ndarray):
     if v.size >= 8 and width <= fmt.RICE_KMAX:
         k0 = max(int(np.log2(max(float(v.mean()), 1.0))), 0)
         for k in range(max(0, k0 - 1), min(k0 + 1, width) + 1):
-            out[(fmt.M_RICE, k)] = len(fmt._rice(v, k))
+            out[(fmt.M_RICE, k)] = len(codecs._rice(v, k))
     return out
 
 
@@ -59,8 +59,8 @@ def test_an_integer_stream_is_coded_the_smallest_way_it_sizes(seed):
         assert built[(m, param)] == smallest, (v[:20], m, param, built)
         # the first smallest in (size, method, param) order wins, and the size it planned is the size it built
         assert (m, param) == min((s, mm, p) for (mm, p), s in built.items())[1:]
-        assert fmt._plan_size(fmt._ints_plan(v)) == len(enc)
-        assert fmt.encode_ints(None, plan=fmt._ints_plan(v)) == enc
+        assert codecs._plan_size(codecs._ints_plan(v)) == len(enc)
+        assert fmt.encode_ints(None, plan=codecs._ints_plan(v)) == enc
 
 
 def test_a_column_is_built_from_its_plan_and_round_trips():
@@ -70,7 +70,7 @@ def test_a_column_is_built_from_its_plan_and_round_trips():
         for v in _streams(seed, 300):
             for col in (v, -v, v - int(v.mean()) if v.size else v):
                 enc = fmt.encode_col(col)
-                assert fmt.encode_col(None, plan=fmt._col_plan(col)) == enc
+                assert fmt.encode_col(None, plan=codecs._col_plan(col)) == enc
                 back, end = fmt.decode_col(enc, 0, col.size)
                 assert end == len(enc) and np.array_equal(back, col)
 
@@ -100,19 +100,19 @@ def test_streams_sized_together_get_the_plans_they_get_one_by_one(seed):
     while at < len(streams):
         group = streams[at:at + int(rng.integers(1, 12))]
         at += len(group)
-        for v, got in zip(group, fmt._plans(group)):
-            assert _same_plan(got, fmt._ints_plan(v)), (v[:8], v.size, got[:3], fmt._ints_plan(v)[:3])
+        for v, got in zip(group, codecs._plans(group)):
+            assert _same_plan(got, codecs._ints_plan(v)), (v[:8], v.size, got[:3], codecs._ints_plan(v)[:3])
 
 
 def test_columns_sized_together_are_built_as_one_by_one():
-    sizer, cols = fmt._Sizer(), []
+    sizer, cols = codecs._Sizer(), []
     for v in _streams(6, 200):
         for col in (v, -v, v - int(v.mean()) if v.size else v):
             cols.append((col, sizer.col(col)))
     sizer.run()
     for col, h in cols:
         plan = sizer.col_plan(h)
-        assert plan[:2] == fmt._col_plan(col)[:2]
+        assert plan[:2] == codecs._col_plan(col)[:2]
         assert fmt.encode_col(None, plan=plan) == fmt.encode_col(col)
 
 

@@ -12,6 +12,7 @@ import pytest  # noqa: E402
 
 import trace_corpus as tc  # noqa: E402
 from dlm_engine.trace import TraceError, loads  # noqa: E402
+from dlm_engine.trace import format as fmt  # noqa: E402
 from dlm_engine.trace.tools import verify_integrity  # noqa: E402
 
 # the reader's documented bound: 64 MB above the interpreter with its imports, for files whose header
@@ -56,28 +57,20 @@ def base(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def base_v1():
-    with open(tc.V1_BASE, "rb") as f:
-        return f.read()
+def corpus(base):
+    """The crafted files (built from a file of the layout the recorder writes)."""
+    files = tc.crafted(base)
+    assert len(files) >= 110
+    return files
 
 
-@pytest.fixture(scope="module")
-def corpus(base, base_v1):
-    """The crafted files of the 2.x layout the recorder writes, and of the 1.x layout the reader still takes."""
-    v2, v1 = tc.crafted(base), tc.crafted(base_v1)
-    assert len(v2) >= 110 and len(v1) >= 80
-    return {**{f"2.x: {k}": v for k, v in v2.items()}, **{f"1.x: {k}": v for k, v in v1.items()}}
+def test_a_1x_file_is_refused_in_one_line(base):
+    """Format 1.x (JSON bundles, before 2.0) is no longer read: no shipped file needs it."""
+    import struct
 
-
-def test_the_1x_base_is_read_as_it_was_written(base_v1):
-    """A 1.0 trace (JSON bundles, written before format 2.0) reads intact: rows, steps, wall times, capture."""
-    tr = loads(base_v1, recover=False)
-    verify_integrity(tr)
-    assert tr.major == 1 and len(tr) == 8 and len(tr.batches) == 3 and tr.capture == "confidence"
-    assert [s.text for s in tr][:2] == ["tt!tt!<<", "WttWttttWWZZWWWW"]
-    s = tr[0]
-    assert s.steps.nfe.tolist() == [1] * 8 and s.n_steps == 8 and s.finish_step == 8
-    assert np.isfinite(s.confidence[s.step_of >= 1]).all() and (np.diff(s.steps.wall_time) > 0).all()
+    old = base[:len(fmt.MAGIC)] + struct.pack("<HH", 1, 0) + base[len(fmt.MAGIC) + 4:]
+    with pytest.raises(TraceError, match=r"unsupported trace format version 1\.0 \(this dlm_engine reads 2\.x\)"):
+        loads(old, recover=True)
 
 
 def test_every_crafted_file_is_refused(corpus):
@@ -117,10 +110,9 @@ def test_crafted_files_give_one_line_no_traceback_and_bounded_memory(corpus, bas
             assert names[f] != "" and not os.path.exists(str(d / f) + ".html"), where   # nothing written
 
 
-def test_recover_never_returns_a_wrong_row(corpus, base, base_v1):
-    refs = {"2.x": loads(base, recover=False), "1.x": loads(base_v1, recover=False)}
+def test_recover_never_returns_a_wrong_row(corpus, base):
+    ref = loads(base, recover=False)
     for name, data in corpus.items():
-        ref = refs[name[:3]]
         try:
             tr = loads(data, recover=True)
         except TraceError:

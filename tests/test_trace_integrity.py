@@ -116,7 +116,7 @@ def test_wrong_version_bad_magic_and_empty(trace_bytes, tmp_path):
     data, _ = trace_bytes
     newer = data[:8] + struct.pack("<HH", fmt.VERSION[0] + 1, 0) + data[12:]
     with pytest.raises(TraceError, match=f"unsupported trace format version {fmt.VERSION[0] + 1}.0 "
-                                         r"\(this dlm_engine reads 1.x and 2.x\)"):
+                                         r"\(this dlm_engine reads 2.x\)"):
         loads(newer)
     with pytest.raises(TraceError, match="not a dlm_engine trace"):
         loads(b"PK\x03\x04" + data[4:])

@@ -6,8 +6,7 @@ sizes declared by zstd frames (hand-made frames of RLE blocks: 128 KB that decla
 (runs, counts, dimensions), JSON shapes and nesting, integers out of range or of the wrong type, rows removed,
 duplicated or reordered, counts that disagree. The record CRCs and the end record's digest are recomputed, so
 only the reader's validation stands between these files and a wrong answer (or a traceback, or an exhausted
-memory). ``crafted`` builds the set for the base's format version: 2.x files (what the recorder writes) and
-1.x files (``V1_BASE``, a 1.0 trace kept to show the reader still takes the older layout).
+memory). ``crafted`` builds the set from a 2.x file (what the recorder writes; 2.x readers refuse 1.x files).
 """
 from __future__ import annotations
 
@@ -20,11 +19,10 @@ from typing import Dict, List, Tuple
 import numpy as np
 
 from dlm_engine.trace import format as fmt
-from dlm_engine.trace import records
+from dlm_engine.trace import framing, records, sequence
 from dlm_engine.trace.reader import SLACK, check_header, scan_frames
 
 Rec = Tuple[int, bytes]          # (kind, payload)
-V1_BASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "trace_v1.dlmt")
 KINDS = {v: k for k, v in fmt.KIND_NAMES.items()}
 
 
@@ -40,10 +38,6 @@ def preamble(major: int) -> bytes:
     return fmt.MAGIC + struct.pack("<HH", major, 0)
 
 
-def major_of(data: bytes) -> int:
-    return struct.unpack_from("<H", data, len(fmt.MAGIC))[0]
-
-
 def assemble(recs: List[Rec], fix_end: bool = True, major: int = fmt.VERSION[0]) -> bytes:
     """Frame ``recs`` (CRCs recomputed); the end record's digest, offset and counts describe what precedes it."""
     pre = preamble(major)
@@ -52,28 +46,17 @@ def assemble(recs: List[Rec], fix_end: bool = True, major: int = fmt.VERSION[0])
     for kind, payload in recs:
         if kind == fmt.END and fix_end and len(payload) < 4096:   # (a crafted end record itself stays as it is)
             named = {name: counts.get(name, 0) for name in fmt.KIND_NAMES.values()}
-            if major == 1:
-                meta, _ = fmt.decode_bundle(payload)
-                meta = dict(meta, sha256_before_end=hashlib.sha256(out).hexdigest(), bytes_before_end=len(out),
+            try:
+                meta = records.decode_end(payload)
+            except fmt.TraceError:
+                meta = None
+            if meta is not None:
+                meta.update(sha256_before_end=hashlib.sha256(out).hexdigest(), bytes_before_end=len(out),
                             records=named)
-                payload = fmt.encode_bundle(meta, {})
-            else:
-                try:
-                    meta = records.decode_end(payload)
-                except fmt.TraceError:
-                    meta = None
-                if meta is not None:
-                    meta.update(sha256_before_end=hashlib.sha256(out).hexdigest(), bytes_before_end=len(out),
-                                records=named)
-                    payload = records.encode_end(meta, KINDS)
+                payload = records.encode_end(meta, KINDS)
         out += fmt.frame_record(kind, payload, pre)
         counts[fmt.KIND_NAMES[kind]] = counts.get(fmt.KIND_NAMES[kind], 0) + 1
     return bytes(out)
-
-
-def bundle(payload: bytes):
-    meta, arrays = fmt.decode_bundle(payload)
-    return json.loads(json.dumps(meta)), {k: np.array(v) for k, v in arrays.items()}
 
 
 def rle_frame(prefix: bytes, fill: int, size: int) -> bytes:
@@ -176,13 +159,6 @@ def _edit_header(recs, fn) -> List[Rec]:
     return _with(recs, 0, header_payload(h))
 
 
-def _edit_bundle(recs, kind, fn, which: int = 0) -> List[Rec]:
-    i = _kinds(recs, kind)[which]
-    meta, arrays = bundle(recs[i][1])
-    fn(meta, arrays)
-    return _with(recs, i, fmt.encode_bundle(meta, arrays))
-
-
 def _edit_seq(recs, fn, which: int = 0) -> List[Rec]:
     i = _kinds(recs, fmt.SEQ)[which]
     s = fmt.decode_seq(recs[i][1])
@@ -192,107 +168,11 @@ def _edit_seq(recs, fn, which: int = 0) -> List[Rec]:
 
 def crafted(base: bytes) -> Dict[str, bytes]:
     """Every class of hostile file, by name; each has valid record checksums and a matching end digest."""
-    return crafted_v1(base) if major_of(base) == 1 else crafted_v2(base)
-
-
-def crafted_v1(base: bytes) -> Dict[str, bytes]:
-    """The hostile set of a 1.x file (JSON bundles)."""
-    recs = parse(base)
-    header = json.loads(fmt.zd(recs[0][1]))
-    steps_meta, _ = bundle(recs[_kinds(recs, fmt.STEPS)[0]][1])
-    batch_meta, _ = bundle(recs[_kinds(recs, fmt.BATCH)[0]][1])
-    B = len(batch_meta["rows"])
-    out: Dict[str, List[Rec]] = {}
-
-    # -- decompression bombs: frames that declare far more than the record may hold ----------------------
-    n = steps_meta["n"]
-    out["steps bundle declaring 4 GiB"] = _with(recs, _kinds(recs, fmt.STEPS)[0], raw_bundle(
-        steps_meta, [["wall_dus", "i8", [n]], ["nfe", "i4", [n]], ["start", "i4", [n]], ["width", "i4", [n]],
-                     ["active", "b1", [n, B]], ["finished", "b1", [n, B]], ["s:x", "f8", [n, (1 << 29) // n]]],
-        8 * n + 12 * n + 2 * n * B + 8 * n * ((1 << 29) // n)))
-    out["batch bundle declaring 1 GiB of prompt"] = _with(recs, _kinds(recs, fmt.BATCH)[0], raw_bundle(
-        dict(batch_meta, gen_start=1 << 27), [["prompt_tokens", "i8", [B, 1 << 27]], ["prompt_mask", "b1", [B, 1 << 27]]],
-        9 * B * (1 << 27)))
-    out["end bundle declaring 2 GiB"] = _with(recs, _kinds(recs, fmt.END)[0], raw_bundle(
-        bundle(recs[_kinds(recs, fmt.END)[0]][1])[0], [["pad", "u1", [1 << 31]]], 1 << 31))
-    out.update(_seq_bombs(recs))
-
-    # -- JSON: nesting, size, wrong shapes and types -------------------------------------------------------
-    out.update(_header_cases(recs, header))
-    out["bundle index nested 100k deep"] = _with(recs, _kinds(recs, fmt.STEPS)[0], _raw_index(b"[" * 100000 + b"]" * 100000))
-    out["bundle index is a list"] = _with(recs, _kinds(recs, fmt.STEPS)[0], _raw_index(b"[1]"))
-    out["bundle array of unknown dtype"] = _with(recs, _kinds(recs, fmt.STEPS)[0], _raw_index(
-        json.dumps({"m": steps_meta, "a": [["x", "q9", [1]]]}).encode()))
-    out["bundle array of negative shape"] = _with(recs, _kinds(recs, fmt.STEPS)[0], _raw_index(
-        json.dumps({"m": steps_meta, "a": [["x", "u1", [-1]]]}).encode()))
-    out["bundle array of shape 1e12 x 1e12"] = _with(recs, _kinds(recs, fmt.STEPS)[0], _raw_index(
-        json.dumps({"m": steps_meta, "a": [["x", "f8", [10 ** 12, 10 ** 12]]]}).encode()))
-
-    # -- step records ---------------------------------------------------------------------------------------
-    for name, fn in {
-        "step0 1e20": lambda m, a: m.update(step0=10 ** 20),
-        "step0 1e400": lambda m, a: m.update(step0=float("inf")),
-        "step0 a string": lambda m, a: m.update(step0="1"),
-        "n 1e12": lambda m, a: m.update(n=10 ** 12),
-        "negative NFE": lambda m, a: a.update(nfe=-a["nfe"]),
-        "negative wall time": lambda m, a: a.update(wall_dus=-a["wall_dus"] - 1),
-        "window past the canvas": lambda m, a: a.update(start=a["start"] + 10 ** 6),
-        "active of the wrong shape": lambda m, a: a.update(active=a["active"][:, :1]),
-        "event of a bad row": lambda m, a: m.update(events=[[0, "opened", 0, 0, 1, 99]]),
-        "event that is a string": lambda m, a: m.update(events=["opened"]),
-        "scalar of the wrong length": lambda m, a: m.update(json_scalars={"x": [1]}),
-        "unknown batch": lambda m, a: m.update(batch=99),
-        "batch index NaN": lambda m, a: m.update(batch=float("nan")),
-    }.items():
-        out[f"steps: {name}"] = _edit_bundle(recs, fmt.STEPS, fn)
-    i = _kinds(recs, fmt.STEPS)[0]
-    meta, arrays = bundle(recs[i][1])
-    out["steps: boolean array holding 2"] = _with(recs, i, _retype(
-        meta, dict(arrays, finished=np.full(arrays["finished"].shape, 2, np.uint8))))
-    out["steps: record duplicated"] = recs[:i + 1] + [recs[i]] + recs[i + 1:]
-    meta, arrays = bundle(recs[i][1])
-    arrays["nfe"] = arrays["nfe"] + 1
-    out["steps: record duplicated with other contents"] = recs[:i + 1] + [(fmt.STEPS, fmt.encode_bundle(meta, arrays))] \
-        + recs[i + 1:]
-
-    # -- batch records ----------------------------------------------------------------------------------------
-    for name, fn in {
-        "more rows than batch_size": lambda m, a: m.update(rows=list(range(1000, 1000 + 64))),
-        "row listed twice": lambda m, a: m.update(rows=[m["rows"][0]] * len(m["rows"])),
-        "row beyond rows_expected": lambda m, a: m.update(rows=[10 ** 6] + m["rows"][1:]),
-        "length 2^40": lambda m, a: m.update(length=1 << 40),
-        "gen_start beyond the prompt length": lambda m, a: m.update(gen_start=1 << 30),
-        "prompt token 1e9": lambda m, a: a["prompt_tokens"].__setitem__((0, 0), 10 ** 9),
-        "mask_id a float": lambda m, a: m.update(mask_id=3.0),
-        "rows of another batch": lambda m, a: m.update(rows=list(range(len(m["rows"])))),
-    }.items():
-        out[f"batch: {name}"] = _edit_bundle(recs, fmt.BATCH, fn, which=-1 if name == "rows of another batch" else 0)
-
-    out.update(_seq_cases(recs, header, batch_meta["gen_start"]))
-
-    # -- rows and counts that disagree (the end digest recomputed: only cross-checks can tell) -----------------
-    out.update(_record_cases(recs))
-    out["batch-end steps wrong"] = _edit_bundle(recs, fmt.BATCH_END, lambda m, a: m.update(steps=m["steps"] + 5))
-    out["batch-end NFE wrong"] = _edit_bundle(recs, fmt.BATCH_END, lambda m, a: m.update(nfe=m["nfe"] + 1))
-    out["batch-end of another batch's rows"] = _edit_bundle(recs, fmt.BATCH_END, lambda m, a: m.update(rows=[99]))
-    out["batch-end removed"] = [r for i, r in enumerate(recs) if i != _kinds(recs, fmt.BATCH_END)[0]]
-    out["end status complete, a batch unfinished"] = _edit_bundle(
-        [r for i, r in enumerate(recs) if i != _kinds(recs, fmt.BATCH_END)[-1]], fmt.END,
-        lambda m, a: m.update(unfinished_batches=[]))
-    out["end unfinished_batches of strings"] = _edit_bundle(recs, fmt.END, lambda m, a: m.update(unfinished_batches=["x", 1]))
-    files = {name: assemble(r, major=1) for name, r in out.items()}
-    # counts in the end record that disagree with the file (digest still matching)
-    e = _kinds(recs, fmt.END)[0]
-    meta, _ = bundle(recs[e][1])
-    body = assemble(recs[:e], major=1)
-    meta.update(sha256_before_end=hashlib.sha256(body).hexdigest(), bytes_before_end=len(body),
-                records=dict(meta["records"], sequence=meta["records"]["sequence"] + 3))
-    files["end record counts wrong"] = body + fmt.frame_record(fmt.END, fmt.encode_bundle(meta, {}), preamble(1))
-    return files
+    return crafted_v2(base)
 
 
 # --------------------------------------------------------------------------------------------------
-# cases of records both format versions share (the header, the sequence records)
+# cases of the header and the sequence records
 def _seq_bombs(recs) -> Dict[str, List[Rec]]:
     """Sequence records whose streams declare far more than the record may hold."""
     out: Dict[str, List[Rec]] = {}
@@ -607,7 +487,7 @@ def crafted_v2(base: bytes) -> Dict[str, bytes]:
     s0 = fmt.decode_seq(recs[_kinds(recs, fmt.SEQ)[0]][1])
     L = int(s0.tokens.shape[0])
     tok = b"\x00" + ints(s0.tokens)
-    order = fmt._commit_order(s0.step_of, fmt.ZSTD_LEVEL)
+    order = sequence._commit_order(s0.step_of, fmt.ZSTD_LEVEL)
     assert order is not None
     ohead, vals, radix = order
     layout = seq_payload(s0.row, L, s0.nfe, s0.finish_step, 0, b"\x04" + tok)
@@ -618,7 +498,7 @@ def crafted_v2(base: bytes) -> Dict[str, bytes]:
     bad = list(vals)
     bad[-1] = radix[-1]
     out["sequence: commit order rank out of range"] = _with(recs, qi, layout + b"\x03" + ohead + ints(bad))
-    out["sequence: commit order with a value left over"] = _with(recs, qi, layout + b"\x02" + ohead + fmt._pack_radix(
+    out["sequence: commit order with a value left over"] = _with(recs, qi, layout + b"\x02" + ohead + sequence._pack_radix(
         vals[:-1] + [vals[-1] + radix[-1] * 7], radix[:-1] + [radix[-1] * 8]))
     out["sequence: unknown step coding"] = _with(recs, qi, layout + b"\x07")
     out["sequence: unknown token coding"] = _with(recs, qi, seq_payload(s0.row, L, s0.nfe, s0.finish_step, 0, b"\x04\x07"))
@@ -708,7 +588,7 @@ def _retype(meta, arrays) -> bytes:
     index, blobs = [], []
     for name, a in arrays.items():
         a = np.ascontiguousarray(a)
-        code = "b1" if name in ("active", "finished") else fmt._dtype_code(a)
+        code = "b1" if name in ("active", "finished") else framing._dtype_code(a)
         index.append([name, code, list(a.shape)])
         blobs.append(a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes())
     js = json.dumps({"m": meta, "a": index}, separators=(",", ":")).encode()

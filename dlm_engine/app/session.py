@@ -175,12 +175,12 @@ class Session:
             import warnings
 
             warnings.warn(warning, UserWarning, stacklevel=2)
+        torch.manual_seed(int(cfg.seed))   # before the header is built: it records the state the decode starts from
         recorder = None
         if trace is not None:
             from dlm_engine.trace.runtime import open_run_recorder
 
             recorder = open_run_recorder(cfg, path.parent, lm, ids)
-        torch.manual_seed(int(cfg.seed))
         with recorder if recorder is not None else contextlib.nullcontext():
             stats = run_prompts(lm, ids, build_strategy(cfg), build_cache(cfg), int(cfg.gen_length),
                                 int(cfg.batch_size), prompts=[p.shown for p in items],

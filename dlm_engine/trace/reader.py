@@ -27,7 +27,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 import numpy as np
 
 from . import format as fmt
-from . import records
+from . import framing, records
 from .format import SeqData, TraceError, check_float, check_int, check_type
 
 _TEXT_LOCK = threading.Lock()     # loading a trace's text decoder (Trace.tokenizer)
@@ -129,7 +129,7 @@ def check_header(h: Any) -> Limits:
     cap = h.get("capture") or {}
     level = cap.get("level", "tokens")
     if level not in fmt.CAPTURE_LEVELS:
-        raise TraceError(f"header field 'capture.level' is {fmt._show(level)}, not one of {', '.join(fmt.CAPTURE_LEVELS)}")
+        raise TraceError(f"header field 'capture.level' is {framing._show(level)}, not one of {', '.join(fmt.CAPTURE_LEVELS)}")
     topk = None
     if level in ("topk", "logits"):
         topk = check_int(cap.get("topk"), "header field 'capture.topk'", 1, MAX_TOPK)
@@ -155,8 +155,8 @@ class Record:
 
 
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
-# record kinds whose payload is a zstd frame: every kind but sequences in 1.x files, header and logits in 2.x
-_ZSTD_KINDS = {1: frozenset(k for k in fmt.KIND_NAMES if k != fmt.SEQ), 2: frozenset((fmt.HEADER, fmt.LOGITS))}
+# record kinds whose payload is a zstd frame
+_ZSTD_KINDS = frozenset((fmt.HEADER, fmt.LOGITS))
 
 
 def _frame_at(data, mv, pos: int, n: int) -> Tuple[Optional[Record], str]:
@@ -212,7 +212,7 @@ def scan_frames(data, name: str = "trace") -> Tuple[List[Record], List[Tuple[int
     After a damaged record the scan tries the offset its length field points to, then every later offset
     that can start a record; checksum work spent resynchronising is bounded by 16x the file size.
     """
-    major = fmt.check_preamble(data, name)
+    fmt.check_preamble(data, name)
     mv = memoryview(data)
     n = len(data)
     pos = len(fmt.PREAMBLE)
@@ -232,7 +232,7 @@ def scan_frames(data, name: str = "trace") -> Tuple[List[Record], List[Tuple[int
             if jump < n and _frame_at(data, mv, jump, n)[0] is not None:
                 nxt = jump
         if nxt is None:
-            for p in _candidates(data, pos + 1, n, _ZSTD_KINDS[major]):
+            for p in _candidates(data, pos + 1, n, _ZSTD_KINDS):
                 _, ln, _ = fmt.REC_HEAD.unpack_from(data, p)
                 budget -= ln + fmt.REC_HEAD.size
                 if budget < 0:
@@ -305,10 +305,6 @@ class BatchInfo:
         self.end: Optional[dict] = None
         self._steps: Optional[StepTable] = None
 
-    @property
-    def prompt_bytes(self) -> int:
-        return len(self.rows) * self.gen_start * 9
-
     def attach(self, arrays: dict, lim: Limits) -> None:
         B, P = len(self.rows), self.gen_start
         for name, want in (("prompt_tokens", np.int64), ("prompt_mask", np.bool_)):
@@ -319,7 +315,7 @@ class BatchInfo:
             raise TraceError(f"batch {self.index}: unexpected arrays")
         self.prompt_tokens = arrays["prompt_tokens"]
         self.prompt_mask = arrays["prompt_mask"]
-        fmt._in_range(self.prompt_tokens, 0, lim.vocab - 1, f"batch {self.index}: prompt token id")
+        fmt.in_range(self.prompt_tokens, 0, lim.vocab - 1, f"batch {self.index}: prompt token id")
 
     @property
     def complete(self) -> bool:
@@ -361,13 +357,13 @@ def check_steps(meta: dict, arrays: dict, b: BatchInfo, lim: Limits) -> int:
     else:
         s0 = check_int(meta.get("step0"), "steps record step0", 0, lim.max_steps)
         steps = np.arange(s0, s0 + n, dtype=np.int64)
-    fmt._in_range(steps, 0, lim.max_steps, f"batch {b.index}: step")
+    fmt.in_range(steps, 0, lim.max_steps, f"batch {b.index}: step")
     if n > 1 and not (np.diff(steps) > 0).all():
         raise TraceError(f"steps record of batch {b.index}: steps are not increasing")
-    fmt._in_range(arrays["nfe"], 0, 1 << 20, f"batch {b.index}: per-step NFE")
-    fmt._in_range(arrays["wall_dus"], 0, 1 << 50, f"batch {b.index}: wall time (us)")
-    fmt._in_range(arrays["start"], 0, b.length, f"batch {b.index}: window start")
-    fmt._in_range(arrays["width"], 0, b.length, f"batch {b.index}: window width")
+    fmt.in_range(arrays["nfe"], 0, 1 << 20, f"batch {b.index}: per-step NFE")
+    fmt.in_range(arrays["wall_dus"], 0, 1 << 50, f"batch {b.index}: wall time (us)")
+    fmt.in_range(arrays["start"], 0, b.length, f"batch {b.index}: window start")
+    fmt.in_range(arrays["width"], 0, b.length, f"batch {b.index}: window width")
     if bool((arrays["start"].astype(np.int64) + arrays["width"] > b.length).any()):
         raise TraceError(f"steps record of batch {b.index}: a window ends past the canvas")
     events = check_type(meta.get("events", []), list, "steps record events")
@@ -664,7 +660,7 @@ class Trace:
             raise TraceError(f"{name}: unreadable header ({exc})") from None
         self._recover = recover
         self.major = struct.unpack_from("<H", data, len(fmt.MAGIC))[0]
-        self._batch_defaults = records.batch_defaults(self.header)   # what a 2.x batch record may leave out
+        self._batch_defaults = records.batch_defaults(self.header)   # what a batch record may leave out
         self.end: Optional[dict] = None
         self._end_offset: Optional[int] = None
         self.batches: Dict[int, BatchInfo] = {}
@@ -696,25 +692,11 @@ class Trace:
         self.problems.append(msg)
 
     # -- parsing -------------------------------------------------------------------------------------
-    def _bundle(self, r: Record, array_limit: int, index_limit: int = fmt.MAX_JSON, head=None):
-        head = head or fmt.read_bundle_head(r.payload, max_index=index_limit)
-        meta, arrays = fmt.decode_bundle(r.payload, limit=array_limit, head=head)
-        for k, a in arrays.items():
-            if a.dtype == np.bool_ and a.size and int(a.view(np.uint8).max()) > 1:
-                raise TraceError(f"boolean array '{k[:40]}' holds a value other than 0 and 1")
-        return meta, arrays
-
     def _take(self, r: Record) -> None:
         k, lim = r.kind, self.limits
         if k == fmt.BATCH:
-            if self.major == 1:
-                index = SLACK + 12 * lim.batch
-                head = fmt.read_bundle_head(r.payload, max_index=index, max_size=index + 9 * lim.positions)
-                b = BatchInfo(head.meta, lim, bytes(r.payload))
-                _, arrays = self._bundle(r, b.prompt_bytes, head=head)
-            else:
-                meta, arrays = records.decode_batch(r.payload, lim, self._batch_defaults, SLACK)
-                b = BatchInfo(meta, lim, bytes(r.payload))
+            meta, arrays = records.decode_batch(r.payload, lim, self._batch_defaults, SLACK)
+            b = BatchInfo(meta, lim, bytes(r.payload))
             b.attach(arrays, lim)
             old = self.batches.get(b.index)
             if old is not None:
@@ -728,20 +710,9 @@ class Trace:
             for row in b.rows:
                 self._row_batch[row] = b
         elif k == fmt.STEPS:
-            if self.major == 1:
-                index = SLACK + STEPS_PER_RECORD * (STEP_JSON + STEP_ROW_JSON * lim.batch)
-                head = fmt.read_bundle_head(r.payload, max_index=index, max_size=index + SLACK + STEPS_PER_RECORD * (
-                    STEP_BYTES + STEP_ROW_BYTES * lim.batch))
-                b = self._batch(head.meta.get("batch"))
-                n = check_int(head.meta.get("n"), "steps record size", 1, STEPS_PER_RECORD)
-                B = len(b.rows)
-                if len(r.payload) and head.offset > SLACK + n * (STEP_JSON + STEP_ROW_JSON * B):
-                    raise TraceError(f"steps record of batch {b.index} has a {head.offset}-byte index for {n} steps")
-                meta, arrays = self._bundle(r, SLACK + n * (STEP_BYTES + STEP_ROW_BYTES * B), head=head)
-            else:
-                c = records.Cursor(r.payload)
-                b = self._batch(c.varint("batch index", MAX_ROWS))
-                meta, arrays = self._table(c, b)
+            c = records.Cursor(r.payload)
+            b = self._batch(c.varint("batch index", MAX_ROWS))
+            meta, arrays = self._table(c, b)
             self._add_steps(b, meta, arrays, bytes(r.payload))
         elif k == fmt.SEQ:
             row, _ = fmt.get_varint(r.payload, 0)
@@ -769,14 +740,8 @@ class Trace:
             b.next_slot = max(b.next_slot, slot + 1)
             self._by_row[row] = Sequence(self, b, slot, data, r.payload)
         elif k == fmt.BATCH_END:
-            table = None
-            if self.major == 1:
-                head = fmt.read_bundle_head(r.payload, max_index=SLACK + 12 * lim.batch, max_size=SLACK + 12 * lim.batch)
-                meta, _ = self._bundle(r, 0, head=head)
-            else:
-                meta, c, has_table = records.decode_batch_end_head(r.payload, lim, lim.max_steps)
-                if has_table:
-                    table = c
+            meta, c, has_table = records.decode_batch_end_head(r.payload, lim, lim.max_steps)
+            table = c if has_table else None
             b = self._batch(meta.get("batch"))
             if b.end is not None:
                 raise TraceError(f"batch {b.index} ends twice")
@@ -785,7 +750,7 @@ class Trace:
             check_float(meta.get("wall_time"), "batch-end wall time", 0.0)
             if meta.get("rows") != b.rows:
                 raise TraceError(f"batch-end record of batch {b.index} lists other rows than its batch record")
-            if table is not None:      # the batch's last step table travels with its totals (2.x)
+            if table is not None:      # the batch's last step table travels with its totals
                 try:
                     tmeta, arrays = self._table(table, b)
                     self._add_steps(b, tmeta, arrays, bytes(r.payload))
@@ -818,10 +783,7 @@ class Trace:
         elif k == fmt.END:
             if self.end is not None:
                 raise TraceError("a second end record")
-            if self.major == 1:
-                meta, _ = self._bundle(r, 0, head=fmt.read_bundle_head(r.payload, max_size=fmt.MAX_JSON + 16))
-            else:
-                meta = records.decode_end(r.payload, records.time_origin(self.header))
+            meta = records.decode_end(r.payload, records.time_origin(self.header))
             check_type(meta.get("status"), str, "end record status")
             recs = check_type(meta.get("records"), dict, "end record counts")
             for name, v in recs.items():
@@ -836,7 +798,7 @@ class Trace:
             raise TraceError("a second header record")
 
     def _table(self, c, b: BatchInfo):
-        """A 2.x step table of batch ``b`` under the same byte limits as a 1.x steps record."""
+        """A step table of batch ``b``: its arrays and text charged against byte budgets of ``n`` steps."""
         B = len(b.rows)
         return records.decode_table(c, B, STEPS_PER_RECORD, self.limits.max_steps,
                                     lambda n: SLACK + n * (STEP_BYTES + STEP_ROW_BYTES * B),
@@ -900,8 +862,7 @@ class Trace:
             pos = max(pos, first + int(b._chunks[first][0]["n"]))
         missing = [row for row in b.rows if row not in self._by_row]
         if b.end is None:
-            if self.major >= 2:     # its last step table went with it: the rows cannot be checked against steps
-                b.steps_lost = True
+            b.steps_lost = True     # its last step table went with it: the rows cannot be checked against steps
             if len(missing) == len(b.rows):
                 self._problem(f"lost: batch {b.index} (rows {_span(b.rows)}) has {b.n_steps} step records "
                               "but no sequence records", recover)
@@ -909,9 +870,8 @@ class Trace:
                 self._problem(f"lost: {_rows(missing)} of batch {b.index} (no intact sequence record; its "
                               "batch-end record is missing too)", recover)
             else:
-                self._problem(f"lost: the batch-end record of batch {b.index} (its rows are intact)"
-                              if self.major == 1 else f"lost: the batch-end record of batch {b.index} (its totals and "
-                              "last step table; its rows are intact)", recover)
+                self._problem(f"lost: the batch-end record of batch {b.index} (its totals and last step table; "
+                              "its rows are intact)", recover)
         else:
             if missing:
                 self._problem(f"lost: {_rows(missing)} of batch {b.index} (no intact sequence record)", recover)
@@ -954,7 +914,7 @@ class Trace:
             self._problem(f"corrupt: the end record says it starts at byte {end.get('bytes_before_end')}, "
                           f"it starts at {off}", recover)
         elif end["sha256_before_end"] != hashlib.sha256(memoryview(self.data)[:off]).hexdigest()[
-                :64 if self.major == 1 else 2 * records.DIGEST_BYTES]:
+                :2 * records.DIGEST_BYTES]:
             self._problem("corrupt: records were reordered, removed or replaced (file digest mismatch)", recover)
         counts: Dict[str, int] = {}
         for r in self.records:

@@ -1,11 +1,10 @@
-"""Binary payloads of the 2.x batch, steps, batch-end and end records (``docs/trace_format.md``).
+"""Binary payloads of the batch, steps, batch-end and end records (``docs/trace_format.md``): varints and
+column streams, so a batch of one row and 128 steps costs a few hundred bytes in all (format 1.x wrote them as
+zstd-compressed JSON bundles, whose keys, index and frame cost more than the decode they described; 2.x
+readers refuse 1.x files).
 
-Format 1.x wrote these records as zstd-compressed JSON bundles: at batch 1 the JSON keys, the array index and
-one zstd frame per record cost more than the decode they describe. Format 2.x writes them as varints and
-column streams, so a batch of one row and 128 steps costs a few hundred bytes in all.
-
-Decoders return the same ``(meta, arrays)`` dictionaries the 1.x bundles held, so the reader checks both
-layouts with the same code. Every decoder reads through a :class:`Cursor`: each count is checked against a
+Decoders return ``(meta, arrays)`` dictionaries (a step table as named arrays: ``wall_dus``, ``nfe``, ...),
+which the reader checks. Every decoder reads through a :class:`Cursor`: each count is checked against a
 caller-given bound before anything is allocated, every allocation of a step table is charged against the
 record's byte budget, and anything malformed raises :class:`TraceError`.
 """
@@ -14,11 +13,13 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import re
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from . import codecs
 from . import format as fmt
 from .format import TraceError, get_varint, put_varint
 
@@ -147,7 +148,7 @@ def get_rows(cur: Cursor, max_rows: int, max_row: int) -> List[int]:
     if B and (int(gaps.min()) < -max_row - 2 or int(gaps.max()) > max_row):
         raise TraceError("batch row out of range")
     rows = np.cumsum(gaps + 1) - 1
-    fmt._in_range(rows, 0, max_row, "batch row")
+    fmt.in_range(rows, 0, max_row, "batch row")
     return [int(x) for x in rows]
 
 
@@ -217,7 +218,7 @@ def encode_table(meta: Dict[str, Any], arrays: Dict[str, np.ndarray], wall_base:
     n = int(arrays["nfe"].shape[0])
     steps = arrays["step"].astype(np.int64)
     consecutive = n > 0 and bool((steps == steps[0] + np.arange(n)).all())
-    sizer = fmt._Sizer()          # every column of the table sized together, then built in order
+    sizer = codecs._Sizer()          # every column of the table sized together, then built in order
     parts: List[Any] = []          # bytes as they are, and (int) the handles of columns to build
 
     def col(v) -> None:
@@ -295,7 +296,7 @@ def encode_table(meta: Dict[str, Any], arrays: Dict[str, np.ndarray], wall_base:
 
 def decode_table(cur: Cursor, B: int, max_n: int, max_step: int, array_budget, index_budget
                  ) -> Tuple[Dict[str, Any], Dict[str, np.ndarray]]:
-    """A step table of a batch of ``B`` rows, to the end of the cursor, as the 1.x ``(meta, arrays)``.
+    """A step table of a batch of ``B`` rows, to the end of the cursor, as ``(meta, arrays)``.
 
     ``array_budget(n)`` / ``index_budget(n)``: the bytes its arrays / its text may take for ``n`` steps."""
     first = cur.varint("steps record start", max_step)
@@ -393,7 +394,7 @@ def decode_table(cur: Cursor, B: int, max_n: int, max_step: int, array_budget, i
 
 
 def _bounded(v: np.ndarray, lo: int, hi: int, what: str) -> np.ndarray:
-    fmt._in_range(v, lo, hi, what)
+    fmt.in_range(v, lo, hi, what)
     return v
 
 
@@ -415,6 +416,9 @@ def batch_defaults(header: Dict[str, Any]) -> Tuple[Dict[str, Any], Optional[byt
     strategy = cfg.get("strategy") if isinstance(cfg.get("strategy"), dict) else {}
     info = {"strategy": strategy["name"]} if isinstance(strategy.get("name"), str) else {}
     rng = header.get("rng") if isinstance(header.get("rng"), dict) else {}
+    if "fingerprint" in rng:        # 2.1: written (the CPU state itself may be left out: torch_cpu_seed)
+        fp = rng["fingerprint"]
+        return info, (bytes.fromhex(fp) if isinstance(fp, str) and re.fullmatch(r"[0-9a-f]{16}", fp) else None)
     try:
         state = b"".join(base64.b64decode(rng[k], validate=True) for k in ("torch_cpu_b64", "torch_cuda_b64")
                          if isinstance(rng.get(k), str))

@@ -66,18 +66,31 @@ def git_commit() -> Dict[str, Any]:
         return {"commit": None}
 
 
-def rng_state() -> Dict[str, Any]:
+def rng_state(seed: Optional[int] = None) -> Dict[str, Any]:
+    """The generator state a decode starts from. The CPU state (5,056 bytes, 6.7 KB in base64: most of a
+    header) is written only when ``torch.manual_seed(seed)`` does not rebuild it; ``fingerprint`` is what
+    the batch records compare their states with (:func:`records.rng_fingerprint` of CPU + CUDA state)."""
     import torch
 
+    from .records import rng_fingerprint
+
     cpu = torch.random.get_rng_state().numpy().tobytes()
-    out = {"torch_cpu_b64": base64.b64encode(cpu).decode(), "torch_cpu_sha256": hashlib.sha256(cpu).hexdigest()}
+    out: Dict[str, Any] = {"torch_cpu_sha256": hashlib.sha256(cpu).hexdigest()}
+    if seed is not None and cpu == torch.Generator().manual_seed(int(seed)).get_state().numpy().tobytes():
+        out["torch_cpu_seed"] = int(seed)
+    else:
+        out["torch_cpu_b64"] = base64.b64encode(cpu).decode()
+    cuda = b""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         cuda = torch.cuda.get_rng_state().numpy().tobytes()
         out["torch_cuda_b64"] = base64.b64encode(cuda).decode()
+    out["fingerprint"] = rng_fingerprint(cpu + cuda).hex()
     return out
 
 
 def restore_rng(state: Dict[str, Any]) -> None:
+    """Set the generators to a header's ``rng`` state (a CPU state given by its seed is rebuilt, and must
+    have the recorded SHA-256)."""
     import binascii
 
     import torch
@@ -88,6 +101,14 @@ def restore_rng(state: Dict[str, Any]) -> None:
         if state.get("torch_cpu_b64"):
             raw = base64.b64decode(state["torch_cpu_b64"], validate=True)
             torch.random.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+        elif "torch_cpu_seed" in state:
+            seed = state["torch_cpu_seed"]
+            if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 1 << 64:
+                raise ValueError(f"torch_cpu_seed {seed!r} is not a seed")
+            raw = torch.Generator().manual_seed(seed).get_state()
+            if hashlib.sha256(raw.numpy().tobytes()).hexdigest() != state.get("torch_cpu_sha256"):
+                raise ValueError("the state torch_cpu_seed builds does not have the recorded torch_cpu_sha256")
+            torch.random.set_rng_state(raw)
         if state.get("torch_cuda_b64") and torch.cuda.is_available():
             raw = base64.b64decode(state["torch_cuda_b64"], validate=True)
             torch.cuda.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
@@ -143,7 +164,7 @@ def build_header(cfg, lm, rows_expected: Optional[int] = None, prompt_length: Op
         "config": config,
         "overrides": hydra_overrides(),
         "seed": int(cfg.seed),
-        "rng": rng_state(),
+        "rng": rng_state(int(cfg.seed)),
         "device": str(lm.device),
         "dtype": str(lm.dtype).replace("torch.", ""),
         "rows_expected": rows_expected,
