@@ -28,7 +28,7 @@ def test_output_path_through_a_file_is_one_line(tmp_path):
 @pytest.mark.slow
 def test_a_full_disk_is_one_line_and_leaves_nothing_complete(tmp_path):
     """RLIMIT_FSIZE makes every write past 4.5 KB fail with EFBIG, as a full disk fails with ENOSPC: Hydra's
-    small files fit, the trace (its header alone is about 4 KB) does not."""
+    small files fit, the outputs of 100 prompts (trace, results) do not."""
     out = tmp_path / "run"
 
     def limit():
@@ -36,7 +36,8 @@ def test_a_full_disk_is_one_line_and_leaves_nothing_complete(tmp_path):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
     env = dict(os.environ, HYDRA_FULL_ERROR="0")
-    proc = subprocess.run([str(BIN / "dlm"), f"hydra.run.dir={out}", "device=cpu", "prompts=[hi,ho]"], cwd=str(tmp_path), env=env,
+    proc = subprocess.run([str(BIN / "dlm"), f"hydra.run.dir={out}", "device=cpu", "prompts=[" + ",".join(f"p{i}" for i in range(100)) + "]"],
+                          cwd=str(tmp_path), env=env,
                           capture_output=True, text=True, timeout=300, preexec_fn=limit)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
