@@ -161,7 +161,7 @@ def test_cached_block_matches_reference(loaded):
     spans = []
     with torch.no_grad():
         for _ in range(2):
-            req = CallRequest(gen_start=16, directive=CacheDirective(block=(16, 24), block_start=False, block_size=8))
+            req = CallRequest(gen_start=16, directive=CacheDirective(block=(16, 24), block_start=False, attention_block=8))
             call = model(ids, hooks=cache, logits_range=(16, 24), request=req)
             spans.append(call.compute)
     assert spans == [(0, 24), (16, 24)]

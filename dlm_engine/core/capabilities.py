@@ -89,7 +89,9 @@ def model_incompatibility(strategy, model) -> Optional[str]:
         return (f"strategy={name} needs bidirectional attention over the whole generation, which the block-causal "
                 f"model ({mtype}, blocks of {size}) lacks: use a block-by-block strategy (one that offers "
                 f"'{Cap.BLOCKS.value}') with strategy.block_length={size}")
-    length = getattr(strategy, "block_length", None)
+    length = getattr(strategy, "block_length", None)      # the resolved size (a null block_length = gen_length)
+    if length is None:
+        length = getattr(strategy, "block_len", None)       # (the d2c family's name for it)
     if length is None:
         length = getattr(getattr(strategy, "cfg", None), "block_length", None)
     if length is not None and int(length) != size:
