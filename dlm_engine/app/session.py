@@ -175,12 +175,14 @@ class Session:
             import warnings
 
             warnings.warn(warning, UserWarning, stacklevel=2)
+        # seeded before the recorder opens: its header keeps the RNG state the decode starts from (what
+        # `dlm-trace verify --rerun` restores), as `dlm` does
+        torch.manual_seed(int(cfg.seed))
         recorder = None
         if trace is not None:
             from dlm_engine.trace.runtime import open_run_recorder
 
             recorder = open_run_recorder(cfg, path.parent, lm, ids)
-        torch.manual_seed(int(cfg.seed))
         with recorder if recorder is not None else contextlib.nullcontext():
             stats = run_prompts(lm, ids, build_strategy(cfg), build_cache(cfg), int(cfg.gen_length),
                                 int(cfg.batch_size), prompts=[p.shown for p in items],
