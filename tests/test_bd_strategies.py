@@ -119,3 +119,28 @@ def test_the_strategy_family_table_is_generated_from_the_capability_check():
     assert "\n" not in table["wino"][1]
     for own in ("fdv2", "fdv2_batch", "sdar", "llada2", "edit"):
         assert table[own][0] == ["yes"] * 3
+
+
+@pytest.mark.parametrize("family", ("tiny_sdar", "tiny_llada2"))
+def test_cadllm_runs_with_fixed_blocks_of_the_model_size(family):
+    """CadLLM sizes its blocks adaptively: refused in one line, it runs once its blocks are the model's."""
+    lm = lm_of(family)
+    bs = lm.model.block_size
+    gen = 2 * bs
+    S, sc = make("strategy", "cadllm")
+    canvas = Canvas.from_prompts([[1, 2, 3]], gen, lm.mask_id, lm.pad_id)
+    with pytest.raises(ConfigError, match=r"strategy=cadllm sizes its blocks adaptively \(strategy\.adaptive_blocks"
+                                          rf"=true\).*set strategy\.adaptive_blocks=false "
+                                          rf"strategy\.initial_block_length={bs}") as e:
+        decode(lm.model, canvas, S(sc, gen))
+    assert "\n" not in str(e.value)
+    S, sc = make("strategy", "cadllm", adaptive_blocks=False, initial_block_length=2 * bs)
+    with pytest.raises(ConfigError, match=rf"strategy\.initial_block_length={2 * bs} conflicts"):
+        decode(lm.model, canvas, S(sc, gen))
+    out = {}
+    for cache in ("none", "dual"):
+        c = decode_once(lm, "cadllm", cache, list(range(40, 40 + bs + 3)), gen, adaptive_blocks=False,
+                        initial_block_length=bs)
+        assert not c.masked().any()
+        out[cache] = c.tokens.tolist()
+    assert out["none"] and out["dual"]

@@ -52,7 +52,7 @@ class _Family:
 def family_cells() -> List[Tuple[str, List[str], Optional[str]]]:
     """``(strategy preset, one cell per family, why it is refused or None)``. A cell is ``yes`` (runs with the
     preset's defaults), ``block_length=N`` (runs once ``strategy.block_length`` is the model's block size) or
-    ``refused``; the reason is the message ``decode`` raises for the first refused family."""
+    ``refused`` (CadLLM: ``adaptive_blocks=false initial_block_length=N``); the reason is the message ``decode`` raises for the first refused family."""
     from dlm_engine.app.compose import compose
     from dlm_engine.app.run import build_strategy
     from dlm_engine.core.capabilities import model_incompatibility
@@ -67,12 +67,15 @@ def family_cells() -> List[Tuple[str, List[str], Optional[str]]]:
             if why is None:
                 cells.append("yes")
                 continue
+            key = getattr(strategy, "fixed_block_key", "strategy.block_length")
+            sets = ([f"strategy.{strategy.adaptive_block_key.split('.', 1)[1]}=false"]
+                    if getattr(strategy, "adaptive_block_key", None) else []) + [f"{key}={size}"]
             try:
-                fixed = build_strategy(compose([f"strategy={s}", f"strategy.block_length={size}", f"gen_length={8 * size}"]))()
-            except Exception:          # no block_length key, or the preset's other settings refuse it
+                fixed = build_strategy(compose([f"strategy={s}", *sets, f"gen_length={8 * size}"]))()
+            except Exception:          # no such key, or the preset's other settings refuse it
                 fixed = None
             if fixed is not None and model_incompatibility(fixed, model) is None:
-                cells.append(f"`block_length={size}`")
+                cells.append("`" + " ".join(x.split(".", 1)[1] for x in sets) + "`")
             else:
                 cells.append("refused")
                 reason = reason or why
@@ -112,7 +115,7 @@ def markdown() -> str:
               "attend causally across blocks. A strategy that decodes block by block runs on them with the model's "
               "block size (its blocks counted from the generation start, the prompt one block before them): "
               "`yes` = with the preset's defaults, `block_length=N` = once `strategy.block_length` is the model's "
-              "block size (another value is a one-line error). The families' own decoders (`fdv2`, `fdv2_batch`, "
+              "block size (another value is a one-line error; CadLLM: fixed blocks of `initial_block_length`). The families' own decoders (`fdv2`, `fdv2_batch`, "
               "`sdar`, `llada2`, `edit`) set the mask's blocks themselves. A strategy that needs bidirectional "
               "attention over the whole generation is refused (`decode` raises the reason below, one line). "
               "Block sizes are the public checkpoints': " +
