@@ -47,6 +47,8 @@ def test_trace_records_replays_verifies_diffs_and_renders(family, strategy, cach
     assert [r["step_of"] for r in rep] == [r.step_of for r in res]
     tr = open_trace(t)
     assert [s.tokens.tolist() for s in tr] == [r.tokens for r in res]
+    if strategy == "edit":      # LLaDA2.1's edits of decoded tokens are recorded (what a position held before)
+        assert any(s.edits is not None and len(s.edits["col"]) for s in tr)
     # integrity, then a rerun with the checkpoint reproduces every step
     assert trace_cli("verify", t) == 0
     assert "intact:" in capsys.readouterr().out
