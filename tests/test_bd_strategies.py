@@ -144,3 +144,12 @@ def test_cadllm_runs_with_fixed_blocks_of_the_model_size(family):
         assert not c.masked().any()
         out[cache] = c.tokens.tolist()
     assert out["none"] and out["dual"]
+
+
+def test_dllm_cache_on_llada2_computes_every_column():
+    """cache=dllm indexes the whole canvas: LLaDA2's forward must not leave out the columns after the window's
+    block under it (it raised a shape error)."""
+    lm = lm_of("tiny_llada2")
+    bs = lm.model.block_size
+    c = decode_once(lm, "threshold", "dllm", list(range(40, 40 + bs + 3)), 2 * bs, block_length=bs, threshold=0.9)
+    assert not c.masked().any()
