@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.kvcache import Cache, RowStore, keep_layer_rows
+from dlm_engine.core.protocol import Columns
 from dlm_engine.core.registry import register_cache
 from dlm_engine.errors import ConfigError, UserError
 
@@ -121,6 +122,10 @@ class DLLMCache(Cache):
                 self.steps.zero_()
             else:
                 self.steps[self._rows_host] = 0
+        # every column runs through the layers (the selection indexes the whole canvas): a model that would leave
+        # out the columns after the window's block (LLaDA2's block-causal forward) computes them all here
+        if call.request.aux is None:
+            call.columns = Columns.span(0, call.length)
         rp, rr = self._flags(call)
         full = rp is True and rr is True
         call.refreshed = full

@@ -95,6 +95,18 @@ class CadLLM(Strategy):
         self.check_non_negative("temperature", c.temperature)
         self.vocab_bounds = (15, 5, 35) if c.factor is not None else (100, 35, 1000)
 
+    # on a block-causal model (core.capabilities.model_incompatibility) the blocks must be the model's: fixed ones
+    fixed_block_key = "strategy.initial_block_length"
+
+    @property
+    def adaptive_block_key(self) -> Optional[str]:
+        return "strategy.adaptive_blocks" if self.cfg.adaptive_blocks else None
+
+    @property
+    def block_length(self) -> int:
+        """The block size when blocks are not adaptive."""
+        return int(self.cfg.initial_block_length)
+
     def init_state(self, canvas):
         return CadState(next_start=canvas.gen_start)
 

@@ -104,6 +104,7 @@ class AbsoluteBlocks(Strategy):
     offers = caps(Cap.BLOCKS, Cap.BLOCK_HANDOVER)
     needs = caps()
     max_batch = 1
+    sets_attention_blocks = True          # every plan names its mask's block size (CacheDirective.attention_block)
 
     def validate(self) -> None:
         c = self.cfg

@@ -3,7 +3,10 @@
 Every bundled strategy preset (``conf/strategy/``) with its defaults is paired with every bundled cache
 (``conf/cache/``) and checked the way ``dlm`` checks a run before it loads a model
 (:func:`dlm_engine.core.capabilities.incompatibility`: what the strategy offers and needs against what the cache
-offers and needs). ``python -m dlm_engine.app.compat docs/compatibility.md`` rewrites the page;
+offers and needs). A second table checks every strategy preset against each block-diffusion family the way
+:func:`dlm_engine.core.loop.decode` does (:func:`dlm_engine.core.capabilities.model_incompatibility`, on a stand-in
+with the public checkpoints' block size: no weights are loaded).
+``python -m dlm_engine.app.compat docs/compatibility.md`` rewrites the page;
 ``tests/test_issue47.py`` checks that the checked-in page is what this module generates.
 """
 from __future__ import annotations
@@ -33,6 +36,53 @@ def pairs() -> List[Tuple[str, str, Optional[str]]]:
     return [(s, c, incompatibility(strategy, cache)) for s, strategy in strategies.items() for c, cache in caches.items()]
 
 
+# block-diffusion families: (column title, config.model_type, the public checkpoints' training block size)
+FAMILIES = (("Fast-dLLM v2", "fast_dllm_v2", 32), ("SDAR", "sdar", 4), ("LLaDA2.x", "llada2_moe", 32))
+
+
+class _Family:
+    """What :func:`model_incompatibility` reads from a model: block-causal, its block size, its model_type."""
+    block_diffusion = True
+
+    def __init__(self, model_type: str, block_size: int):
+        self.block_size = block_size
+        self.config = type("Config", (), {"model_type": model_type})()
+
+
+def family_cells() -> List[Tuple[str, List[str], Optional[str]]]:
+    """``(strategy preset, one cell per family, why it is refused or None)``. A cell is ``yes`` (runs with the
+    preset's defaults), ``block_length=N`` (runs once ``strategy.block_length`` is the model's block size) or
+    ``refused`` (CadLLM: ``adaptive_blocks=false initial_block_length=N``); the reason is the message ``decode`` raises for the first refused family."""
+    from dlm_engine.app.compose import compose
+    from dlm_engine.app.run import build_strategy
+    from dlm_engine.core.capabilities import model_incompatibility
+
+    out = []
+    for s in presets("strategy"):
+        strategy = build_strategy(compose([f"strategy={s}"]))()
+        cells, reason = [], None
+        for _, mtype, size in FAMILIES:
+            model = _Family(mtype, size)
+            why = model_incompatibility(strategy, model)
+            if why is None:
+                cells.append("yes")
+                continue
+            key = getattr(strategy, "fixed_block_key", "strategy.block_length")
+            sets = ([f"strategy.{strategy.adaptive_block_key.split('.', 1)[1]}=false"]
+                    if getattr(strategy, "adaptive_block_key", None) else []) + [f"{key}={size}"]
+            try:
+                fixed = build_strategy(compose([f"strategy={s}", *sets, f"gen_length={8 * size}"]))()
+            except Exception:          # no such key, or the preset's other settings refuse it
+                fixed = None
+            if fixed is not None and model_incompatibility(fixed, model) is None:
+                cells.append("`" + " ".join(x.split(".", 1)[1] for x in sets) + "`")
+            else:
+                cells.append("refused")
+                reason = reason or why
+        out.append((s, cells, reason))
+    return out
+
+
 def markdown() -> str:
     rows = pairs()
     strategies, caches = presets("strategy"), presets("cache")
@@ -59,6 +109,24 @@ def markdown() -> str:
     lines += ["", "## Why each refused pair is refused", "", "| strategy | cache | reason (what `dlm` prints) |",
               "|---|---|---|"]
     lines += [f"| `{s}` | `{c}` | {why.replace('|', '/')} |" for s, c, why in refused]
+    fam = family_cells()
+    lines += ["", "## Strategy x block-diffusion family", "",
+              "Block-diffusion models (Fast-dLLM v2, SDAR, LLaDA2.x; docs/models_block_diffusion.md, docs/llada2.md) "
+              "attend causally across blocks. A strategy that decodes block by block runs on them with the model's "
+              "block size (its blocks counted from the generation start, the prompt one block before them): "
+              "`yes` = with the preset's defaults, `block_length=N` = once `strategy.block_length` is the model's "
+              "block size (another value is a one-line error; CadLLM: fixed blocks of `initial_block_length`). The families' own decoders (`fdv2`, `fdv2_batch`, "
+              "`sdar`, `llada2`, `edit`) set the mask's blocks themselves. A strategy that needs bidirectional "
+              "attention over the whole generation is refused (`decode` raises the reason below, one line). "
+              "Block sizes are the public checkpoints': " +
+              ", ".join(f"{t} {n}" for t, _, n in FAMILIES) + ". LLaDA and Dream run every strategy.", "",
+              "| strategy | " + " | ".join(t for t, _, _ in FAMILIES) + " |",
+              "|---|" + "---|" * len(FAMILIES)]
+    lines += [f"| `{s}` | " + " | ".join(cells) + " |" for s, cells, _ in fam]
+    why = [(s, r) for s, _, r in fam if r is not None]
+    if why:
+        lines += ["", "| strategy | reason (first refused family) |", "|---|---|"]
+        lines += [f"| `{s}` | {r.replace('|', '/')} |" for s, r in why]
     return "\n".join(lines) + "\n"
 
 

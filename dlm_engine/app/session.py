@@ -175,7 +175,9 @@ class Session:
             import warnings
 
             warnings.warn(warning, UserWarning, stacklevel=2)
-        torch.manual_seed(int(cfg.seed))   # before the header is built: it records the state the decode starts from
+        # seeded before the recorder opens: its header keeps the RNG state the decode starts from (what
+        # `dlm-trace verify --rerun` restores), as `dlm` does
+        torch.manual_seed(int(cfg.seed))
         recorder = None
         if trace is not None:
             from dlm_engine.trace.runtime import open_run_recorder

@@ -89,10 +89,18 @@ def model_incompatibility(strategy, model) -> Optional[str]:
         return (f"strategy={name} needs bidirectional attention over the whole generation, which the block-causal "
                 f"model ({mtype}, blocks of {size}) lacks: use a block-by-block strategy (one that offers "
                 f"'{Cap.BLOCKS.value}') with strategy.block_length={size}")
-    length = getattr(strategy, "block_length", None)
+    adaptive = getattr(strategy, "adaptive_block_key", None)   # a strategy sizing its blocks as it goes (CadLLM)
+    if adaptive:
+        fixed = getattr(strategy, "fixed_block_key", "strategy.block_length")
+        return (f"strategy={name} sizes its blocks adaptively ({adaptive}=true), which the block-causal model "
+                f"({mtype}, blocks of {size}) does not allow: set {adaptive}=false {fixed}={size}")
+    fixed = getattr(strategy, "fixed_block_key", "strategy.block_length")
+    length = getattr(strategy, "block_length", None)      # the resolved size (a null block_length = gen_length)
+    if length is None:
+        length = getattr(strategy, "block_len", None)       # (the d2c family's name for it)
     if length is None:
         length = getattr(getattr(strategy, "cfg", None), "block_length", None)
     if length is not None and int(length) != size:
-        return (f"strategy.block_length={length} conflicts with the block size of the block-causal model "
-                f"({mtype}: {size}); set strategy.block_length={size}")
+        return (f"{fixed}={length} conflicts with the block size of the block-causal model "
+                f"({mtype}: {size}); set {fixed}={size}")
     return None

@@ -345,6 +345,10 @@ class LLaDA2MoeModelLM(DiffusionLMMixin, PreTrainedModel):
         if isinstance(module, Router):
             nn.init.normal_(module.weight, std=self.init_std)
 
+    # the model is block-causal: strategies that need bidirectional attention over the whole generation refuse it,
+    # and a block-by-block one decodes with the model's block size (core.capabilities.model_incompatibility)
+    block_diffusion = True
+
     @property
     def logits_shift(self) -> int:
         return 0
@@ -369,11 +373,22 @@ class LLaDA2MoeModelLM(DiffusionLMMixin, PreTrainedModel):
         hooks = NULL_HOOKS if hooks is None else hooks
         call = new_call(input_ids, attention_mask, position_ids, logits_range, request, _positions)
         d = call.request.directive
-        size = block_size or (d.attention_block if d is not None and d.attention_block else None) or self.config.block_size
-        call.attention_mode, call.block_size, call.block_origin = "block_causal", int(size), 0
+        call.attention_mode = "block_causal"
+        if block_size is None and d is not None and not d.attention_block:
+            # any other block-by-block strategy (threshold, factor, the d2c family, ...): its blocks, of the model's
+            # size and counted from the generation start, are the mask's; the prompt is one block before them (as
+            # on the Fast-dLLM v2 / SDAR models)
+            size, origin = int(self.config.block_size), int(call.gen_start)
+            call.block_origin = None
+        else:
+            size = int(block_size or (d.attention_block if d is not None and d.attention_block else None)
+                       or self.config.block_size)
+            origin = call.block_origin = 0
+        call.block_size = size
         # columns in blocks after the window's last one cannot influence it: leave them out (the reference forwards
         # x[:, :window_end] too); a cache may still choose its own span
-        end = min(call.length, -(-int(call.logits_range[1]) // int(size)) * int(size))
+        last = int(call.logits_range[1])
+        end = min(call.length, last if last <= origin else origin + -(-(last - origin) // size) * size)
         if call.request.aux is None and 0 < end < call.length:
             call.columns = Columns.span(0, end)
         m, c = self.model, self.config
