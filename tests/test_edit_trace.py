@@ -52,7 +52,7 @@ def runs(tmp_path_factory):
     header = {"model": {"name": "tiny_llada21", "eos_id": lm.eos_id, "mask_id": lm.mask_id}, "config": {}}
     out = {}
     for name, bs, kw in (("b1", 1, KW), ("b3", 3, KW), ("other", 1, dict(KW, editing_threshold=0.5))):
-        with TraceRecorder(str(d / f"{name}.dlmt"), header) as rec:
+        with TraceRecorder(str(d / f"{name}.dlmt"), header, capture="confidence") as rec:
             stats = run_prompts(lm, prompts, lambda: S(S.Config(**kw), 32), lambda: C(C.Config()), 32, bs,
                                 sinks_for_batch=lambda b, rows: [rec.sink(b, rows)], warmup=False)
         out[name] = (d / f"{name}.dlmt", stats)
@@ -99,6 +99,16 @@ def test_each_edit_is_in_the_trace_and_replay_shows_the_canvas_as_it_was(runs, c
     out = capsys.readouterr().out
     assert "edits" in out.splitlines()[next(i for i, l in enumerate(out.splitlines()) if l.split()[:1] == ["row"])]
     assert "edits/seq" in out and "post-edit NFE/seq" in out
+    # each edit: step, position, old -> new token, confidence
+    from dlm_engine.trace.tools import edit_events
+    ev = edit_events(seq)
+    assert len(ev) == len(e["col"]) and all(x["kind"] == "edit" and x["new"] != x["old"] for x in ev)
+    for x in ev:
+        assert seq.state_at(x["step"] - 1)[x["position"]] == x["old"] and seq.state_at(x["step"])[x["position"]] == x["new"]
+    assert all(x["confidence"] is not None and x["confidence"] > KW["editing_threshold"] for x in ev)
+    assert trace_main(["show", str(path), "--seq", str(list(tr).index(seq)), "--edits"]) == 0
+    out = capsys.readouterr().out
+    assert f"edits of row {seq.row}: {len(ev)} writes over a written token, 0 re-masks" in out
 
 
 def test_diff_reports_the_first_divergence_of_two_edit_runs(runs, capsys):
@@ -108,7 +118,12 @@ def test_diff_reports_the_first_divergence_of_two_edit_runs(runs, capsys):
     assert trace_main(["diff", str(runs["b1"][0]), str(runs["b3"][0])]) == 0
     assert "no divergence" in capsys.readouterr().out
     assert trace_main(["diff", str(runs["b1"][0]), str(runs["other"][0])]) == 1
-    assert "first divergence: row" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "first divergence: row" in out
+    from dlm_engine.trace import open_trace
+    from dlm_engine.trace.tools import diff
+    d = diff(open_trace(runs["b1"][0]), open_trace(runs["other"][0]))["first"]
+    assert d is not None and (d["kind"] is None or "edit" in d["kind"])
 
 
 def test_the_html_page_holds_each_positions_edits(runs, tmp_path):
@@ -118,5 +133,5 @@ def test_the_html_page_holds_each_positions_edits(runs, tmp_path):
     tr = open_trace(runs["b1"][0])
     page = to_html(tr)
     seq = next(s for s in tr if s.edits is not None and len(s.edits["col"]))
-    assert '"edits": [[' in page or '"edits":[[' in page
+    assert '"edits": [[' in page and "history: " in page and "' ed'" in page and '"nedit": ' in page
     assert str(int(seq.edits["token"][0])) in page

@@ -121,6 +121,21 @@ def cmd_show(a) -> int:
               f"{'y' if st.finished[i] else '':>4}  " + "  ".join(sc) + (f"  {ev}" if ev else ""))
     if len(st.step) > a.max_steps:
         print(f"... {len(st.step) - a.max_steps} more steps")
+    if a.edits:
+        from .tools import edit_events, token_str
+
+        ev = edit_events(s)
+        mask = (tr.header.get("model") or {}).get("mask_id")
+        print()
+        print(f"edits of row {s.row}: {sum(e['kind'] == 'edit' for e in ev)} writes over a written token, "
+              f"{sum(e['kind'] == 'remask' for e in ev)} re-masks; post-edit NFE {s.metrics.post_edit_nfe}")
+        print(f"{'step':>5} {'pos':>5}  old -> new  conf")
+        for e in ev[:a.max_steps]:
+            new = token_str(tr, e["new"], mask) if e["new"] is not None else "(re-masked)"
+            cf = f"{e['confidence']:.3f}" if e["confidence"] is not None else "-"
+            print(f"{e['step']:>5} {e['position']:>5}  {token_str(tr, e['old'], mask)!r} -> {new!r}  {cf}")
+        if len(ev) > a.max_steps:
+            print(f"... {len(ev) - a.max_steps} more")
     return 0
 
 
@@ -295,6 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--seq", type=int, default=None, help="sequence (results.jsonl order) whose steps are listed")
     q.add_argument("--max", type=int, default=20, help="sequences listed")
     q.add_argument("--max-steps", type=int, default=200, help="steps listed")
+    q.add_argument("--edits", action="store_true",
+                   help="also list --seq's edits: step, position, old -> new token, confidence (and re-masks)")
     q = add("replay", cmd_replay, "final outputs (or the canvas at --step T) without the model")
     q.add_argument("trace")
     q.add_argument("--step", type=int, default=None)
