@@ -135,3 +135,28 @@ def test_the_html_page_holds_each_positions_edits(runs, tmp_path):
     seq = next(s for s in tr if s.edits is not None and len(s.edits["col"]))
     assert '"edits": [[' in page and "history: " in page and "' ed'" in page and '"nedit": ' in page
     assert str(int(seq.edits["token"][0])) in page
+
+
+@pytest.mark.slow
+def test_an_edit_run_through_dlm_is_reproduced_by_verify_rerun(tmp_path):
+    """`dlm` with strategy=edit on the tiny LLaDA2.1 checkpoint: results.jsonl and summary.json carry edits and
+    post-edit NFE, `show --edits` lists them, `verify --rerun` reproduces every step and token (edits included)."""
+    from conftest import run_dlm
+
+    model = BD / "tiny_llada21"
+    prompts = json.dumps(json.loads((BD / "llada21.json").read_text())["prompts"][1:3])
+    out = tmp_path / "run"
+    proc = run_dlm(["model=local", f"model.path={model}", "strategy=edit", "strategy.block_length=8",
+                    "strategy.editing_threshold=0.1", "strategy.threshold=0.9", "gen_length=32", f"prompts={prompts}",
+                    f"hydra.run.dir={out}", "device=cpu"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(l) for l in (out / "results.jsonl").read_text().splitlines()]
+    summary = json.loads((out / "summary.json").read_text())
+    assert all(r["edits"] > 0 and 0 < r["post_edit_nfe"] <= r["nfe"] for r in rows)
+    assert summary["edits"] == sum(r["edits"] for r in rows) and summary["post_edit_nfe"] == sum(
+        r["post_edit_nfe"] for r in rows)
+    trace = str(out / "trace.dlmt")
+    show = run_dlm(["show", trace, "--edits"], cwd=tmp_path, exe="dlm-trace")
+    assert show.returncode == 0 and "writes over a written token" in show.stdout and "edits/seq" in show.stdout
+    ver = run_dlm(["verify", "--rerun", "--model-path", str(model), trace], cwd=tmp_path, exe="dlm-trace")
+    assert ver.returncode == 0 and "reproduced" in ver.stdout, ver.stdout + ver.stderr
