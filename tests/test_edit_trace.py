@@ -95,6 +95,10 @@ def test_each_edit_is_in_the_trace_and_replay_shows_the_canvas_as_it_was(runs, c
     assert trace_main(["replay", str(path), "--step", str(end - 1), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert next(r for r in rows if r["row"] == seq.row)["tokens"][p] == old
+    assert trace_main(["replay", str(path), "--step", str(end), "--json"]) == 0
+    assert p in next(r for r in json.loads(capsys.readouterr().out) if r["row"] == seq.row)["edited"]
+    assert trace_main(["replay", str(path), "--step", str(end)]) == 0
+    assert "edited by then" in capsys.readouterr().out
     assert trace_main(["show", str(path)]) == 0
     out = capsys.readouterr().out
     assert "edits" in out.splitlines()[next(i for i, l in enumerate(out.splitlines()) if l.split()[:1] == ["row"])]

@@ -166,9 +166,15 @@ def cmd_replay(a) -> int:
             import numpy as np
 
             again = s.remasked_at(a.step)
+            from .tools import edit_events
+
+            # positions holding a token written over an earlier one (an edit at or before the step)
+            edited = sorted({e["position"] for e in edit_events(s) if e["kind"] == "edit" and e["step"] <= a.step
+                             and toks[e["position"]] != mask})
             out.append({"row": s.row, "step": a.step, "tokens": toks.tolist(),
                         "text": masked_text(tr, toks.tolist(), mask, again),
-                        "masked": int((toks == mask).sum()), "remasked": np.flatnonzero(again).tolist()})
+                        "masked": int((toks == mask).sum()), "remasked": np.flatnonzero(again).tolist(),
+                        "edited": edited})
     if a.json:
         print(json.dumps(out))
         return 0
@@ -182,6 +188,8 @@ def cmd_replay(a) -> int:
             cells = "".join(("\u2591" if i in again else "\u2592") if t == mask else _vis(token_str(tr, t))
                             for i, t in enumerate(o["tokens"]))
             note = f", {len(again)} of them re-masked (\u2591)" if again else ""
+            if o["edited"]:
+                note += f"; {len(o['edited'])} positions edited by then (positions {_short(str(o['edited']), 80)})"
             print(f"[{o['row']}] step {a.step}: {cells}  ({o['masked']} masked{note})")
     return 0
 
