@@ -11,6 +11,10 @@ Per sequence (one prompt's generation):
   there is none); padding, post-EOS filler and prompt tokens never count.
 * **TPF**: generated tokens / NFE of that sequence.
 * **Latency**: seconds from the start of its batch's decode to the end of its finishing step (host clock).
+* **Edits**: writes over a written token (T2T edits, the strategy's per-row ``edits`` step scalar) in the steps
+  it took part in until it finished; **post-edit NFE**: the part of its NFE spent in post-edit steps (steps
+  that began with no mask left in its block: the strategy's ``post_edit`` step scalar). Both are 0 for
+  strategies that never rewrite; post-edit steps count in NFE (and so lower TPF) like every other forward.
 
 Aggregates are totals over sequences: NFE = sum of sequence NFE, TPF = sum of tokens / sum of NFE (never a
 mean of ratios), TPS = sum of tokens / decode wall time. **Model calls** (batched forwards: one batched
@@ -42,6 +46,8 @@ class SequenceMetrics:
     generated_tokens: int    # up to and including the first EOS
     finish_step: int         # the step after which it was finished (0: nothing was decoded)
     latency: float           # seconds from its batch's decode start to its finish
+    edits: int = 0           # writes over a written token, until it finished
+    post_edit_nfe: int = 0   # the part of nfe spent in post-edit steps
 
     @property
     def tpf(self) -> float:
@@ -61,6 +67,8 @@ class Totals:
     latency_sum: float
     model_calls: Optional[int] = None  # batched forwards (depends on the batch size)
     wall_time: Optional[float] = None  # decode wall time (device synchronised)
+    edits: int = 0                     # sum of per-sequence edits
+    post_edit_nfe: int = 0             # sum of per-sequence post-edit NFE
 
     @property
     def tpf(self) -> float:
@@ -83,6 +91,9 @@ class Totals:
     def as_dict(self) -> Dict[str, Any]:
         out = {"sequences": self.sequences, "nfe": self.nfe, "nfe_per_sequence": self.nfe_per_sequence,
                "generated_tokens": self.generated_tokens, "tpf": self.tpf, "latency_mean": self.latency_mean}
+        if self.edits or self.post_edit_nfe:
+            out.update(edits=self.edits, edits_per_sequence=self.edits / self.sequences if self.sequences else 0.0,
+                       post_edit_nfe=self.post_edit_nfe)
         if self.model_calls is not None:
             out["model_calls"] = self.model_calls
         if self.wall_time is not None:
@@ -127,31 +138,61 @@ def finish_step(steps: np.ndarray, finished: np.ndarray, step_of: np.ndarray) ->
     return int(steps.max()) if len(steps) else 0
 
 
-def sequence_metrics(steps, nfe, active, finished, wall_time, step_of, tokens, eos_id: Optional[int]) -> SequenceMetrics:
-    """Metrics of one sequence from its per-step records (``[S]`` arrays; ``active``/``finished`` are this
-    sequence's column) and its final generation region (``step_of``, ``tokens`` [L])."""
+def sequence_metrics(steps, nfe, active, finished, wall_time, step_of, tokens, eos_id: Optional[int],
+                     edits=None, post_edit=None) -> SequenceMetrics:
+    """Metrics of one sequence from its per-step records (``[S]`` arrays; ``active``/``finished``/``edits`` are
+    this sequence's column, ``post_edit`` whether each step was a post-edit one) and its final generation region
+    (``step_of``, ``tokens`` [L])."""
     steps = np.asarray(steps, dtype=np.int64).reshape(-1)
     end = finish_step(steps, finished, step_of)
     upto = steps <= end
     took_part = upto & np.asarray(active, dtype=bool).reshape(-1)
-    n = int(np.asarray(nfe, dtype=np.int64).reshape(-1)[took_part].sum())
+    per_step = np.asarray(nfe, dtype=np.int64).reshape(-1)
+    n = int(per_step[took_part].sum())
+    n_edits = int(_per_step(edits, len(steps))[took_part].sum())
+    post = _per_step(post_edit, len(steps)).astype(bool)
+    post_nfe = int(per_step[took_part & post].sum())
     wall = np.asarray(wall_time, dtype=np.float64).reshape(-1)
     idx = np.flatnonzero(upto)
     latency = float(wall[idx[-1]]) if idx.size else 0.0
     return SequenceMetrics(nfe=n, generated_tokens=generated_token_count(tokens, eos_id), finish_step=end,
-                           latency=latency)
+                           latency=latency, edits=n_edits, post_edit_nfe=post_nfe)
 
 
-def batch_metrics(steps, nfe, active, finished, wall_time, step_of, tokens, eos_id: Optional[int]) -> List[SequenceMetrics]:
+def _per_step(x, S: int) -> np.ndarray:
+    """A per-step scalar as ``[S]`` int64 (zeros when the strategy does not record it; a step without a value
+    counts 0)."""
+    out = np.zeros(S, dtype=np.int64)
+    if x is None:
+        return out
+    a = np.asarray(x).reshape(-1)[:S]
+    if a.dtype == object:                              # JSON scalars: a step without the value holds None
+        a = np.where(np.equal(a, None), 0, a)
+    out[:a.size] = a.astype(np.int64)
+    return out
+
+
+def _row_scalar(x, S: int, B: int, b: int):
+    """Row ``b``'s column of a per-step scalar recorded per row (``[S, B]``) or for the batch (``[S]``)."""
+    if x is None:
+        return None
+    a = np.asarray(x)
+    return a.reshape(S, B)[:, b] if a.size == S * B and B > 1 else a.reshape(-1)
+
+
+def batch_metrics(steps, nfe, active, finished, wall_time, step_of, tokens, eos_id: Optional[int],
+                  edits=None, post_edit=None) -> List[SequenceMetrics]:
     """:func:`sequence_metrics` of every row of a batch (``active``/``finished`` [S, B], ``step_of``/``tokens``
-    [B, L])."""
+    [B, L]; ``edits`` [S, B] and ``post_edit`` [S] or [S, B] when the strategy records them)."""
     step_of, tokens = np.asarray(step_of), np.asarray(tokens)
     B = step_of.shape[0]
     if active is None or len(steps) == 0:  # no step ran
         active = finished = np.zeros((0, B), dtype=bool)
     active = np.asarray(active, dtype=bool).reshape(-1, B)
     finished = np.asarray(finished, dtype=bool).reshape(-1, B)
-    return [sequence_metrics(steps, nfe, active[:, b], finished[:, b], wall_time, step_of[b], tokens[b], eos_id)
+    S = len(steps)
+    return [sequence_metrics(steps, nfe, active[:, b], finished[:, b], wall_time, step_of[b], tokens[b], eos_id,
+                             _row_scalar(edits, S, B, b), _row_scalar(post_edit, S, B, b))
             for b in range(B)]
 
 
@@ -161,7 +202,9 @@ def totals(seqs: Iterable[SequenceMetrics], model_calls: Optional[int] = None,
     seqs = list(seqs)
     return Totals(sequences=len(seqs), nfe=sum(s.nfe for s in seqs),
                   generated_tokens=sum(s.generated_tokens for s in seqs),
-                  latency_sum=float(sum(s.latency for s in seqs)), model_calls=model_calls, wall_time=wall_time)
+                  latency_sum=float(sum(s.latency for s in seqs)), model_calls=model_calls, wall_time=wall_time,
+                  edits=sum(getattr(s, "edits", 0) for s in seqs),
+                  post_edit_nfe=sum(getattr(s, "post_edit_nfe", 0) for s in seqs))
 
 
 def summary_line(t: Totals) -> str:
@@ -170,6 +213,9 @@ def summary_line(t: Totals) -> str:
     if t.tps is not None:
         parts.append(f"TPS {t.tps:.1f}")
     parts.append(f"latency {t.latency_mean:.3f}s")
+    if t.edits or t.post_edit_nfe:
+        n = t.sequences or 1
+        parts.append(f"edits/seq {t.edits / n:.2f}  post-edit NFE/seq {t.post_edit_nfe / n:.2f}")
     if t.model_calls is not None:
         parts.append(f"model calls {t.model_calls}")
     return "  ".join(parts)

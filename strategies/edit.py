@@ -21,8 +21,10 @@ decoded (the answer is cut at the first EOS afterwards).
 row ``i >= 1`` of the block loses ``penalty_lambda`` on the token at position ``i - 1`` before the argmax and the
 softmax (off by default, as LLaDA2.1).
 
-Batch 1 (as the reference); ``decode_batch`` splits. ``cache=block_store`` is exact here too: a block is handed
-over once it is final (edits happen inside the working block only).
+Batch 1 (as the reference); ``decode_batch`` splits. Caches: edits happen inside the working block only, and
+the strategy needs ``block_logits`` (every column of the block recomputed at every step), so a cache never
+attends to a stale key/value of an edited column: ``block_store``, ``prefix``, ``dual`` and ``dllm`` decode as
+``none`` does (tests/test_edit_caches.py); ``d2cache`` (query-set columns only) is refused by capability.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from typing import Optional, Tuple
 import torch
 
 from dlm_engine.core.canvas import BlockEvent
+from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.registry import register_strategy
 from dlm_engine.core.strategy import evolve
 from dlm_engine.errors import ConfigError
@@ -70,6 +73,12 @@ class EditState:
 
 @register_strategy("edit", EditConfig)
 class Edit(AbsoluteBlocks):
+    # T2T reads the logits of every written position of the block at every step, and an edit changes a token
+    # whose keys/values a cache may hold: the block must be recomputed each step (BLOCK_LOGITS, which every
+    # store-based cache gives by recomputing the working block; the blocks before it are final). d2cache, which
+    # feeds only a query set and keeps the other columns' keys/values, is refused.
+    needs = caps(Cap.BLOCK_LOGITS)
+
     def validate(self) -> None:
         super().validate()
         c = self.cfg

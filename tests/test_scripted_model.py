@@ -34,9 +34,6 @@ EDITING = {"edit"}
 # column's logits come from the prompt's last column, which the store has frozen (known gap, issue 45 notes)
 # (the real shifted block-diffusion model, Fast-dLLM v2, shifts within the queried block instead: parity suites)
 KNOWN = {(n, c, 1) for n in ("llada2", "edit", "fdv2", "fdv2_batch", "sdar") for c in ("block_store", "block_kv")}
-# edits under d2Cache on a shifted-logit model leave the trajectory of the uncached decode: the cache does not yet
-# recompute a column whose token an edit changed (issue 48, item 4)
-KNOWN |= {("edit", "d2cache", 1)}
 
 
 def make(name):

@@ -127,6 +127,8 @@ class RowResult:
     steps: int                   # the step after which it was finished
     generated_tokens: int        # up to and including the first EOS
     latency: float = 0.0         # seconds from its batch's decode start to its finish
+    edits: int = 0               # writes over a written token (T2T edits), until it finished
+    post_edit_nfe: int = 0       # the part of nfe spent in post-edit steps
     extra: dict = field(default_factory=dict)
 
     @property
@@ -135,8 +137,11 @@ class RowResult:
 
     @property
     def metrics(self) -> Dict[str, Any]:
-        return {"nfe": self.nfe, "generated_tokens": self.generated_tokens, "tpf": self.tpf,
-                "latency": self.latency, "steps": self.steps}
+        out = {"nfe": self.nfe, "generated_tokens": self.generated_tokens, "tpf": self.tpf,
+               "latency": self.latency, "steps": self.steps}
+        if self.edits or self.post_edit_nfe:          # strategies that rewrite written tokens (edit)
+            out.update(edits=self.edits, post_edit_nfe=self.post_edit_nfe)
+        return out
 
 
 def decode_batch(lm: LoadedModel, prompt_ids: Sequence[Sequence[int]], strategy, cache=None,
@@ -162,6 +167,7 @@ def rows_from_canvas(lm: LoadedModel, canvas: Canvas, prompt_ids, prompts, first
             index=first_index + r, prompt=None if prompts is None else prompts[r], prompt_ids=list(ids),
             tokens=t, step_of=so, text=lm.decode_text([x for x in shown if x != lm.mask_id]),
             nfe=m.nfe, steps=m.finish_step, generated_tokens=n_gen, latency=m.latency,
+            edits=m.edits, post_edit_nfe=m.post_edit_nfe,
         ))
     return out
 

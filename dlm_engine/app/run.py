@@ -244,9 +244,14 @@ def run_metrics(t) -> Dict[str, Any]:
     """The aggregate figures of summary.json / result.json (:mod:`dlm_engine.metrics`)."""
     from dlm_engine.metrics import METRICS_VERSION
 
-    return {"nfe": t.nfe, "nfe_per_prompt": t.nfe_per_sequence, "generated_tokens": t.generated_tokens,
-            "tpf": t.tpf, "tps": t.tps, "latency_mean": t.latency_mean, "model_calls": t.model_calls,
-            "wall_time": t.wall_time, "metrics_version": METRICS_VERSION}
+    out = {"nfe": t.nfe, "nfe_per_prompt": t.nfe_per_sequence, "generated_tokens": t.generated_tokens,
+           "tpf": t.tpf, "tps": t.tps, "latency_mean": t.latency_mean, "model_calls": t.model_calls,
+           "wall_time": t.wall_time, "metrics_version": METRICS_VERSION}
+    if getattr(t, "edits", 0) or getattr(t, "post_edit_nfe", 0):     # strategies that rewrite (edit)
+        n = t.sequences or 1
+        out.update(edits=t.edits, edits_per_prompt=t.edits / n, post_edit_nfe=t.post_edit_nfe,
+                   post_edit_nfe_per_prompt=t.post_edit_nfe / n)
+    return out
 
 
 def accuracy_by_task(rows: List[dict]) -> Dict[str, float]:

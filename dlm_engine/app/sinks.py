@@ -4,6 +4,8 @@ from __future__ import annotations
 import logging
 import sys
 import time
+
+import numpy as np
 from typing import Optional
 
 from dlm_engine.core.canvas import Canvas, FrameDelta
@@ -79,6 +81,7 @@ class StepLog(Sink):
 
     def __init__(self):
         self.steps, self.nfe, self.wall, self.active, self.finished = [], [], [], [], []
+        self.edits, self.post_edit = [], []         # the strategy's per-step scalars (None: not recorded)
 
     def on_delta(self, delta: FrameDelta, canvas: Canvas) -> None:
         self.steps.append(int(delta.step))
@@ -86,6 +89,9 @@ class StepLog(Sink):
         self.wall.append(float(delta.wall_time))
         self.active.append(delta.active)
         self.finished.append(delta.finished)
+        sc = delta.scalars or {}
+        self.edits.append(sc.get("edits"))
+        self.post_edit.append(sc.get("post_edit"))
 
     def metrics(self, canvas: Canvas, eos_id):
         import torch
@@ -94,8 +100,16 @@ class StepLog(Sink):
 
         g = canvas.gen_start
         stack = (lambda xs: torch.stack(xs).bool().cpu().numpy()) if self.steps else (lambda xs: None)
+        B = canvas.batch_size
+        edits = post = None
+        if any(e is not None for e in self.edits):
+            edits = np.stack([np.broadcast_to(e, (B,)) if e.size in (1, B) else np.zeros(B, np.int64)
+                              for e in map(_np, self.edits)])
+        if any(p is not None for p in self.post_edit):
+            post = np.array([int(p or 0) for p in self.post_edit])
         return batch_metrics(self.steps, self.nfe, stack(self.active), stack(self.finished), self.wall,
-                             canvas.step_of[:, g:].cpu().numpy(), canvas.tokens[:, g:].cpu().numpy(), eos_id)
+                             canvas.step_of[:, g:].cpu().numpy(), canvas.tokens[:, g:].cpu().numpy(), eos_id,
+                             edits=edits, post_edit=post)
 
 
 class RecordingSink(Sink):
@@ -108,3 +122,12 @@ class RecordingSink(Sink):
     def on_delta(self, delta: FrameDelta, canvas: Canvas) -> None:
         self.deltas.append(delta)
         self.states.append(canvas.tokens.clone())
+
+
+def _np(x):
+    """A step scalar as numpy (0 when the step has none)."""
+    if x is None:
+        return np.zeros(1, dtype=np.int64)
+    if hasattr(x, "detach"):
+        x = x.detach().cpu().numpy()
+    return np.asarray(x, dtype=np.int64).reshape(-1)

@@ -121,6 +121,21 @@ def cmd_show(a) -> int:
               f"{'y' if st.finished[i] else '':>4}  " + "  ".join(sc) + (f"  {ev}" if ev else ""))
     if len(st.step) > a.max_steps:
         print(f"... {len(st.step) - a.max_steps} more steps")
+    if a.edits:
+        from .tools import edit_events, token_str
+
+        ev = edit_events(s)
+        mask = (tr.header.get("model") or {}).get("mask_id")
+        print()
+        print(f"edits of row {s.row}: {sum(e['kind'] == 'edit' for e in ev)} writes over a written token, "
+              f"{sum(e['kind'] == 'remask' for e in ev)} re-masks; post-edit NFE {s.metrics.post_edit_nfe}")
+        print(f"{'step':>5} {'pos':>5}  old -> new  conf")
+        for e in ev[:a.max_steps]:
+            new = token_str(tr, e["new"], mask) if e["new"] is not None else "(re-masked)"
+            cf = f"{e['confidence']:.3f}" if e["confidence"] is not None else "-"
+            print(f"{e['step']:>5} {e['position']:>5}  {token_str(tr, e['old'], mask)!r} -> {new!r}  {cf}")
+        if len(ev) > a.max_steps:
+            print(f"... {len(ev) - a.max_steps} more")
     return 0
 
 
@@ -151,9 +166,15 @@ def cmd_replay(a) -> int:
             import numpy as np
 
             again = s.remasked_at(a.step)
+            from .tools import edit_events
+
+            # positions holding a token written over an earlier one (an edit at or before the step)
+            edited = sorted({e["position"] for e in edit_events(s) if e["kind"] == "edit" and e["step"] <= a.step
+                             and toks[e["position"]] != mask})
             out.append({"row": s.row, "step": a.step, "tokens": toks.tolist(),
                         "text": masked_text(tr, toks.tolist(), mask, again),
-                        "masked": int((toks == mask).sum()), "remasked": np.flatnonzero(again).tolist()})
+                        "masked": int((toks == mask).sum()), "remasked": np.flatnonzero(again).tolist(),
+                        "edited": edited})
     if a.json:
         print(json.dumps(out))
         return 0
@@ -167,6 +188,8 @@ def cmd_replay(a) -> int:
             cells = "".join(("\u2591" if i in again else "\u2592") if t == mask else _vis(token_str(tr, t))
                             for i, t in enumerate(o["tokens"]))
             note = f", {len(again)} of them re-masked (\u2591)" if again else ""
+            if o["edited"]:
+                note += f"; {len(o['edited'])} positions edited by then (positions {_short(str(o['edited']), 80)})"
             print(f"[{o['row']}] step {a.step}: {cells}  ({o['masked']} masked{note})")
     return 0
 
@@ -295,6 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--seq", type=int, default=None, help="sequence (results.jsonl order) whose steps are listed")
     q.add_argument("--max", type=int, default=20, help="sequences listed")
     q.add_argument("--max-steps", type=int, default=200, help="steps listed")
+    q.add_argument("--edits", action="store_true",
+                   help="also list --seq's edits: step, position, old -> new token, confidence (and re-masks)")
     q = add("replay", cmd_replay, "final outputs (or the canvas at --step T) without the model")
     q.add_argument("trace")
     q.add_argument("--step", type=int, default=None)

@@ -486,8 +486,13 @@ class Sequence:
 
         tab, i = self.batch.steps, self.slot
         if self._metrics is None or self._metrics[0] is not tab:
+            from dlm_engine.metrics import _row_scalar
+
+            S, B = len(tab.step), tab.active.shape[1]
             self._metrics = (tab, sequence_metrics(tab.step, tab.nfe, tab.active[:, i], tab.finished[:, i],
-                                                   tab.wall_time, self.step_of, self.tokens, self.trace.eos_id))
+                                                   tab.wall_time, self.step_of, self.tokens, self.trace.eos_id,
+                                                   _row_scalar(tab.scalars.get("edits"), S, B, i),
+                                                   _row_scalar(tab.scalars.get("post_edit"), S, B, i)))
         return self._metrics[1]
 
     @property

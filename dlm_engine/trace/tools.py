@@ -97,10 +97,51 @@ def first_divergence(a: Sequence, b: Sequence) -> Optional[Dict[str, Any]]:
                 break
         if t is None:
             return None
-    return {"step": t, "position": p, "column": a.gen_start + p,
+    kind = None
+    if t >= 1 and (a.edits is not None or b.edits is not None):
+        before = (a.state_at(t - 1)[p], b.state_at(t - 1)[p])       # a write over a written token: an edit
+        mask = a.seq.mask_id
+        if mask is not None and any(int(x) != mask and int(x) != int(y.state_at(t)[p])
+                                    for x, y in zip(before, (a, b))):
+            kind = "an edit over a written token"
+    return {"step": t, "position": p, "column": a.gen_start + p, "kind": kind,
             "token_a": int(a.state_at(t)[p]), "token_b": int(b.state_at(t)[p]),
             "step_of_a": int(a.step_of[p]), "step_of_b": int(b.step_of[p]),
             "batch_step_a": a.batch_step(t), "batch_step_b": b.batch_step(t)}
+
+
+def edit_events(s: Sequence) -> List[Dict[str, Any]]:
+    """Every write over a written token of a sequence, and every re-mask, from its edit stream (which keeps each
+    earlier holding: column, token, held for ``start <= t < end``): ``step`` (the step that replaced it),
+    ``position`` (generation region), ``old`` and ``new`` token (``new`` None for a re-mask), ``confidence`` of the
+    new token at that step (None when the trace has no confidences or for a re-mask), ``kind`` edit/remask."""
+    e = s.edits
+    if e is None or not len(e["col"]):
+        return []
+    col = np.asarray(e["col"], dtype=np.int64) - s.gen_start
+    order = np.lexsort((e["start"], col))
+    c, tok, a, b = col[order], np.asarray(e["token"])[order], np.asarray(e["start"])[order], np.asarray(e["end"])[order]
+    conf = e.get("confidence")
+    conf = None if conf is None else np.asarray(conf, dtype=np.float64)[order]
+    n = len(c)
+    nxt = np.zeros(n, dtype=bool)
+    nxt[:-1] = (c[1:] == c[:-1]) & (a[1:] == b[:-1])          # the next holding of the column starts at the edit
+    final = ~nxt & (np.asarray(s.step_of)[c] == b)            # else the final token was written at the edit
+    shift = np.r_[np.arange(1, n), n - 1]
+    new = np.where(nxt, tok[shift], np.asarray(s.tokens)[c])
+    fc = None
+    if conf is not None:
+        last = s.confidence[c] if s.confidence is not None else np.full(n, np.nan)
+        fc = np.where(nxt, conf[shift], last)
+    out = []
+    for j in range(n):
+        written = bool(nxt[j] or final[j])
+        cf = None if fc is None or not written or not np.isfinite(fc[j]) else round(float(fc[j]), 4)
+        out.append({"step": int(b[j]), "position": int(c[j]), "old": int(tok[j]),
+                    "new": int(new[j]) if written else None, "confidence": cf,
+                    "kind": "edit" if written else "remask"})
+    out.sort(key=lambda d: (d["step"], d["position"]))
+    return out
 
 
 def token_str(tr: Trace, tid: Optional[int], mask_id: Optional[int] = None) -> str:
@@ -163,8 +204,9 @@ def describe_divergence(tr: Trace, d: Dict[str, Any], other: Optional[Trace] = N
     mask = (tr.header.get("model") or {}).get("mask_id")
     ta = token_str(tr, d["token_a"], mask)
     tb = token_str(other, d["token_b"], mask)
+    kind = f" ({d['kind']})" if d.get("kind") else ""
     return (f"row {d['row']} own step {d['step']} position {d['position']} (column {d['column']}): "
-            f"{d['token_a']} {ta!r} vs {d['token_b']} {tb!r}")
+            f"{d['token_a']} {ta!r} vs {d['token_b']} {tb!r}{kind}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -267,6 +309,7 @@ body{font-family:system-ui,sans-serif;margin:1.2em;color:#222}
 .m{background:#e8e8e8;color:#aaa}.p{background:#fff;color:#777;border-style:dashed}
 .r{background:repeating-linear-gradient(45deg,#f3c9b0,#f3c9b0 3px,#fff 3px,#fff 6px);color:#b0461c}
 .rc{outline:2px solid #d22;outline-offset:-2px}
+.ed{box-shadow:inset 0 -3px 0 #8a2be2;font-weight:bold}
 #bar{position:sticky;top:0;background:#fff;padding:6px 0;border-bottom:1px solid #ddd;z-index:1}
 #legend{display:inline-block;width:220px;height:10px;vertical-align:middle;
         background:linear-gradient(90deg,hsl(230,75%,62%),hsl(130,65%,55%),hsl(50,90%,55%),hsl(0,80%,60%))}
@@ -275,7 +318,7 @@ body{font-family:system-ui,sans-serif;margin:1.2em;color:#222}
 <div id="bar">step <input id="t" type="range" min="0" max="__TMAX__" value="__TMAX__" style="width:45%">
 <b id="tv"></b> &nbsp; <label><input id="pr" type="checkbox"> prompt</label>
 &nbsp; commit step: 1 <span id="legend"></span> __TMAX__
-&nbsp; <span class="c m">__MASK__</span> masked <span class="c r">__MASK__</span> re-masked
+&nbsp; <span class="c m">__MASK__</span> masked <span class="c r">__MASK__</span> re-masked <span class="c ed">a</span> edited (hover: the position's history)
 <span id="rl" style="display:none">&nbsp; <span class="c rc">&nbsp;</span> recomputed by the step's model call</span></div>
 <div id="seqs"></div>
 <script>
@@ -283,6 +326,7 @@ const D = __DATA__;
 const T = D.tmax;
 function col(s){ if(s<=0) return '#fff'; const f=T>1?(s-1)/(T-1):0; return 'hsl('+(230-230*f)+',75%,'+(62+8*Math.sin(f*3.14))+'%)'; }
 function esc(x){ return x.replace(/[&<>]/g, c=>({'&':'&amp;','<':'&lt;','>':'&gt;'}[c])); }
+function escA(x){ return esc(x).replace(/"/g, '&quot;'); }
 function render(){
   const t = +document.getElementById('t').value, pr = document.getElementById('pr').checked;
   document.getElementById('tv').textContent = t;
@@ -292,6 +336,7 @@ function render(){
     const rec = c => rr.some(r => r[0] <= c && c < r[1]);
     const nrec = rr.reduce((n, r) => n + r[1] - r[0], 0);
     h += '<div class="seq"><div class="meta">row '+s.row+' &middot; NFE '+s.nfe+' &middot; steps '+s.steps+
+         (s.edits.length ? ' &middot; edits '+s.nedit+(s.pnfe ? ' &middot; post-edit NFE '+s.pnfe : '') : '')+
          (s.rec ? ' &middot; recomputed at this step: '+nrec+' columns' : '')+
          (s.text!==null?' &middot; '+esc(JSON.stringify(s.text)):'')+'</div><div class="cells">';
     if (pr) for (let j=0;j<s.prompt.length;j++) { const p = s.prompt[j];
@@ -299,15 +344,22 @@ function render(){
     for (let i=0;i<s.tok.length;i++){
       let tok=null, st=s.so[i];
       if (st>=0 && st<=t) tok=s.tok[i];
-      let again=0;
-      for (const e of s.edits) { if (e[0]===i && e[2]<=t && t<e[3]) { tok=e[1]; st=e[2]; }
-                                 if (e[0]===i && e[3]<=t) again=Math.max(again, e[3]); }
-      const title='position '+i+(s.so[i]>=0?' committed at step '+s.so[i]:' never committed')+
-                  (again?' (re-masked at step '+again+')':'')+
-                  (s.conf && s.conf[i]!==null?' conf '+s.conf[i].toFixed(3):'');
+      let again=0; const hist=[];
+      for (const e of s.edits) { if (e[0]!==i) continue; hist.push(e);
+                                 if (e[2]<=t && t<e[3]) { tok=e[1]; st=e[2]; }
+                                 if (e[3]<=t) again=Math.max(again, e[3]); }
+      const edited = tok!==null && again>0;       // written over (or re-written after a re-mask) by step t
+      hist.sort((a, b) => a[2]-b[2]);
+      const name = k => JSON.stringify(D.vocab[k]??String(k));
+      const steps = hist.map(e => 'step '+e[2]+' '+name(e[1])+(e[4]!=null?' ('+e[4].toFixed(3)+')':'')+' until '+e[3]);
+      if (s.so[i]>0) steps.push('step '+s.so[i]+' '+name(s.tok[i])+(s.conf && s.conf[i]!==null?' ('+s.conf[i].toFixed(3)+')':''));
+      const title=escA('position '+i+(s.so[i]>=0?' committed at step '+s.so[i]:' never committed')+
+                  (again && tok===null?' (re-masked at step '+again+')':'')+
+                  (s.conf && s.conf[i]!==null?' conf '+s.conf[i].toFixed(3):'')+
+                  (hist.length?'; history: '+steps.join(' -> '):''));
       const rc = rec(s.gs+i) ? ' rc' : '';
       if (tok===null) h += '<span class="c '+(again?'r':'m')+rc+'" title="'+title+'">'+esc(D.mask)+'</span>';
-      else h += '<span class="c'+rc+'" style="background:'+col(st)+'" title="'+title+'">'+esc(D.vocab[tok]??String(tok))+'</span>';
+      else h += '<span class="c'+rc+(edited?' ed':'')+'" style="background:'+col(st)+'" title="'+title+'">'+esc(D.vocab[tok]??String(tok))+'</span>';
     }
     h += '</div></div>';
   }
@@ -328,14 +380,17 @@ def to_html(tr: Trace, max_sequences: int = 50, title: Optional[str] = None) -> 
         used.update(s.prompt_ids.tolist())
         ed = []
         if s.edits is not None:
-            for c, tk, a, b in zip(s.edits["col"], s.edits["token"], s.edits["start"], s.edits["end"]):
-                ed.append([int(c) - s.gen_start, int(tk), int(a), int(b)])
+            ec = s.edits.get("confidence")
+            for j, (c, tk, a, b) in enumerate(zip(s.edits["col"], s.edits["token"], s.edits["start"], s.edits["end"])):
+                cf = None if ec is None or not np.isfinite(ec[j]) else round(float(ec[j]), 4)
+                ed.append([int(c) - s.gen_start, int(tk), int(a), int(b), cf])
                 used.add(int(tk))
         conf = None
         if s.confidence is not None:
             conf = [None if not np.isfinite(x) else round(float(x), 4) for x in s.confidence]
         data.append({"row": s.row, "nfe": s.nfe, "steps": s.n_steps, "tok": s.tokens.tolist(), "so": s.step_of.tolist(),
                      "prompt": s.prompt_ids.tolist(), "edits": ed, "conf": conf, "text": s.text,
+                     "nedit": len(ed), "pnfe": s.metrics.post_edit_nfe,
                      "gs": s.gen_start, "ps": s.gen_start - len(s.prompt_ids), "rec": recomputed_ranges(s)})
     mask = (tr.header.get("model") or {}).get("mask_id")
     vocab = {int(t): _display(token_str(tr, int(t), mask)) for t in used}
