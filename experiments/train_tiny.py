@@ -11,13 +11,17 @@ SDAR objective (block diffusion): the inference layout (left-padded prompt, 16 a
 seen; block-causal attention (bidirectional inside a block). Per example one working block k of the answer is
 drawn: answer positions of earlier blocks are clean (as after their decoding), those of block k are masked with
 probability p (as above), later ones are all [MASK] (invisible to block k anyway); loss = sum of cross-entropy on
-the masked positions of block k / p, divided by batch·block.
+the masked positions of block k / p, divided by batch·block. Measured (not yet enough for a shipped model):
+3,400 steps, lr 3e-3, d128/4 layers/4 heads/2 kv heads (0.81M parameters), 13.3 min on the shared 2-core machine,
+final loss 0.31 -> 12% on 200 held-out prompts with strategy=sdar top_k=1 cache=block_kv (pick 36%, split 12%,
+add/sub 0%): one working block per example supervises ~1/4 of the answer per step, so it needs far more steps
+than the LLaDA recipe's 9,000 (or a two-stream noisy+clean layout that makes every block a working block).
 
 Seeded and scheduled on steps (not wall time), so a run is reproducible. Writes an official-format
 checkpoint (config.json + model.safetensors + tokenizer files) loadable by ``dlm model.path=DIR``.
 
     python experiments/train_tiny.py --out dlm_engine/checkpoints/tiny --steps 9000
-    python experiments/train_tiny.py --family sdar --out dlm_engine/checkpoints/tiny_bd --steps 3000
+    python experiments/train_tiny.py --family sdar --kv-heads 2 --out /tmp/tiny_bd --steps 3400 --lr 3e-3
     python experiments/train_tiny.py --out /tmp/t --steps 5 --d-model 32 --layers 1   # smoke test
 """
 from __future__ import annotations
