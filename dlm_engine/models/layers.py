@@ -295,6 +295,14 @@ def run_layers(call: ForwardCall, hooks, embed: nn.Module, layers, head_dim: int
     return call
 
 
+def cumsum_positions(key_mask, B: int, L: int, device) -> torch.Tensor:
+    """Position ids of LLaDA, LLaDA2 and the Qwen block-diffusion references: ``arange`` (``0..L-1``), or over a
+    padding mask ``cumsum(mask) - 1`` (pads at 0). (Dream puts its pads at 1: its own function.)"""
+    if key_mask is None:
+        return torch.arange(L, device=device).expand(B, L)
+    return (key_mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
 def new_call(input_ids, attention_mask, position_ids, logits_range, request, default_positions) -> ForwardCall:
     """The :class:`ForwardCall` a family's ``forward`` runs (positions from the mask when not given)."""
     B, L = input_ids.shape

@@ -17,7 +17,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from dlm_engine.core.protocol import NULL_HOOKS, CallRequest, ForwardCall
 from dlm_engine.models.base import DiffusionLMMixin, register_auto, register_model
 from dlm_engine.models.layers import (AttentionSpec, RMSNorm, attention_block, ffn_block, new_call, rope_float32,
-                                      run_layers)
+                                      run_layers, cumsum_positions)
 
 
 class LLaDAConfig(PretrainedConfig):
@@ -165,7 +165,7 @@ class LLaDAModelLM(DiffusionLMMixin, PreTrainedModel):
         """Logits for the columns ``logits_range`` (default: all). ``request`` carries the step's cache
         directive, active rows and auxiliary columns (see :mod:`dlm_engine.core.protocol`)."""
         hooks = NULL_HOOKS if hooks is None else hooks
-        call = new_call(input_ids, attention_mask, position_ids, logits_range, request, _positions)
+        call = new_call(input_ids, attention_mask, position_ids, logits_range, request, cumsum_positions)
         call.attention_mode = self.config.attention_mode
         call.block_size = self.config.block_causal_size
         t, c = self.model.transformer, self.config
@@ -177,12 +177,6 @@ class LLaDAModelLM(DiffusionLMMixin, PreTrainedModel):
         h = t.ln_f(h)
         return F.linear(h, t.wte.weight) if self.config.weight_tying else t.ff_out(h)
 
-
-def _positions(key_mask, B: int, L: int, device) -> torch.Tensor:
-    """LLaDA's position ids: ``cumsum(mask) - 1`` over a padding mask (pads at 0), else ``arange``."""
-    if key_mask is None:
-        return torch.arange(L, device=device).expand(B, L)
-    return (key_mask.long().cumsum(-1) - 1).clamp_min(0)
 
 
 def register_auto_classes() -> None:

@@ -31,7 +31,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from dlm_engine.core.protocol import NULL_HOOKS, CallRequest, Columns, ForwardCall
 from dlm_engine.models.base import DiffusionLMMixin, register_auto, register_model
 from dlm_engine.models.layers import (AttentionSpec, RMSNorm, attention_block, ffn_block, new_call, rotate_half,
-                                      run_layers)
+                                      run_layers, cumsum_positions)
 
 # ``<|mask|>`` sits three ids after ``<|endoftext|>`` (the pad / EOS) in the LLaDA2 vocabulary (156892 -> 156895);
 # config.json names neither the mask nor the EOS, so they default from ``pad_token_id``
@@ -371,7 +371,7 @@ class LLaDA2MoeModelLM(DiffusionLMMixin, PreTrainedModel):
         """Logits for the columns ``logits_range`` (default: all). The block-causal block size is ``block_size``,
         else the step's ``CacheDirective.attention_block``, else ``config.block_size``; blocks start at column 0."""
         hooks = NULL_HOOKS if hooks is None else hooks
-        call = new_call(input_ids, attention_mask, position_ids, logits_range, request, _positions)
+        call = new_call(input_ids, attention_mask, position_ids, logits_range, request, cumsum_positions)
         d = call.request.directive
         call.attention_mode = "block_causal"
         if block_size is None and d is not None and not d.attention_block:
@@ -398,12 +398,6 @@ class LLaDA2MoeModelLM(DiffusionLMMixin, PreTrainedModel):
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(h)).float()
 
-
-def _positions(key_mask, B: int, L: int, device) -> torch.Tensor:
-    """``arange`` (the reference's ``0..L-1``); over a padding mask ``cumsum(mask) - 1`` (pads at 0)."""
-    if key_mask is None:
-        return torch.arange(L, device=device).expand(B, L)
-    return (key_mask.long().cumsum(-1) - 1).clamp_min(0)
 
 
 def register_auto_classes() -> None:

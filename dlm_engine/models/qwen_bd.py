@@ -29,7 +29,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from dlm_engine.core.protocol import NULL_HOOKS, CallRequest, ForwardCall
 from dlm_engine.models.base import DiffusionLMMixin, register_auto, register_model
 from dlm_engine.models.layers import (AttentionSpec, RMSNorm, attention_block, ffn_block, new_call, rope_native,
-                                      run_layers)
+                                      run_layers, cumsum_positions)
 
 # Qwen2.5's vocabulary: ``|<MASK>|`` (151665) - ``<|endoftext|>`` (151643)
 FDV2_MASK_OFFSET = 22
@@ -206,7 +206,7 @@ class _QwenBDModel(DiffusionLMMixin, PreTrainedModel):
         ``block_size``, else the directive's ``attention_block``, else the model's). ``shift_logits=False``
         returns the raw head output per hidden state (what the reference model itself returns)."""
         hooks = NULL_HOOKS if hooks is None else hooks
-        call = new_call(input_ids, attention_mask, position_ids, logits_range, request, _positions)
+        call = new_call(input_ids, attention_mask, position_ids, logits_range, request, cumsum_positions)
         call.logits_shift = self.shift if shift_logits else 0
         call.attention_mode = "block_causal"
         d = call.directive
@@ -245,12 +245,6 @@ class SDARModel(_QwenBDModel):
     config_class = SDARConfig
     qk_norm = True
 
-
-def _positions(key_mask, B: int, L: int, device) -> torch.Tensor:
-    """Plain ``0..L-1`` (the references' positions; padding is given its own positions by the caller)."""
-    if key_mask is None:
-        return torch.arange(L, device=device).expand(B, L)
-    return (key_mask.long().cumsum(-1) - 1).clamp_min(0)
 
 
 def register_auto_classes() -> None:
