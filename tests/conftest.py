@@ -238,6 +238,20 @@ def fixture_ids(suite, predicate=lambda case: True):
     return [c["id"] for c in data["cases"] if "error" not in c and predicate(c)]
 
 
+# a generation task over {"prompt", "answer"} docs, scored by exact match (8 tokens, up to a newline)
+EXACT_MATCH_TASK = """output_type: generate_until
+doc_to_text: "{{prompt}}"
+doc_to_target: "{{answer}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 8
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
 def write_lm_eval_task(directory, name, docs, spec: str):
     """A local lm-eval task (no dataset download): ``docs`` as a JSONL file plus ``NAME.yaml`` with the
     dataset lines and ``spec`` (output type, prompts, metrics); returns ``directory``."""

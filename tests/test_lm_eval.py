@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import need, write_lm_eval_task
+from conftest import EXACT_MATCH_TASK, need, write_lm_eval_task
 
 lm_eval = need("lm_eval", "eval")  # the only test module that needs lm-eval (plus one test each in two others)
 
@@ -19,17 +19,7 @@ DOCS = [{"prompt": "347+085=", "answer": "0432"}, {"prompt": "901-256=", "answer
 
 @pytest.fixture(scope="module")
 def task_dir(tmp_path_factory):
-    return write_lm_eval_task(tmp_path_factory.mktemp("lm_eval_task"), "dlm_tiny", DOCS, """output_type: generate_until
-doc_to_text: "{{prompt}}"
-doc_to_target: "{{answer}}"
-generation_kwargs:
-  until: ["\\n"]
-  max_gen_toks: 8
-metric_list:
-  - metric: exact_match
-    aggregation: mean
-    higher_is_better: true
-""")
+    return write_lm_eval_task(tmp_path_factory.mktemp("lm_eval_task"), "dlm_tiny", DOCS, EXACT_MATCH_TASK)
 
 
 def _env():

@@ -431,7 +431,7 @@ def test_lm_eval_local_completions_scores_as_dlm_lm_eval_in_process(tmp_path, mo
     """lm-eval's OpenAI-protocol client (`local-completions`) against the server gives the same generations and
     score as the in-process adapter (`dlm-lm-eval`) on a small local generate_until task."""
     need("lm_eval", "eval")
-    from conftest import write_lm_eval_task
+    from conftest import EXACT_MATCH_TASK, write_lm_eval_task
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
@@ -439,17 +439,7 @@ def test_lm_eval_local_completions_scores_as_dlm_lm_eval_in_process(tmp_path, mo
     docs = [{"prompt": "347+085=", "answer": "0432"}, {"prompt": "901-256=", "answer": "645"},
             {"prompt": "name a fruit:", "answer": "plum"}, {"prompt": "sum 9:", "answer": "2+7"}]
     (tmp_path / "task").mkdir()
-    task_dir = write_lm_eval_task(tmp_path / "task", "dlm_serve_tiny", docs, """output_type: generate_until
-doc_to_text: "{{prompt}}"
-doc_to_target: "{{answer}}"
-generation_kwargs:
-  until: ["\\n"]
-  max_gen_toks: 8
-metric_list:
-  - metric: exact_match
-    aggregation: mean
-    higher_is_better: true
-""")
+    task_dir = write_lm_eval_task(tmp_path / "task", "dlm_serve_tiny", docs, EXACT_MATCH_TASK)
     settings = ["model=tiny", "strategy=threshold", "strategy.block_length=8", "gen_length=8", "device=cpu"]
     tm = TaskManager(include_path=str(task_dir))
     local = simple_evaluate(model="dlm_engine", model_args=",".join(settings + ["trace.record=false"]),
