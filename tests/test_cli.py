@@ -96,7 +96,8 @@ def test_malformed_checkpoint_is_reported_before_loading(tmp_path):
 
 @pytest.mark.parametrize("args, line", [
     (["strategy=treshold"], "strategy=treshold: no such strategy (choose from ar, block_buffer, cadllm, certainty_prior, d2c, "
-                            "dream, early_exit, eb_sampler, edit, factor, fdv2, fdv2_batch, klass, llada2, "
+                            "dmax, dream, early_exit, eb_sampler, edit, edit_quality, edit_speed, factor, fdv2, fdv2_batch, "
+                            "klass, llada2, "
                             "low_confidence, pc_sampler, sdar, threshold, wino); "
                             "did you mean strategy=threshold?"),
     (["strategy=threshold", "strategy.treshold=0.5"], "strategy.treshold: unknown key; did you mean strategy.threshold?"),

@@ -168,7 +168,8 @@ def test_a_model_args_typo_on_lm_evals_command_line_is_one_line(task_dir, monkey
     assert done.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1:] == [
         "dlm_engine: error: strategy=treshold: no such strategy (choose from ar, block_buffer, cadllm, certainty_prior, "
-        "d2c, dream, early_exit, eb_sampler, edit, factor, fdv2, fdv2_batch, klass, llada2, low_confidence, "
+        "d2c, dmax, dream, early_exit, eb_sampler, edit, edit_quality, edit_speed, factor, fdv2, fdv2_batch, klass, "
+        "llada2, low_confidence, "
         "pc_sampler, sdar, threshold, wino); "
         "did you mean strategy=threshold?"]
 

@@ -38,15 +38,21 @@ def pairs() -> List[Tuple[str, str, Optional[str]]]:
 
 # block-diffusion families: (column title, config.model_type, the public checkpoints' training block size)
 FAMILIES = (("Fast-dLLM v2", "fast_dllm_v2", 32), ("SDAR", "sdar", 4), ("LLaDA2.x", "llada2_moe", 32))
+# the registered model class of each (what it offers strategies, e.g. soft inputs)
+FAMILY_CLASSES = {"fast_dllm_v2": "Fast_dLLM_Qwen", "sdar": "sdar", "llada2_moe": "llada2_moe"}
 
 
 class _Family:
-    """What :func:`model_incompatibility` reads from a model: block-causal, its block size, its model_type."""
+    """What :func:`model_incompatibility` reads from a model: block-causal, its block size, its model_type and
+    what its registered class offers strategies (``offers``)."""
     block_diffusion = True
 
     def __init__(self, model_type: str, block_size: int):
+        from dlm_engine.models.base import MODELS
+
         self.block_size = block_size
         self.config = type("Config", (), {"model_type": model_type})()
+        self.offers = getattr(MODELS.get(FAMILY_CLASSES[model_type]), "offers", frozenset())
 
 
 def family_cells() -> List[Tuple[str, List[str], Optional[str]]]:
@@ -116,10 +122,13 @@ def markdown() -> str:
               "block size (its blocks counted from the generation start, the prompt one block before them): "
               "`yes` = with the preset's defaults, `block_length=N` = once `strategy.block_length` is the model's "
               "block size (another value is a one-line error; CadLLM: fixed blocks of `initial_block_length`). The families' own decoders (`fdv2`, `fdv2_batch`, "
-              "`sdar`, `llada2`, `edit`) set the mask's blocks themselves. A strategy that needs bidirectional "
+              "`sdar`, `llada2`, `edit`, `dmax`) set the mask's blocks themselves. A strategy that needs bidirectional "
               "attention over the whole generation is refused (`decode` raises the reason below, one line). "
               "Block sizes are the public checkpoints': " +
-              ", ".join(f"{t} {n}" for t, _, n in FAMILIES) + ". LLaDA and Dream run every strategy.", "",
+              ", ".join(f"{t} {n}" for t, _, n in FAMILIES) + ". LLaDA and Dream run every strategy (`edit` and `dmax` "
+              "over blocks of `strategy.block_length` aligned to column 0, as on LLaDA2.x). `dmax` also needs a model "
+              "that takes soft input embeddings (capability `soft_inputs`: every bundled family; another model is "
+              "refused in one line).", "",
               "| strategy | " + " | ".join(t for t, _, _ in FAMILIES) + " |",
               "|---|" + "---|" * len(FAMILIES)]
     lines += [f"| `{s}` | " + " | ".join(cells) + " |" for s, cells, _ in fam]

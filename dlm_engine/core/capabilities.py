@@ -23,6 +23,7 @@ class Cap(str, Enum):
     AUX_COLUMNS = "aux_columns"
     BLOCK_KV = "block_kv"
     STORE_FORWARDS = "store_forwards"
+    SOFT_INPUTS = "soft_inputs"
 
     @property
     def doc(self) -> str:
@@ -38,6 +39,8 @@ _DOCS = {
     Cap.AUX_COLUMNS: "extra query columns appended after the canvas",
     Cap.STORE_FORWARDS: "a completed block is stored by a forward over its final tokens and every step names its "
                         "mask's block size (the block-diffusion references' prefill and store forwards)",
+    Cap.SOFT_INPUTS: "the model embeds a mixture of token embeddings and the mask embedding at the columns a "
+                     "strategy names (CallRequest.soft)",
     Cap.BLOCK_KV: "a call may query part of its block against the stored prefix and the block's stored slots "
                   "(CacheDirective.query / key_start)",
 }
@@ -76,10 +79,17 @@ def _incompatibility(strategy, cache) -> Optional[str]:
 
 
 def model_incompatibility(strategy, model) -> Optional[str]:
-    """Why ``strategy`` cannot decode with ``model`` (None = it can). A block-diffusion model (``block_diffusion``
+    """Why ``strategy`` cannot decode with ``model`` (None = it can). A strategy's ``model_needs`` (e.g.
+    ``soft_inputs``) must be among the model's ``offers``. A block-diffusion model (``block_diffusion``
     true: block-causal attention, blocks of ``block_size``) needs a strategy that decodes block by block (offers
     ``blocks``) with the model's block size, unless the strategy sets the mask's blocks itself
     (``sets_attention_blocks``: the block-diffusion references)."""
+    lack = missing(getattr(strategy, "model_needs", ()), getattr(model, "offers", ()))
+    if lack:
+        mtype = getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
+        what = "; ".join(f"'{c.value}' ({c.doc})" for c in sorted(lack, key=lambda c: c.value))
+        return (f"model {mtype} does not provide what strategy={getattr(strategy, 'name', type(strategy).__name__)} "
+                f"needs: {what}")
     if not getattr(model, "block_diffusion", False) or getattr(strategy, "sets_attention_blocks", False):
         return None
     name = getattr(strategy, "name", type(strategy).__name__)

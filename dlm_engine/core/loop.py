@@ -65,7 +65,11 @@ def forward(model, canvas: Canvas, plan: StepPlan, cache, rows: Optional[torch.T
         un = ids.masked_fill(given, canvas.mask_id)
         ids, attn, pos = torch.cat([ids, un]), torch.cat([attn, attn]), torch.cat([pos, pos])
     aux = plan.aux if plan.aux is None or rows is None else plan.aux.take(rows)
-    request = CallRequest(gen_start=canvas.gen_start, directive=plan.cache, aux=aux)
+    soft = plan.soft
+    if soft is not None:
+        soft = soft.take(rows) if rows is not None else soft
+        soft = soft.doubled() if cfg else soft
+    request = CallRequest(gen_start=canvas.gen_start, directive=plan.cache, aux=aux, soft=soft)
     if rows is not None:
         request.rows, request.full_batch = call_rows(rows, canvas.batch_size, cfg)
         request.live = None if live is None else call_rows(live, canvas.batch_size, cfg)[0]

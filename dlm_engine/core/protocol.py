@@ -82,6 +82,65 @@ class AuxColumns:
         return AuxColumns(self.tokens[rows], self.positions[rows], self.attend[rows], self.shift_within)
 
 
+SOFT_MIXES = ("dinfer", "diffulex")
+
+
+@dataclass
+class SoftInputs:
+    """Input embeddings for chosen canvas columns instead of their tokens' (DMax's soft parallel decoding, spec
+    ``edit_decoding.md`` 3.4). At the columns ``where`` the model embeds the mixture
+    ``sum_k probs[k] * E[tokens[k]] + r * E[mask]`` with ``r = max(0, 1 - sum_k probs[k])`` (``E`` its input
+    embedding table), rescaled to the norm ``sum_k probs[k] * |E[tokens[k]]| + r * |E[mask]|`` (:func:`soft_embed`);
+    every other column is embedded from its token as usual. The model learns nothing about the strategy; a model
+    that takes these offers ``Cap.SOFT_INPUTS`` (core.capabilities).
+
+    ``where`` ``[B, L]`` bool, ``tokens`` ``[B, L, K]`` long, ``probs`` ``[B, L, K]`` float (rows and columns of
+    the call's canvas; values outside ``where`` are ignored); ``mix``: ``dinfer`` (the blend in float32, the norms
+    of the embedding-dtype vectors, ``/ (|s| + 1e-6)``: dInfer's ``decode_uniform``) or ``diffulex`` (the blend in
+    the embedding dtype, float32 norms, ``/ max(|s|, 1e-12)``: Diffulex's ``dmax_topk`` merge)."""
+
+    where: torch.Tensor
+    tokens: torch.Tensor
+    probs: torch.Tensor
+    mask_id: int
+    mix: str = "dinfer"
+
+    def take(self, rows: torch.Tensor) -> "SoftInputs":
+        """The soft inputs of some rows of the batch."""
+        return SoftInputs(self.where[rows], self.tokens[rows], self.probs[rows], self.mask_id, self.mix)
+
+    def doubled(self) -> "SoftInputs":
+        """The batch stacked twice (classifier-free guidance runs the conditional and unconditional rows)."""
+        return SoftInputs(torch.cat([self.where, self.where]), torch.cat([self.tokens, self.tokens]),
+                          torch.cat([self.probs, self.probs]), self.mask_id, self.mix)
+
+
+def soft_embed(weight: torch.Tensor, tokens: torch.Tensor, probs: torch.Tensor, mask_id: int,
+               mix: str = "dinfer") -> torch.Tensor:
+    """``[..., d]`` soft input embeddings (in ``weight``'s dtype) of ``tokens``/``probs`` ``[..., K]`` over the
+    embedding table ``weight`` ``[V, d]`` (:class:`SoftInputs`): the probability-weighted mixture of the tokens'
+    embeddings and the mask embedding (its share ``max(0, 1 - sum p)``), rescaled to the probability-weighted mean
+    of their norms."""
+    p = probs.float()
+    if mix == "diffulex":
+        p = p.clamp(0.0, 1.0)
+    r = (1.0 - p.sum(-1)).clamp_min(0.0)                                 # [...]
+    e = weight[tokens]                                                   # [..., K, d] (embedding dtype)
+    em = weight[mask_id]                                                 # [d]
+    if mix == "dinfer":
+        n_tgt = (p * e.norm(dim=-1).float()).sum(-1) + r * em.norm().float()
+        s = (p[..., None] * e.float()).sum(-2) + r[..., None] * em.float()
+        out = s * (n_tgt / (s.norm(dim=-1) + 1e-6))[..., None]
+        return out.to(weight.dtype)
+    if mix == "diffulex":
+        dt = weight.dtype
+        pd, rd = p.to(dt), r.to(dt)
+        n_tgt = ((p * e.float().norm(dim=-1)).sum(-1) + r * em.float().norm()).to(dt)
+        s = (pd[..., None] * e).sum(-2) + rd[..., None] * em
+        return s * (n_tgt / s.float().norm(dim=-1).clamp_min(1e-12).to(dt))[..., None]
+    raise ValueError(f"soft input mix '{mix}' (choose {', '.join(SOFT_MIXES)})")
+
+
 @dataclass
 class CallRequest:
     """What the step loop asks of one model call besides the tokens."""
@@ -94,6 +153,8 @@ class CallRequest:
                                                   # ``rows`` only sit this step out (their block is done)
     full_batch: Optional[int] = None              # size of that full batch when ``rows`` is set (2B with CFG)
     aux: Optional[AuxColumns] = None              # extra query columns (needs a cache that offers AUX_COLUMNS)
+    soft: Optional[SoftInputs] = None             # input embeddings for chosen columns (needs a model that offers
+                                                  # Cap.SOFT_INPUTS: every bundled family)
 
 
 @dataclass

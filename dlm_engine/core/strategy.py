@@ -21,7 +21,7 @@ from dlm_engine.core.canvas import BlockEvent, Canvas, FrameDelta
 from dlm_engine.core.capabilities import Cap, Caps, caps
 from dlm_engine.core.confidence import PROBABILITY, ConfidenceKind
 from dlm_engine.core.devices import host_tensor
-from dlm_engine.core.protocol import AuxColumns, CacheDirective
+from dlm_engine.core.protocol import AuxColumns, CacheDirective, SoftInputs
 from dlm_engine.core.sampler import Proposal
 from dlm_engine.errors import ConfigError
 
@@ -58,6 +58,8 @@ class StepPlan:
     # costliest part of a step outside the model), the others are -inf; at T = 0 so are the proposals (``x0``
     # elsewhere is the token the position holds)
     masked: Optional[Sequence[int]] = None
+    soft: Optional[SoftInputs] = None    # input embeddings for chosen columns (needs a model offering Cap.SOFT_INPUTS:
+                                         # declare it in the strategy's ``model_needs``)
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,7 @@ class Strategy:
     max_batch: ClassVar[Optional[int]] = None            # None = any batch size
     offers: Caps = caps()
     needs: Caps = caps(Cap.BLOCK_LOGITS)
+    model_needs: Caps = caps()                           # what the model must offer (e.g. Cap.SOFT_INPUTS)
 
     def __init__(self, config: Any, gen_length: int):
         self.cfg = coerce_choices(config)

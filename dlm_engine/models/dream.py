@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers import PretrainedConfig, PreTrainedModel
 
+from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.protocol import NULL_HOOKS, CallRequest, ForwardCall
 from dlm_engine.models.layers import (AttentionSpec, RMSNorm, attention_block, ffn_block, new_call, rope_native,
                                       run_layers)
@@ -146,6 +147,10 @@ class DreamBaseModel(nn.Module):
 @register_model("Dream")
 class DreamModel(DiffusionLMMixin, PreTrainedModel):
     """Dream masked-diffusion LM. ``forward`` returns the :class:`ForwardCall` with shifted ``logits``."""
+
+    # the forward embeds a strategy's soft inputs (CallRequest.soft: a mixture of token embeddings and the mask
+    # embedding at chosen columns, layers.embed_call), so strategies that need them (dmax) decode with this family
+    offers = caps(Cap.SOFT_INPUTS)
 
     config_class = DreamConfig
     base_model_prefix = "model"

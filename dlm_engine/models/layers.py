@@ -15,7 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dlm_engine.core.protocol import AttentionIO, CallRequest, Columns, FFNIO, ForwardCall, key_padding_mask
+from dlm_engine.core.protocol import (AttentionIO, CallRequest, Columns, FFNIO, ForwardCall, key_padding_mask,
+                                     soft_embed)
 
 
 class RMSNorm(nn.Module):
@@ -217,7 +218,15 @@ def embed_call(call: ForwardCall, embed: nn.Module) -> Tuple[torch.Tensor, torch
     aux = call.request.aux
     if aux is not None:
         ids, pos = torch.cat([ids, aux.tokens], dim=1), torch.cat([pos, aux.positions.to(pos.dtype)], dim=1)
-    return embed(ids), pos
+    x = embed(ids)
+    soft = call.request.soft
+    if soft is not None:                 # the strategy's soft inputs at its chosen columns (protocol.SoftInputs)
+        where = cols.take(soft.where)
+        mixed = soft_embed(embed.weight, cols.take(soft.tokens), cols.take(soft.probs), soft.mask_id, soft.mix)
+        n = where.shape[1]
+        x = torch.cat([torch.where(where[..., None], mixed, x[:, :n]), x[:, n:]], dim=1) if aux is not None \
+            else torch.where(where[..., None], mixed, x)
+    return x, pos
 
 
 def window_logits(call: ForwardCall, h: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor], vocab: int) -> None:

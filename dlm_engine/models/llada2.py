@@ -28,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers import PretrainedConfig, PreTrainedModel
 
+from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.protocol import NULL_HOOKS, CallRequest, Columns, ForwardCall
 from dlm_engine.models.base import DiffusionLMMixin, register_auto, register_model
 from dlm_engine.models.layers import (AttentionSpec, RMSNorm, attention_block, ffn_block, new_call, rotate_half,
@@ -328,6 +329,10 @@ class LLaDA2Inner(nn.Module):
 @register_model("llada2_moe")
 class LLaDA2MoeModelLM(DiffusionLMMixin, PreTrainedModel):
     """LLaDA2.x MoE block-diffusion LM. ``forward`` returns the :class:`ForwardCall` with float32 ``logits``."""
+
+    # the forward embeds a strategy's soft inputs (CallRequest.soft: a mixture of token embeddings and the mask
+    # embedding at chosen columns, layers.embed_call), so strategies that need them (dmax) decode with this family
+    offers = caps(Cap.SOFT_INPUTS)
 
     config_class = LLaDA2MoeConfig
     base_model_prefix = "model"

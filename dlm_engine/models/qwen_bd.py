@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers import PretrainedConfig, PreTrainedModel
 
+from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.protocol import NULL_HOOKS, CallRequest, ForwardCall
 from dlm_engine.models.base import DiffusionLMMixin, register_auto, register_model
 from dlm_engine.models.layers import (AttentionSpec, RMSNorm, attention_block, ffn_block, new_call, rope_native,
@@ -167,6 +168,10 @@ class QwenBDBaseModel(nn.Module):
 
 class _QwenBDModel(DiffusionLMMixin, PreTrainedModel):
     """Shared body; subclasses set the family's flags."""
+
+    # the forward embeds a strategy's soft inputs (CallRequest.soft: a mixture of token embeddings and the mask
+    # embedding at chosen columns, layers.embed_call), so strategies that need them (dmax) decode with this family
+    offers = caps(Cap.SOFT_INPUTS)
 
     base_model_prefix = "model"
     _no_split_modules = ["QwenBDLayer"]
