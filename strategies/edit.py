@@ -56,6 +56,8 @@ class EditConfig:
     eos_search: str = "generation"       # (the generated part, as LLaDA2.1; window = LLaDA2.0's search)
     penalty_lambda: float = 0.0          # SGLang JointThreshold's repetition penalty (0 = off, LLaDA2.1): block row i
                                          # loses this on the token at position i - 1 before argmax and softmax
+    preset: Optional[str] = None         # the preset that chose these settings (edit_speed, edit_quality): the name
+                                         # tables, plots and messages use (decodes the same as without it)
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,8 @@ class Edit(AbsoluteBlocks):
         super().validate()
         c = self.cfg
         self.check_positive("num_to_transfer", c.num_to_transfer)
-        self.check_unit_interval("editing_threshold", c.editing_threshold)
+        if c.editing_threshold is None or not 0.0 <= float(c.editing_threshold) <= 1.0:   # 0: any changed argmax
+            raise ConfigError(f"strategy.editing_threshold={c.editing_threshold} is outside [0, 1]")
         self.check_non_negative("penalty_lambda", c.penalty_lambda)
         if c.max_post_steps is None or int(c.max_post_steps) < 0:
             raise ConfigError(f"strategy.max_post_steps={c.max_post_steps} must be >= 0")

@@ -100,8 +100,11 @@ def test_bad_settings_are_one_line_errors():
     cls = strategy_class("edit")
     with pytest.raises(ConfigError, match="strategy.max_post_steps=-1"):
         cls(cls.Config(max_post_steps=-1), 32)
-    with pytest.raises(ConfigError, match="strategy.editing_threshold=0"):
-        cls(cls.Config(editing_threshold=0.0), 32)
+    with pytest.raises(ConfigError, match=r"strategy.editing_threshold=1.5 is outside \[0, 1\]"):
+        cls(cls.Config(editing_threshold=1.5), 32)
+    with pytest.raises(ConfigError, match="strategy.editing_threshold=-0.1"):
+        cls(cls.Config(editing_threshold=-0.1), 32)
+    cls(cls.Config(editing_threshold=0.0), 32)          # 0: any changed argmax is written (SGLang's default)
     with pytest.raises(ConfigError, match="strategy.num_to_transfer=0"):
         cls(cls.Config(num_to_transfer=0), 32)
 
