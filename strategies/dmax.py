@@ -29,8 +29,8 @@ the two DMax's own code does; dInfer's float32 form is the default).
 
 Caches: every column of the block is recomputed each step (``BLOCK_LOGITS``) and finished blocks are stored by
 the next block's first forward, over their final tokens; so on block-causal models (LLaDA2.x, Fast-dLLM v2, SDAR)
-``prefix``, ``dual`` and ``block_store`` decode as ``none`` does (tests/test_dmax.py), and on bidirectional ones
-(LLaDA, Dream) they are the usual approximations (exact with ``cache.refresh_interval=1``). ``d2cache`` (query-set
+``prefix``, ``dual`` and ``block_store`` decode as ``none`` does (tests/test_dmax.py; ``dllm`` too with ``kp=kr=1``),
+and on bidirectional ones (LLaDA, Dream) they are the usual approximations (exact refreshed at every step). ``d2cache`` (query-set
 columns only) and ``block_kv`` (the references' store forwards) are refused by capability.
 """
 from __future__ import annotations
