@@ -6,7 +6,8 @@ import math
 import torch
 import torch.nn as nn
 
-from dlm_engine.core.protocol import NullHooks
+from dlm_engine.core.capabilities import Cap, caps
+from dlm_engine.core.protocol import NullHooks, soft_embed
 from dlm_engine.models.layers import (AttentionSpec, attention_block, call_columns, ffn_block, new_call, rope_native,
                                      rope_tables, window_logits)
 
@@ -102,7 +103,10 @@ class ScriptedModel:
             out.weight.data.zero_()
             spec = AttentionSpec(q, k, v, heads, heads, d // heads, rope_native)
             self._layers.append((spec, out))
-        self.sizes, self.computed, self.layer_positions = [], 0, 0
+        self.sizes, self.computed, self.layer_positions, self.soft_calls = [], 0, 0, 0
+
+    # takes a strategy's soft inputs (CallRequest.soft) into its embedding channels; its logits stay the script's
+    offers = caps(Cap.SOFT_INPUTS)
 
     @property
     def calls(self) -> int:
@@ -129,8 +133,15 @@ class ScriptedModel:
                 ids = torch.cat([ids, req.aux.tokens], 1)
                 pos = torch.cat([pos, req.aux.positions.to(pos.dtype)], 1)
             batch_row = torch.arange(B)[:, None].expand_as(cols)
-            x = torch.cat([ids[..., None].float(), cols[..., None].float(), batch_row[..., None].float(),
-                           self._embed[ids]], dim=-1)
+            emb = self._embed[ids]
+            if req.soft is not None:      # soft inputs enter the embedding channels (the script reads the token's)
+                sw = call.columns.take(req.soft.where)
+                mixed = soft_embed(self._embed, call.columns.take(req.soft.tokens), call.columns.take(req.soft.probs),
+                                   req.soft.mask_id, req.soft.mix)
+                n = sw.shape[1]
+                emb = torch.cat([torch.where(sw[..., None], mixed, emb[:, :n]), emb[:, n:]], dim=1)
+                self.soft_calls += 1
+            x = torch.cat([ids[..., None].float(), cols[..., None].float(), batch_row[..., None].float(), emb], dim=-1)
             self.computed += x.shape[0] * x.shape[1]
             call.computed = int(x.shape[0] * x.shape[1])
             rope = rope_tables(pos, self._d // self._heads, 10000.0)

@@ -148,6 +148,8 @@ def test_a_mask_mixture_reaches_the_first_layer_norm_rescaled(family):
 class _NoSeam(ScriptedModel):
     """A third-party model: speaks the protocol but takes no soft inputs (offers nothing)."""
 
+    offers = frozenset()
+
 
 def test_a_model_without_the_seam_is_refused_in_one_line():
     m = _NoSeam(random_script(), 1000)
@@ -255,18 +257,13 @@ def test_dmax_stops_after_the_block_holding_an_eos_and_returns_no_mask():
     assert stopped >= 1                                           # some run ended early, masks left after its EOS
 
 
-class _Seam(ScriptedModel):
-    """A scripted model that takes soft inputs (its logits are the script's, whatever it is fed)."""
-
-    offers = caps(Cap.SOFT_INPUTS)
-
-
 def test_a_model_preferring_the_mask_token_never_gets_it_into_the_text():
     V, gen, P = 1000, 8, 3
     top = [5, V - 1, 6, V - 1, 7, 8, V - 1, 9]                   # the mask (V - 1) is the argmax at three columns
     conf = [0.95, 0.97, 0.6, 0.99, 0.95, 0.3, 0.92, 0.95]
-    m = _Seam(preferring(top, conf, second=[11] * gen)(P), V, mask_id=V - 1, eos_id=V - 2)
+    m = ScriptedModel(preferring(top, conf, second=[11] * gen)(P), V, mask_id=V - 1, eos_id=V - 2)
     canvas, rec = run(m, [1, 2, 3], gen, eos_early_stop=False)
+    assert m.soft_calls > 0                                       # (the fake takes the soft inputs)
     check_rule(canvas, rec)
     out = canvas.tokens[0, P:]
     assert not (out == V - 1).any()

@@ -29,7 +29,7 @@ SETTINGS = {
 # strategies that rewrite written tokens (T2T edits): the script depends on the token a column holds, so an edit
 # moves a column off the argmax of the masked canvas by design; they are checked for an unmasked end and, under
 # every cache, for the trajectory of the uncached decode
-EDITING = {"edit"}
+EDITING = {"edit", "dmax"}
 # a strategy with blocks aligned at column 0 on a shifted-logit model under block_store: the first generated
 # column's logits come from the prompt's last column, which the store has frozen (known gap, issue 45 notes)
 # (the real shifted block-diffusion model, Fast-dLLM v2, shifts within the queried block instead: parity suites)
