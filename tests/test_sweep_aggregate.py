@@ -199,7 +199,7 @@ def _sweeper_params(overrides):
 @pytest.mark.slow
 @pytest.mark.parametrize("preset, n, keys", [
     ("threshold_grid", 12, {"strategy", "strategy.threshold", "strategy.block_length"}),
-    ("all_strategies", 13, {"strategy"}),
+    ("all_strategies", 15, {"strategy"}),
     ("block_buffer_sizes", 8, {"strategy", "strategy.block_length", "strategy.buffer_size", "strategy.accept_threshold"}),
     ("caches", 10, {"strategy", "cache", "strategy.threshold", "batch_size"}),
 ])
@@ -219,7 +219,7 @@ def test_presets_expand_to_valid_jobs(preset, n, keys):
         from dlm_engine.core.registry import STRATEGIES
 
         every = {"low_confidence", "threshold", "factor", "early_exit", "cadllm", "block_buffer", "d2c", "klass",
-                 "ar", "wino"}
+                 "ar", "wino", "edit", "dmax"}
         assert {c.strategy.name for c in configs} == every and every <= set(STRATEGIES)
 
 
