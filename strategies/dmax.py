@@ -163,16 +163,11 @@ class DMax(AbsoluteBlocks):
         s, e = plan.window
         m = int(canvas.mask_id)
         logits = proposal.logits[0]                                  # [W, V] in the model's dtype
-        lf = logits.float()
-        if c.rm_mask:
-            lf = lf.clone()
-            lf[:, m] = float("-inf")
+        without_mask = logits.float().index_fill(-1, torch.tensor([m], device=logits.device), float("-inf"))
+        lf = without_mask if c.rm_mask else logits.float()
         x = (lf if c.rm_mask else logits).argmax(-1)                 # on the raw logits (lowest id among ties)
-        lse = lf.logsumexp(-1)
-        p = (lf.gather(-1, x[:, None]).squeeze(-1) - lse).exp()      # float32 confidence of x
-        no_mask = lf.clone()
-        no_mask[:, m] = float("-inf")
-        x_nm = no_mask.argmax(-1)                                    # the best non-mask token (forced commits)
+        p = (lf.gather(-1, x[:, None]).squeeze(-1) - lf.logsumexp(-1)).exp()   # float32 confidence of x
+        x_nm = without_mask.argmax(-1)                               # the best non-mask token (forced commits)
 
         tok = canvas.tokens[0, s:e]
         masked = canvas.step_of[0, s:e] < 0
@@ -206,7 +201,7 @@ class DMax(AbsoluteBlocks):
         if K == 1:
             stok, sprob = new[:, None], p[:, None]
         else:
-            probs = torch.softmax(no_mask if c.rm_mask else lf, dim=-1)
+            probs = torch.softmax(lf, dim=-1)
             sprob, stok = probs.topk(K, dim=-1)
         soft = (where, stok, sprob)
 

@@ -270,6 +270,47 @@ def test_a_model_preferring_the_mask_token_never_gets_it_into_the_text():
     assert out.tolist() == [5, 11, 6, 11, 7, 11, 11, 9]            # the mask columns took their best other token
 
 
+def test_the_specs_worked_example():
+    """shared/specs/edit_decoding.md 3.8: B = 6, prompt at columns 0-1, threshold 0.5; per forward the scripted
+    (token, p) at columns 2..5. Writes, re-decodes, soft inputs and the stop after forward 4 as the spec's table."""
+    V, A, B_, C, D, A2, D2 = 32, 10, 11, 12, 13, 14, 15
+    table = {1: [(A, .80), (B_, .40), (C, .95), (D, .60)], 2: [(A2, .85), (B_, .70), (C, .92), (D, .30)],
+             3: [(A2, .97), (B_, .91), (C, .96), (D2, .45)], 4: [(A2, .98), (B_, .95), (C, .97), (D2, .93)]}
+    fed = []
+
+    class Example(ScriptedModel):
+        def __call__(self, *a, **kw):
+            fed.append(kw["request"].soft)
+            return super().__call__(*a, **kw)
+
+    def script(rows, cols, tokens, vocab):
+        fwd = len(m.sizes)
+        out = torch.full((len(cols), vocab), -30.0)
+        for i, c in enumerate(cols.tolist()):
+            if 2 <= c < 6:
+                t, p = table[fwd][c - 2]
+                out[i] = torch.tensor((1 - p) / (vocab - 1)).log()     # softmax(top) = p exactly
+                out[i, t] = torch.tensor(p).log()
+        return out
+
+    m = Example(script, V, mask_id=V - 1, eos_id=V - 2)
+    canvas = Canvas.from_prompts([[1, 2]], 4, V - 1, V - 2, eos_id=V - 2)
+    rec = Steps()
+    with torch.inference_mode():
+        decode(m, canvas, dmax(4, block_length=6, eos_early_stop=False), sinks=[rec])
+    assert canvas.nfe == 4 and canvas.tokens[0, 2:].tolist() == [A2, B_, C, D2]
+    commits = [d.commit[0, 2:].tolist() for d in rec.deltas]
+    assert commits == [[1, 0, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 1, 1]]   # M2T prefix + re-decodes
+    assert [int(d.scalars["edits"]) for d in rec.deltas] == [0, 1, 0, 0]            # A -> A' at forward 2
+    assert [int(d.scalars["committed"]) for d in rec.deltas] == [1, 2, 1, 0]
+    assert fed[0] is None                                                            # forward 1: token ids
+    where = [f.where[0, 2:].tolist() for f in fed[1:]]
+    assert where == [[1, 0, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
+    assert fed[1].tokens[0, 2, 0] == A and abs(float(fed[1].probs[0, 2, 0]) - .80) < 1e-6
+    assert fed[2].tokens[0, 2:5, 0].tolist() == [A2, B_, C]
+    assert torch.allclose(fed[2].probs[0, 2:5, 0], torch.tensor([.85, .70, .92]))
+
+
 def test_soft_inputs_are_fed_for_every_written_position_of_the_block():
     m = model("llada21")
     calls = []
@@ -384,3 +425,25 @@ def test_dmax_on_a_bidirectional_model(family):
         if cache in EXACT:
             exact, _ = run(m, prompt, 24, cache=cache, cache_kw=EXACT[cache], eos_early_stop=False)
             _same(exact, ref)
+
+
+@pytest.mark.parametrize("kw", [dict(soft_top_k=2), dict(mix="diffulex"), dict(rm_mask=True, threshold=0.65),
+                                dict(max_block_steps=3)])
+def test_dmax_options_keep_the_rule(kw):
+    m = model("llada21")
+    canvas, rec = run(m, PROMPTS[2], 24, eos_early_stop=False, **kw)
+    check_rule(canvas, rec, threshold=kw.get("threshold", 0.5), cap=kw.get("max_block_steps"))
+    assert not (canvas.tokens[0, canvas.gen_start:] == canvas.mask_id).any()
+    base, _ = run(m, PROMPTS[2], 24, eos_early_stop=False)
+    if "soft_top_k" in kw:                                        # another soft input, another trajectory
+        assert not torch.equal(canvas.tokens, base.tokens) or not torch.equal(canvas.step_of, base.step_of)
+    # (mix=diffulex differs from dinfer's blend by rounding only in a float32 model: it matters in bfloat16)
+
+
+def test_bad_dmax_settings_are_one_line_errors():
+    for kw, what in ((dict(mix="avg"), "strategy.mix='avg'"), (dict(temperature=0.7), "strategy.temperature=0.7"),
+                     (dict(soft_top_k=0), "strategy.soft_top_k=0"), (dict(stop_confidence=0), "stop_confidence"),
+                     (dict(threshold=1.5), "strategy.threshold=1.5"), (dict(max_block_steps=0), "max_block_steps=0")):
+        with pytest.raises(ConfigError, match=what.replace(".", r"\.").replace("'", ".")) as e:
+            dmax(16, **kw)
+        assert "\n" not in str(e.value)
