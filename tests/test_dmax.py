@@ -447,3 +447,27 @@ def test_bad_dmax_settings_are_one_line_errors():
         with pytest.raises(ConfigError, match=what.replace(".", r"\.").replace("'", ".")) as e:
             dmax(16, **kw)
         assert "\n" not in str(e.value)
+
+
+def test_redecoded_tokens_converge_on_the_embedded_model():
+    """On the embedded model a block whose re-decodes change tokens goes on until a step changes nothing (or all
+    is confident), well before the cap: the re-decoded tokens settle."""
+    from dlm_engine.app.api import load_directory
+
+    tok = load_directory(str(TINY)).tokenizer
+    m = model("llada")
+    settled = 0
+    for text in ["347+085=", "123+456=", "name a fruit:", "590-403=", "name a colour:"]:
+        canvas, rec = run(m, tok.encode(text), 16, eos_early_stop=False)
+        check_rule(canvas, rec)
+        blocks = {}
+        for d in rec.deltas:
+            blocks.setdefault(int(d.scalars["block"]), []).append(d)
+        for steps in blocks.values():
+            edits = [int(d.scalars["edits"]) for d in steps]
+            last = steps[-1]
+            if any(edits) and len(steps) < 8:
+                assert edits[-1] == 0 and int(last.scalars["committed"]) == 0 or \
+                    bool((last.confidence[0] >= 0.9).all())
+                settled += 1
+    assert settled >= 1
