@@ -8,7 +8,6 @@ import dataclasses  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
 
 from dlm_engine.core.canvas import BlockEvent, Canvas, FrameDelta  # noqa: E402
 from dlm_engine.errors import ConfigError  # noqa: E402
@@ -25,7 +24,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def lm():
-    mc = OmegaConf.load(os.path.join(ROOT, "conf", "model", "tiny_random.yaml"))
+    from dlm_engine.app.config import model_preset
+
+    mc = model_preset("tiny_random")
     return load_model(mc, "cpu", "float32")
 
 

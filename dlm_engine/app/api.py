@@ -1,4 +1,6 @@
-"""Python API: load a model, decode prompts in batches, collect per-row results and metrics."""
+"""The engine under the Python API, ``dlm`` and ``dlm-serve``: load a model, decode prompts in batches, collect
+per-row results and metrics (no Hydra). The public Python API is the ``dlm_engine`` package (``generate``,
+``Session``: :mod:`dlm_engine.app.session`), whose defaults are ``dlm``'s."""
 from __future__ import annotations
 
 import contextlib
