@@ -27,7 +27,7 @@ def test_sweep_rows_and_refusals_name_the_preset(preset):
 
 
 def test_the_preset_label_leaves_the_job_digest_alone():
-    from dlm_engine.sweeps.jobs import config_digest
+    from dlm_engine.app.jobs import config_digest
 
     a, b = compose(["strategy=pc_sampler"]), compose(["strategy=pc_sampler"])
     b.strategy.preset = None

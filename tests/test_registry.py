@@ -71,7 +71,7 @@ def test_duplicate_names_and_wrong_bases_are_errors():
 
 
 def test_model_families_share_the_registry_type():
-    from dlm_engine.models.base import MODELS
+    from dlm_engine.models.families import MODELS
     from dlm_engine.models.loader import architecture
 
     assert isinstance(MODELS, Registry) and {"llada", "Dream"} <= set(MODELS.names())

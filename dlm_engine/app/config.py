@@ -125,7 +125,7 @@ def config_groups_text() -> str:
 
 
 def _job_dir(overrides=()) -> str:
-    from dlm_engine.sweeps.jobs import job_dirname
+    from dlm_engine.app.jobs import job_dirname
 
     return job_dirname(overrides)
 
