@@ -1,6 +1,7 @@
-"""Issue 49 item 4: the dataclass is the one source of defaults and of names. A preset YAML under ``conf/``
-sets only what differs from its schema, and the registry gives each strategy/cache config its name (no
-``name`` written in both the decorator and the dataclass)."""
+"""Issue 49 item 4: the dataclass is the one source of defaults and of names. ``conf/config.yaml`` and the
+model, task and trace presets set only what differs from their schema (strategy and cache presets:
+``tests/test_registry.py``), and the registry gives each strategy/cache config its name (no ``name`` written in
+both the decorator and the dataclass)."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,18 +19,7 @@ GROUP_SCHEMAS = {"model": ModelConfig, "task": TaskConfig, "trace": TraceConfig}
 
 
 def _schema(path: Path):
-    if path == CONF / "config.yaml":
-        return RunConfig
-    group = path.parent.name
-    if group in GROUP_SCHEMAS:
-        return GROUP_SCHEMAS[group]
-    load_plugins()
-    registry = {"strategy": STRATEGIES, "cache": CACHES}.get(group)
-    if registry is None:
-        return None
-    base = [d for d in yaml.safe_load(path.read_text()).get("defaults", [])
-            if isinstance(d, str) and d.startswith(f"/schema/{group}/")]
-    return registry.get(base[0].split("/")[3].split("@")[0]).Config if base else None
+    return RunConfig if path == CONF / "config.yaml" else GROUP_SCHEMAS.get(path.parent.name)
 
 
 def _default(f: dataclasses.Field):
@@ -44,8 +34,7 @@ def _default(f: dataclasses.Field):
     return value.name if isinstance(value, Enum) else value
 
 
-PRESETS = sorted([CONF / "config.yaml"] + [p for g in ("strategy", "cache", "task", "trace", "model")
-                                           for p in (CONF / g).glob("*.yaml")])
+PRESETS = sorted([CONF / "config.yaml"] + [p for g in GROUP_SCHEMAS for p in (CONF / g).glob("*.yaml")])
 
 
 @pytest.mark.parametrize("path", PRESETS, ids=lambda p: str(p.relative_to(CONF)))
