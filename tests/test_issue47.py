@@ -333,6 +333,7 @@ def test_dlm_version_prints_dlm_engines_version(monkeypatch, capsys):
 
 
 # -- item 21: the strategy x cache table in the docs is the one the code generates --------------------------------
+@pytest.mark.slow      # (generating the page decides every strategy x cache x family pair: ~70 s on 2 cores)
 def test_the_compatibility_page_is_what_the_code_generates():
     from pathlib import Path
 

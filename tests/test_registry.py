@@ -128,6 +128,7 @@ def test_every_preset_composes_and_restates_no_default(group, name):
         assert value != default, f"{group}/{name}.yaml restates the default {key}={value!r}"
 
 
+@pytest.mark.slow      # (composes every strategy: ~3 s; each preset composes in the quick tier above)
 def test_every_registered_strategy_and_cache_has_a_preset():
     names = {(g, n) for g, n in _presets()}
     for name in STRATEGIES.names():
