@@ -29,7 +29,7 @@ from dlm_engine.core.registry import register_cache
 
 @dataclass
 class BlockKVCacheConfig:
-    name: str = "block_kv"
+    """No options: the registry adds ``name``."""
 
 
 @register_cache("block_kv", BlockKVCacheConfig)
@@ -98,7 +98,7 @@ class BlockKVCache(Cache):
         self._span = None
 
     def keys_values(self, layer: int, io, k: torch.Tensor, v: torch.Tensor):
-        if self._span is None or io.query_rows is not None:
+        if self._span is None or io.query_cols is not None:
             return k, v, None
         a, b, key_end = self._span
         ks = self._ks

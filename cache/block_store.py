@@ -27,7 +27,6 @@ SUFFIX_MODES = ("auto", "compute", "skip")
 
 @dataclass
 class BlockStoreCacheConfig:
-    name: str = "block_store"
     suffix: str = "auto"     # columns after the query window: auto (skip iff block-causal) | compute | skip
 
 

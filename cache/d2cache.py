@@ -60,7 +60,6 @@ from ._store import key_columns, put_rows, rows_of, scatter_columns, tensor_for
 
 @dataclass
 class D2CacheConfig:
-    name: str = "d2cache"
     rollout_p: float = 0.1          # nucleus mass over the rollout importance
     current_k: int = 32             # masked positions recomputed per step (by certainty)
     sigma: float = 10.0             # width of the certainty density
@@ -147,7 +146,7 @@ class D2Cache(Cache):
                 put_rows(st, self.has_conf, torch.zeros_like(rows_of(st, self.has_conf)))
             call.columns = Columns.span(0, call.length)
         else:
-            call.columns = Columns.rows(self._query_set(call))
+            call.columns = Columns.indexed(self._query_set(call))
         call.refreshed = bool(full)
         self._call = dict(full=bool(full), weights=[])
         yield call

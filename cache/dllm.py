@@ -48,7 +48,6 @@ class ScheduleDiverged(UserError):
 
 @dataclass
 class DLLMCacheConfig:
-    name: str = "dllm"
     kp: int = 50                    # recompute the prompt every kp steps
     kr: int = 4                     # recompute the whole response every kr steps
     rou: float = 0.25               # fraction of response positions recomputed adaptively in between (0 = none)
@@ -196,7 +195,7 @@ class DLLMCache(Cache):
             return
         index, keep, v_new, adaptive = self._selection(layer, io)
         self._call["layer"] = (layer, index, keep, v_new, adaptive)
-        io.query_rows = index
+        io.query_cols = index
         yield io
         out = io.out_proj(io.out)
         if layer == 0 and self.cfg.layer0_full:
@@ -235,7 +234,7 @@ class DLLMCache(Cache):
             yield io
             return
         _, index, keep, _, _ = self._call["layer"]
-        io.rows = index
+        io.cols = index
         yield io
         T = io.x.shape[1]
         mlp = tensor_for(self.mlp, layer, self.store, (T, io.out.shape[-1]), io.out)

@@ -17,7 +17,6 @@ from .prefix import Shifted, SpanCache
 
 @dataclass
 class DualCacheConfig:
-    name: str = "dual"
     refresh_interval: int = 0    # also refresh every n-th step of a block (0 = only at block starts)
     shifted: Shifted = Shifted.extend   # shifted-logit models: extend (Fast-dLLM) | move (d2Cache)
 

@@ -8,7 +8,7 @@ from dlm_engine.core.registry import register_cache
 
 @dataclass
 class NoCacheConfig:
-    name: str = "none"
+    """No options: the registry adds ``name``."""
 
 
 @register_cache("none", NoCacheConfig)

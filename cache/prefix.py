@@ -37,7 +37,6 @@ class Shifted(str, Enum):
 
 @dataclass
 class PrefixCacheConfig:
-    name: str = "prefix"
     refresh_interval: int = 0    # also refresh every n-th step of a block (0 = only at block starts)
     wasted_draw: bool = True     # Fast-dLLM's discarded Gumbel draw on cached steps at T > 0 (RNG parity)
     shifted: Shifted = Shifted.extend   # shifted-logit models: extend (Fast-dLLM) | move (d2Cache)

@@ -16,10 +16,15 @@ except ImportError:  # pragma: no cover - omegaconf missing: only the Hydra app 
     pass
 
 
+__all__ = ["generate", "Session", "Results"]
+
+
 def __getattr__(name):
-    """``dlm_engine.generate`` and ``dlm_engine.Session`` (the Python API), imported on first use: ``import
-    dlm_engine`` itself stays light (no torch) for the trace tools."""
-    if name in ("generate", "Session"):
+    """The Python API -- ``dlm_engine.generate``, ``dlm_engine.Session`` and their ``Results`` -- imported on first
+    use: ``import dlm_engine`` itself stays light (no torch) for the trace tools. This is the one public Python
+    module; its defaults are ``dlm``'s (``dlm_engine.app.session``). ``dlm_engine.app.api`` is the engine under
+    it (and under ``dlm`` and ``dlm-serve``): model loading and batched decoding without Hydra."""
+    if name in __all__:
         from dlm_engine.app import session
 
         return getattr(session, name)

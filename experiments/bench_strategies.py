@@ -102,10 +102,10 @@ def pick_model(path):
         path = embedded_path()
     if path is not None:
         return SimpleNamespace(name=os.path.basename(os.path.normpath(path)), path=path, random=None), path
-    from omegaconf import OmegaConf
-    from importlib.resources import files
 
-    node = OmegaConf.load(str(files("dlm_engine.conf") / "model" / "tiny_random.yaml"))
+    from dlm_engine.app.config import model_preset
+
+    node = model_preset("tiny_random")
     return SimpleNamespace(name="tiny_random", path=None, random=node.random, random_seed=node.random_seed), \
         "tiny_random (seeded random weights: accuracy is meaningless)"
 

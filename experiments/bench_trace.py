@@ -346,7 +346,7 @@ def bench_overhead(pairs, gen_length, configs=((1, 2), (8, 8)), overrides=()):
     import torch
 
     from dlm_engine.app.api import run_prompts
-    from dlm_engine.trace.runtime import open_run_recorder
+    from dlm_engine.app.recording import open_run_recorder
 
     results = {}
     for batch, n_prompts in configs:
@@ -467,7 +467,7 @@ def bench_writer(gen_length: int, reps: int = 25, configs=(("batch 1, 8 prompts"
 
     from dlm_engine.app.api import run_prompts
     from dlm_engine.trace import recorder as R
-    from dlm_engine.trace.runtime import build_header
+    from dlm_engine.app.recording import build_header
 
     print(f"\n== the writer's work, replayed on one thread (median of {reps}; embedded model, gen {gen_length}) ==")
     print(f"{'run':<32} {'batches':>7} {'steps':>6} {'ms/batch':>9} {'us/step':>8}   where (ms/batch): begin, held runs, "

@@ -19,7 +19,6 @@ from dlm_engine.strategies.d2c import D2C, D2CConfig
 
 @dataclass
 class ARConfig(D2CConfig):
-    name: str = "ar"
     ar_respect_ntt: bool = False          # quirk 9: without threshold the whole masked run is committed at once
 
 

@@ -31,13 +31,13 @@ from dlm_engine.core.eos import (EosOptions, check_eos_options, eos_confidence, 
                                  no_candidate_scores_neg_inf)
 from dlm_engine.core.registry import register_strategy
 from dlm_engine.core.selection import column_indices, f32, masked_conf
-from dlm_engine.core.strategy import CacheDirective, Remasking, StepPlan, Strategy, evolve
+from dlm_engine.core.confidence import Remasking, ranking
+from dlm_engine.core.strategy import CacheDirective, StepPlan, Strategy, evolve
 from dlm_engine.errors import ConfigError
 
 
 @dataclass
 class BlockBufferConfig(EosOptions):
-    name: str = "block_buffer"
     block_length: int = 32                 # the last block may be shorter when gen_length is not a multiple
     buffer_size: int = 4                   # blocks decoded concurrently; 1 = single-block (threshold) decoding
     accept_threshold: float = 0.9          # commit every buffered candidate with confidence >= this
@@ -166,7 +166,7 @@ class BlockBuffer(Strategy):
         b0, b1 = lo // self.block_len, -(-hi // self.block_len)
         return StepPlan(
             window=window, temperature=c.temperature, masked=st.host_masked[:, b0:b1].sum(1).tolist(),
-            confidence="random" if c.remasking == Remasking.random else "prob", softmax_dtype="float64",
+            confidence=ranking(c.remasking), softmax_dtype="float64",
             cache=CacheDirective(block=window, block_start=step_in_window == 0, step_in_block=step_in_window,
                                  store=store, row_blocks=row_span + g, row_block_start=row_step == 0,
                                  row_step_in_block=row_step),

@@ -11,7 +11,6 @@ forward that commits the plain argmax at every masked position (a separate step 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 from typing import Optional, Tuple
 
 import torch
@@ -20,19 +19,14 @@ from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.registry import register_strategy
 from dlm_engine.core.sampler import confidence_of, gumbel_argmax
 from dlm_engine.core.selection import factor_commit, host_schedule, masked_order, threshold_commit, topk_commit
-from dlm_engine.core.strategy import BlockCursor, CacheDirective, Remasking, StepPlan, Strategy, candidates, evolve
+from dlm_engine.core.confidence import Confidence, Remasking, check_kind, ranking
+from dlm_engine.core.strategy import BlockCursor, CacheDirective, StepPlan, Strategy, candidates, evolve
 from dlm_engine.errors import ConfigError
 from dlm_engine.strategies import _cadllm_rules as rules
 
 
-class ConfidenceMethod(str, Enum):
-    softmax = "softmax"
-    entropy = "entropy"
-
-
 @dataclass
 class CadLLMConfig:
-    name: str = "cadllm"
     initial_steps: int = 8               # step budget of a block of initial_block_length
     max_steps: int = 24
     initial_block_length: int = 32
@@ -43,7 +37,7 @@ class CadLLMConfig:
     adaptive_blocks: bool = True
     max_block: int = 256
     min_block: int = 8
-    confidence_method: ConfidenceMethod = ConfidenceMethod.softmax   # softmax (top-V_t float64) | entropy (1 / (1 + H))
+    confidence_method: Confidence = Confidence.softmax   # softmax = prob (top-V_t float64) | entropy (1 / (1 + H))
     adaptive_vocab_size: bool = True
     repetition_detection: bool = True
     adaptive_steps: bool = True
@@ -93,6 +87,7 @@ class CadLLM(Strategy):
         if c.factor is not None and not float(c.factor) > 0:
             raise ConfigError(f"strategy.factor={c.factor} must be > 0")
         self.check_non_negative("temperature", c.temperature)
+        check_kind("confidence_method", c.confidence_method, (Confidence.prob, Confidence.entropy, Confidence.inv_entropy))
         self.vocab_bounds = (15, 5, 35) if c.factor is not None else (100, 35, 1000)
 
     # on a block-causal model (core.capabilities.model_incompatibility) the blocks must be the model's: fixed ones
@@ -139,8 +134,9 @@ class CadLLM(Strategy):
         progress = st.progress + (i / st.budget) * ((st.end - st.start) / G)
         v_t = rules.vocab_size(progress, st.history, st.recent, *self.vocab_bounds, c.adaptive_vocab_size,
                                c.repetition_detection)
-        kind = "random" if c.remasking == Remasking.random else (
-            "prob" if c.confidence_method == ConfidenceMethod.softmax else "inv_entropy")
+        # CadLLM's entropy kind is the sampler's 1 / (1 + H) over the top-V logits
+        kind = ranking(c.remasking, Confidence.inv_entropy if c.confidence_method == Confidence.entropy
+                       else c.confidence_method)
         d = CacheDirective(block=(st.start, st.end), block_start=i == 0, step_in_block=i)
         return StepPlan(window=(st.start, st.end), temperature=c.temperature, confidence=kind, top_v=v_t, cache=d,
                         masked=[st.left], info={"vocab_size": v_t, "threshold": self.threshold_at(i, st.budget)}), st

@@ -22,7 +22,6 @@ Reference quirks are reproduced by default; each has an option for the corrected
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 from typing import Optional, Tuple
 
 import torch
@@ -31,28 +30,20 @@ from dlm_engine.core.blockwise import block_counts, counts_after, fresh_block_co
 from dlm_engine.core.canvas import FrameDelta
 from dlm_engine.core.devices import host_constant
 from dlm_engine.core.capabilities import Cap, caps
-from dlm_engine.core.confidence import sampler_confidence
+from dlm_engine.core.confidence import Confidence, check_kind, sampler_confidence
 from dlm_engine.core.eos import stop_at_eos
 from dlm_engine.core.priors import CertaintyDensity, FrequencyTable, FrequencyWeights
 from dlm_engine.core.registry import register_strategy
 from dlm_engine.core.rows import full_batch
 from dlm_engine.core import sampler
-from dlm_engine.core.sampler import Sampled, placed, sample_tokens
+from dlm_engine.core.sampler import ALGS, Sampled, placed, sample_tokens
 from dlm_engine.core.selection import d2c_commit, first_true, masked_order
 from dlm_engine.core.strategy import CacheDirective, StepPlan, Strategy, evolve, host_finished, masked_after
 from dlm_engine.errors import ConfigError
 
 
-class Alg(str, Enum):
-    maskgit_plus = "maskgit_plus"     # probability of the proposal
-    topk_margin = "topk_margin"       # top-1 minus top-2 probability
-    entropy = "entropy"               # sum p ln p (higher = more certain)
-    random = "random"                 # uniform noise
-
-
 @dataclass
 class D2CConfig:
-    name: str = "d2c"
     preset: Optional[str] = None                # the preset that chose these settings (pc_sampler, eb_sampler,
                                                 # certainty_prior): how tables, plots and messages name the run
     block_length: Optional[int] = None          # null = gen_length (one block)
@@ -60,7 +51,7 @@ class D2CConfig:
     threshold: Optional[float] = None           # commit every masked position scoring >= threshold
     factor: Optional[float] = None              # d2Cache's factor rule
     gamma: Optional[float] = None               # EB-Sampler entropy budget
-    alg: Alg = Alg.maskgit_plus
+    alg: Confidence = Confidence.maskgit_plus   # maskgit_plus = prob | topk_margin = margin | entropy (sum p ln p) | random
     temperature: float = 0.0
     top_p: Optional[float] = None
     top_k: Optional[int] = None
@@ -130,6 +121,7 @@ class D2C(Strategy):
             raise ConfigError(f"strategy.clip_alpha={c.clip_alpha} must be > 0")
         # the confidence kind in use sets which thresholds mean something: PC-Sampler's debiased scores go up to
         # clip_alpha, an entropy is <= 0 (docs/thresholds.md)
+        check_kind("alg", c.alg, ALGS)
         self.confidence_kind = sampler_confidence(c.alg, c.debias, c.clip_alpha, c.debias_after_alg)
         self.check_threshold("threshold", c.threshold, self.confidence_kind, allow_none=True)
         for key in ("factor", "gamma"):
@@ -297,7 +289,7 @@ class D2C(Strategy):
         """Whether sampling fewer positions gives the very bits sampling every generated position gives at the
         positions sampled (see :meth:`block_scores_suffice`, which adds that ``pick`` reads scores only)."""
         c = self.cfg
-        return (c.temperature == 0 and c.gamma is None and c.alg in (Alg.maskgit_plus, Alg.topk_margin)
+        return (c.temperature == 0 and c.gamma is None and c.alg in (Confidence.prob, Confidence.margin)
                 and (c.top_p is None or c.top_p >= 1) and not proposal.all_confidences)
 
     def sample_at(self, logits: torch.Tensor, where: torch.Tensor, count: int, st: BlockState) -> Sampled:

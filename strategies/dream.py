@@ -42,6 +42,7 @@ from dlm_engine.core.canvas import BlockEvent, FrameDelta
 from dlm_engine.core.devices import host_tensor
 from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.registry import register_strategy
+from dlm_engine.core.confidence import Confidence
 from dlm_engine.core.sampler import sample_positions, sample_tokens
 from dlm_engine.core.selection import masked_order
 from dlm_engine.core.strategy import CacheDirective, StepPlan, Strategy, evolve
@@ -50,6 +51,10 @@ from dlm_engine.strategies._dream_blocks import DreamBlockLoop
 
 
 class Alg(str, Enum):
+    """Dream's ``alg``: a commit rule (``origin``, ``confidence_threshold``) or, for the timestep schedule, the
+    confidence kind it ranks by -- those three are :class:`Confidence` kinds under the reference's names
+    (``Confidence(alg)`` maps them: maskgit_plus -> prob, topk_margin -> margin)."""
+
     origin = "origin"
     maskgit_plus = "maskgit_plus"
     topk_margin = "topk_margin"
@@ -64,7 +69,6 @@ class Window(str, Enum):
 
 @dataclass
 class DreamConfig:
-    name: str = "dream"
     alg: Alg = Alg.entropy                # origin | maskgit_plus | topk_margin | entropy | confidence_threshold
     steps: Optional[int] = None           # model calls (total over blocks); null = gen_length
     eps: float = 1e-3                     # last timestep: ts = linspace(1, eps, steps + 1)
@@ -255,8 +259,7 @@ class Dream(DreamBlockLoop, Strategy):
     def _propose(self, logits: torch.Tensor, kind: str = "prob"):
         """Dream's ``sample_tokens`` on rows of logits ``[M, V]``: ``(confidence, x0)``."""
         c = self.cfg
-        alg = {"prob": "maskgit_plus", "margin": "topk_margin", "entropy": "entropy"}[kind]
-        s = sample_tokens(logits, c.temperature, c.top_p, c.top_k, alg=alg)
+        s = sample_tokens(logits, c.temperature, c.top_p, c.top_k, alg=kind)
         return s.confidence, s.x0
 
     def _k(self, n: np.float32, i: int, last: int) -> int:
@@ -318,7 +321,7 @@ class Dream(DreamBlockLoop, Strategy):
             commit = mask & (tokens != mid)
             conf = torch.zeros((B, W), dtype=torch.float32, device=tokens.device)
             return self._delta(canvas, lo, commit, tokens, conf, done=done), nxt
-        kind = {Alg.maskgit_plus: "prob", Alg.topk_margin: "margin", Alg.entropy: "entropy"}[c.alg]
+        kind = Confidence(c.alg.value)
         cval, x0 = self._propose(mask_logits, kind)
         n = np.float32(M) / np.float32(B)                          # batch average, float32 (reference)
         k = self._k(n, i, self.steps - 1)

@@ -20,11 +20,11 @@ import torch
 from dlm_engine.core.canvas import FrameDelta
 from dlm_engine.core.devices import host_tensor
 from dlm_engine.core.capabilities import Cap, caps
-from dlm_engine.core.confidence import ConfidenceKind
+from dlm_engine.core.confidence import ConfidenceKind, Remasking, ranking
 from dlm_engine.core.registry import register_strategy
 from dlm_engine.core.blockwise import block_counts, counts_after, fresh_block_counts, host_rows
 from dlm_engine.core.selection import host_schedule, topk_commit
-from dlm_engine.core.strategy import (BlockCursor, CacheDirective, Remasking, StepPlan, Strategy, block_range,
+from dlm_engine.core.strategy import (BlockCursor, CacheDirective, StepPlan, Strategy, block_range,
                                       candidates, evolve)
 from dlm_engine.errors import ConfigError
 
@@ -43,7 +43,6 @@ def _first_columns(width: int, n: int, device: torch.device) -> torch.Tensor:
 
 @dataclass
 class EarlyExitConfig:
-    name: str = "early_exit"
     steps: Optional[int] = None             # total over all blocks; null = gen_length
     block_length: Optional[int] = None      # null = gen_length (a single block)
     temperature: float = 0.0
@@ -135,7 +134,7 @@ class EarlyExit(Strategy):
             # confidences at its masked positions (all of them may be committed by an all-in)
             window, masked = (canvas.gen_start, canvas.length), [sum(row) for row in st.counts]
         return StepPlan(window=window, temperature=c.temperature,
-                        confidence="random" if c.remasking == Remasking.random else "prob", cfg_scale=c.cfg_scale,
+                        confidence=ranking(c.remasking), cfg_scale=c.cfg_scale,
                         cache=CacheDirective(block=(s, e), block_start=cur.step == 0, step_in_block=cur.step),
                         masked=masked, info={"k": [sch[cur.step] for sch in st.schedule]}), st
 

@@ -43,7 +43,6 @@ from dlm_engine.strategies.llada2 import AbsoluteBlocks, sample_block
 
 @dataclass
 class EditConfig:
-    name: str = "edit"
     block_length: int = 32               # block size of the schedule and of the model's block-causal mask
     threshold: float = 0.95              # M2T: commit masked positions with confidence > threshold ...
     num_to_transfer: int = 1             # ... when at least this many pass it, else this many most confident

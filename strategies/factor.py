@@ -18,7 +18,6 @@ from dlm_engine.core.selection import factor_commit
 
 @dataclass
 class FactorConfig(FillBlocksConfig):
-    name: str = "factor"
     factor: float = 1.0                  # > 0; rank n (>= 2) passes iff (n + 1) * (1 - c_(n)) <= factor
 
 

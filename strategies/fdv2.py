@@ -41,7 +41,6 @@ from dlm_engine.strategies._block_diffusion import BlockDiffusionError, BlockDif
 
 @dataclass
 class Fdv2Config:
-    name: str = "fdv2"
     block_size: int = 32
     small_block_size: int = 8
     threshold: float = 0.9
@@ -236,7 +235,6 @@ class Fdv2(BlockDiffusionStrategy):
 # -- batch_sample: the evaluation scripts' batched form ----------------------------------------------------------
 @dataclass
 class Fdv2BatchConfig(Fdv2Config):
-    name: str = "fdv2_batch"
     pad_id: Optional[int] = None           # written after a finished row's stop id (null = the model's EOS)
     max_new_tokens: Optional[int] = None   # blocks = max_new_tokens // block_size + max(prompt) // block_size
                                            # (null: as many as the canvas holds)

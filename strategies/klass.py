@@ -27,7 +27,6 @@ from dlm_engine.strategies.d2c import D2C, BlockState, D2CConfig
 
 @dataclass
 class KlassConfig(D2CConfig):
-    name: str = "klass"
     kl_threshold: float = 0.01            # a position is stable when its recent KL divergences are all below this
     kl_history_length: int = 2            # how many recent steps must be stable
     klass_commit_stable: bool = False     # quirk 5: without threshold/factor the stable set is never committed

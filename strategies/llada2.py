@@ -40,7 +40,6 @@ EOS_SEARCH = ("window", "generation")
 
 @dataclass
 class LLaDA2Config:
-    name: str = "llada2"
     block_length: int = 32               # block size of the schedule and of the model's block-causal mask
     steps: int = 32                      # forwards per block at most (capped at gen_length // minimal_topk)
     threshold: float = 0.95              # commit masked positions with confidence > threshold ...

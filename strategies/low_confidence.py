@@ -26,16 +26,11 @@ from dlm_engine.core.eos import EosOptions, check_eos_options, eos_confidence, e
 from dlm_engine.core.registry import register_strategy
 from dlm_engine.core.blockwise import block_counts, counts_after, fresh_block_counts, host_rows
 from dlm_engine.core.canvas import BlockEvent
+from dlm_engine.core.confidence import Confidence, Remasking, check_kind, ranking
 from dlm_engine.core.devices import host_constant
 from dlm_engine.core.selection import host_schedule, topk_commit
-from dlm_engine.core.strategy import (BlockCursor, CacheDirective, Remasking, StepPlan, Strategy, block_range,
+from dlm_engine.core.strategy import (BlockCursor, CacheDirective, StepPlan, Strategy, block_range,
                                       candidates, evolve)
-
-
-class Confidence(str, Enum):
-    prob = "prob"
-    margin = "margin"
-    entropy = "entropy"
 
 
 class Loop(str, Enum):
@@ -45,7 +40,6 @@ class Loop(str, Enum):
 
 @dataclass
 class LowConfidenceConfig(EosOptions):            # + logits_eos_inf, confidence_eos_eot_inf, stop_at_eos
-    name: str = "low_confidence"
     steps: Optional[int] = None          # total over all blocks; null = gen_length (one token per step)
     block_length: Optional[int] = None   # null = gen_length (a single block)
     temperature: float = 0.0             # Gumbel-max temperature; 0 = argmax
@@ -85,6 +79,7 @@ class LowConfidence(Strategy):
         self.steps_per_block = self.check_steps_per_block(steps, self.num_blocks)
         self.check_non_negative("temperature", c.temperature)
         self.check_non_negative("cfg_scale", c.cfg_scale)
+        check_kind("confidence", c.confidence, (Confidence.prob, Confidence.margin, Confidence.entropy))
         if c.loop == Loop.fastdllm:
             self.needs = caps()     # a block ends when it is full: candidates without logits just wait
 
@@ -107,7 +102,7 @@ class LowConfidence(Strategy):
         k = [sch[i] if cur.step < self.steps_per_block else 1 for sch in st.schedule]
         return StepPlan(
             window=(s, e), temperature=c.temperature,
-            confidence="random" if c.remasking == Remasking.random else c.confidence.value,
+            confidence=ranking(c.remasking, c.confidence),
             softmax_dtype="float64" if c.loop == Loop.fastdllm else "model", cfg_scale=c.cfg_scale,
             cache=CacheDirective(block=(s, e), block_start=cur.step == 0, step_in_block=cur.step),
             suppress=eos_suppress(c, canvas), rows=rows, masked=left, info={"k": k},

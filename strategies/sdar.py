@@ -51,7 +51,6 @@ GENERATE_REMASKING = ("low_confidence_static", "low_confidence_dynamic", "sequen
 
 @dataclass
 class SdarConfig:
-    name: str = "sdar"
     sampler: SdarSampler = SdarSampler.eval
     block_length: int = 4
     denoising_steps: int = 4

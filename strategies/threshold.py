@@ -16,7 +16,6 @@ from dlm_engine.core.selection import threshold_commit
 
 @dataclass
 class ThresholdConfig(FillBlocksConfig):
-    name: str = "threshold"
     threshold: float = 0.9               # commit every candidate with confidence >= threshold (top-1 always)
 
 

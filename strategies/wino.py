@@ -27,27 +27,25 @@ import torch
 from dlm_engine.core.blockwise import block_counts, fresh_block_counts, host_rows
 from dlm_engine.core.canvas import FrameDelta
 from dlm_engine.core.capabilities import Cap, caps
-from dlm_engine.core.confidence import sampler_confidence
+from dlm_engine.core.confidence import Confidence, check_kind, sampler_confidence
 from dlm_engine.core.priors import CertaintyDensity
 from dlm_engine.core.protocol import AuxColumns
 from dlm_engine.core.registry import register_strategy
-from dlm_engine.core.sampler import sample_tokens
+from dlm_engine.core.sampler import ALGS, sample_tokens
 from dlm_engine.core.devices import host_tensor
 from dlm_engine.core.selection import capped_threshold, f32, masked_conf, topk_rows
 from dlm_engine.core.strategy import StepPlan, Strategy, evolve, masked_after
 from dlm_engine.errors import ConfigError, UserError
-from dlm_engine.strategies.d2c import Alg
 
 
 
 @dataclass
 class WinoConfig:
-    name: str = "wino"
     block_length: Optional[int] = None          # null = gen_length (one block)
     num_transfer_tokens: int = 1                # net progress per step (at least)
     wide_in_thres: float = 0.7                  # commit masked slots scoring >= this (the reference yaml's value)
     narrow_out_thres: float = 0.9               # re-mask decoded slots scoring < this
-    alg: Alg = Alg.maskgit_plus
+    alg: Confidence = Confidence.maskgit_plus   # maskgit_plus = prob | topk_margin = margin | entropy | random
     temperature: float = 0.0
     top_p: Optional[float] = None
     top_k: Optional[int] = None
@@ -91,6 +89,7 @@ class Wino(Strategy):
         # wide-in commits the masked slots whose ``alg`` confidence (never debiased) is >= wide_in_thres; narrow-out
         # re-masks the decoded slots whose probability of their token in place, whatever ``alg`` is, is below
         # narrow_out_thres (docs/thresholds.md)
+        check_kind("alg", c.alg, ALGS)
         self.check_threshold("wide_in_thres", c.wide_in_thres, sampler_confidence(c.alg))
         self.check_unit_interval("narrow_out_thres", c.narrow_out_thres)
         self.check_non_negative("temperature", c.temperature)

@@ -117,3 +117,28 @@ def test_run_prompts_accepts_strings_and_rejects_junk_with_one_line(session):
     assert stats.rows[0].tokens == stats.rows[1].tokens and stats.rows[0].prompt == "123+456="
     with pytest.raises(UserError, match=r"^prompt 1: expected a string, a list of token ids"):
         run_prompts(lm, ["ok", None], *args)
+
+
+def test_one_public_module_whose_defaults_are_dlms():
+    """Issue 49 item 4: ``dlm_engine`` is the one public Python API (``generate``, ``Session``, ``Results``) and an
+    argument left out is what ``dlm`` runs without it: the config a bare ``Session().config()`` composes is the
+    command line's, but for the three keys an API call sets (no progress bar, no printed rows, no trace file)."""
+    import inspect
+
+    from omegaconf import OmegaConf
+
+    from dlm_engine.app.compose import compose
+
+    assert {"generate", "Session", "Results"} <= set(dlm_engine.__all__)
+    for name in dlm_engine.__all__:
+        assert getattr(dlm_engine, name) is not None
+    for fn in (dlm_engine.generate, dlm_engine.Session.generate, dlm_engine.Session.__init__):
+        params = inspect.signature(fn).parameters
+        assert all(params[k].default is None for k in ("strategy", "cache", "model", "device", "dtype")
+                   if k in params), fn
+    api = OmegaConf.to_container(dlm_engine.Session().config(), resolve=True)
+    cli = OmegaConf.to_container(compose([]), resolve=True)
+    assert (api.pop("progress"), api.pop("print_outputs"), api["trace"].pop("record")) == (False, False, False)
+    cli.pop("progress"), cli.pop("print_outputs"), cli["trace"].pop("record")
+    assert api == cli
+    assert api["strategy"]["name"] == "low_confidence" and api["cache"]["name"] == "none"

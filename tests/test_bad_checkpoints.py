@@ -91,7 +91,7 @@ def test_tokenizer_config_files_stay_inside_the_checkpoint(tmp_path, value):
 
 
 def test_binary_or_non_utf8_prompts_file(tmp_path):
-    from dlm_engine.app.run import check_text_file
+    from dlm_engine.app.inputs import check_text_file
 
     (tmp_path / "bin.txt").write_bytes(b"abc\x00\x01\x02")
     (tmp_path / "latin.txt").write_bytes("caf\xe9\n".encode("latin-1"))

@@ -59,6 +59,7 @@ def test_is_greedy_decodes_in_the_model_blocks(lm):
     assert greedy_matches(lm, [ctx, ctx], [out[:L], [out[0] + 1] + out[1:L]]) == [True, False]
 
 
+@pytest.mark.slow      # (an lm-eval harness run: ~2 s on 2 cores)
 def test_lm_eval_adapter_loads_a_block_diffusion_checkpoint():
     pytest.importorskip("lm_eval")
     from dlm_engine.integrations.lm_eval import DLMEngineLM

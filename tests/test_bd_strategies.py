@@ -107,6 +107,7 @@ def test_llada2_own_strategies_set_their_block_size(family, name):
     assert canvas.nfe > 0
 
 
+@pytest.mark.slow      # (builds each block-diffusion family per strategy: ~30 s on 2 cores)
 def test_the_strategy_family_table_is_generated_from_the_capability_check():
     """docs/compatibility.md's strategy x family table (checked against the page by tests/test_issue47.py)."""
     from dlm_engine.app.compat import FAMILIES, family_cells

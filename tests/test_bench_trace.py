@@ -6,6 +6,8 @@ and positive times.
 """
 import re
 
+import pytest
+
 from conftest import load_experiment
 
 
@@ -21,6 +23,7 @@ def test_the_writer_section_replays_a_real_decode(capsys):
     assert len(nums) == 4 + 6
 
 
+@pytest.mark.slow      # (a benchmark section: ~2 s on 2 cores)
 def test_the_overhead_section_measures_the_hand_over_inside_the_decodes(capsys):
     """The recording-overhead section times the recorder's sink calls inside the real recorded decodes (not in a
     synthetic loop): positive per-step and per-batch hand-over figures, and no host read added by recording."""

@@ -123,6 +123,7 @@ def test_sdar_generate_overwrite_option(sdar):
     assert a != b
 
 
+@pytest.mark.slow      # (composes and validates every block-diffusion preset: ~3 s on 2 cores)
 def test_presets_compose():
     from dlm_engine.app.compose import compose
 

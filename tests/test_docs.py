@@ -197,6 +197,7 @@ def check_command(program, argv, monkeypatch):
     return compose_dlm(args["--model_args"].split(","), monkeypatch)
 
 
+@pytest.mark.slow      # (composes and validates 40+ documented command lines: ~20 s on 2 cores)
 def test_every_documented_command_composes(monkeypatch):
     found = documented_commands()
     programs = {program for _, program, _, _ in found}

@@ -115,7 +115,7 @@ def test_per_row_column_sets_give_logits_where_computed(tiny_dream, tiny_llada):
 
         @contextmanager
         def forward(self, call):
-            call.columns = Columns.rows(self.index)
+            call.columns = Columns.indexed(self.index)
             yield call
 
     index = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 9, 10], [0, 1, 2, 3, 4, 5, 7, 8, 12]])

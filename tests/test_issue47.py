@@ -27,7 +27,7 @@ def test_sweep_rows_and_refusals_name_the_preset(preset):
 
 
 def test_the_preset_label_leaves_the_job_digest_alone():
-    from dlm_engine.sweeps.jobs import config_digest
+    from dlm_engine.app.jobs import config_digest
 
     a, b = compose(["strategy=pc_sampler"]), compose(["strategy=pc_sampler"])
     b.strategy.preset = None
@@ -333,6 +333,7 @@ def test_dlm_version_prints_dlm_engines_version(monkeypatch, capsys):
 
 
 # -- item 21: the strategy x cache table in the docs is the one the code generates --------------------------------
+@pytest.mark.slow      # (generating the page decides every strategy x cache x family pair: ~70 s on 2 cores)
 def test_the_compatibility_page_is_what_the_code_generates():
     from pathlib import Path
 

@@ -161,13 +161,16 @@ def test_top_v_confidences():
 
 
 def test_defaults_are_the_reference_signature_defaults():
+    from dlm_engine.core.confidence import Confidence
+
     c = CAD.Config()
     assert (c.initial_steps, c.max_steps, c.initial_block_length, c.temperature, c.remasking, c.threshold,
             c.factor, c.adaptive_blocks, c.max_block, c.min_block, c.confidence_method, c.adaptive_vocab_size,
             c.repetition_detection, c.adaptive_steps, c.adaptive_threshold, c.prophet_enabled,
             c.min_confidence_gap, c.prophet_patience, c.min_confidence_commit) == \
-        (8, 24, 32, 0.0, "low_confidence", None, None, True, 256, 8, "softmax", True, True, True, True, False,
-         0.3, 2, 0.6)
+        (8, 24, 32, 0.0, "low_confidence", None, None, True, 256, 8, Confidence.softmax, True, True, True, True,
+         False, 0.3, 2, 0.6)
+    assert c.confidence_method == "prob"          # the reference's softmax is the prob kind (docs/glossary.md)
     from dlm_engine.core.capabilities import incompatibility
 
     assert CAD.max_batch == 1 and incompatibility(CAD(c, 32), cache_class("dual")()) is None

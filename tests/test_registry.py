@@ -71,7 +71,7 @@ def test_duplicate_names_and_wrong_bases_are_errors():
 
 
 def test_model_families_share_the_registry_type():
-    from dlm_engine.models.base import MODELS
+    from dlm_engine.models.families import MODELS
     from dlm_engine.models.loader import architecture
 
     assert isinstance(MODELS, Registry) and {"llada", "Dream"} <= set(MODELS.names())
@@ -128,6 +128,7 @@ def test_every_preset_composes_and_restates_no_default(group, name):
         assert value != default, f"{group}/{name}.yaml restates the default {key}={value!r}"
 
 
+@pytest.mark.slow      # (composes every strategy: ~3 s; each preset composes in the quick tier above)
 def test_every_registered_strategy_and_cache_has_a_preset():
     names = {(g, n) for g, n in _presets()}
     for name in STRATEGIES.names():

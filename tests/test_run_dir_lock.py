@@ -45,7 +45,7 @@ def test_a_held_run_directory_fails_fast_and_is_left_alone(tmp_path):
 
 @pytest.mark.slow
 def test_a_held_sweep_job_is_skipped_and_the_others_run(tmp_path):
-    from dlm_engine.sweeps.jobs import job_dirname
+    from dlm_engine.app.jobs import job_dirname
 
     d = tmp_path / "sw"
     common = ["strategy=threshold", "task=tiny_mix", "task.n=2", "device=cpu"]

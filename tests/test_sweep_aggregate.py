@@ -10,10 +10,10 @@ import pytest
 
 from conftest import run_dlm
 from dlm_engine.sweeps import cli as sweep
-from dlm_engine.sweeps import jobs as sweep_jobs
+from dlm_engine.app import jobs as sweep_jobs
 from dlm_engine.sweeps.cli import aggregate
 from dlm_engine.metrics import METRICS_VERSION
-from dlm_engine.sweeps.jobs import JobRecord, job_dirname
+from dlm_engine.app.jobs import JobRecord, job_dirname
 
 
 # ------------------------------------------------------------------------------------------- job dirs

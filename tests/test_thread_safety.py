@@ -192,7 +192,7 @@ def test_two_threads_decode_and_record_at_once_and_every_trace_replays_their_tok
     from dlm_engine.app.compose import compose
     from dlm_engine.app.run import load_inputs, validate
     from dlm_engine.trace import open_trace
-    from dlm_engine.trace.runtime import open_run_recorder
+    from dlm_engine.app.recording import open_run_recorder
     from dlm_engine.trace.tools import verify_integrity
 
     jobs, lm, ids = [], None, None

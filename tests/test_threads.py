@@ -54,7 +54,7 @@ def test_the_session_api_applies_and_records_threads(tmp_path, thread_counts):
     tr = open_trace(out.trace)
     assert tr.header["config"]["threads"] == 1
     # a verified re-run decodes with the recorded count
-    from dlm_engine.trace.tools import rerun
+    from dlm_engine.app.rerun import rerun
 
     thread_counts.clear()
     assert rerun(tr)["reproduced"]
@@ -96,7 +96,7 @@ def test_the_command_decodes_with_its_thread_count_and_records_it(tmp_path, thre
 def test_a_sweep_job_made_before_the_option_existed_still_counts_as_done():
     from omegaconf import OmegaConf
 
-    from dlm_engine.sweeps.jobs import config_digest
+    from dlm_engine.app.jobs import config_digest
 
     base = {"gen_length": 16, "seed": 0, "strategy": {"name": "threshold"}}
     old = config_digest(OmegaConf.create(base))                      # a result written before ``threads``

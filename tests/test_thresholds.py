@@ -42,17 +42,17 @@ def test_thresholds_inside_the_kind_are_accepted(name, kw):
 
 @pytest.mark.parametrize("name, kw, message", [
     ("d2c", dict(threshold=3.0),
-     "strategy.threshold=3.0 is impossible for probability confidences (strategy.alg=maskgit_plus), which never "
+     "strategy.threshold=3.0 is impossible for probability confidences (strategy.alg=prob), which never "
      "exceed 1: no position would ever pass it; use a value in (0, 1]"),
     ("d2c", dict(debias=True, clip_alpha=2, threshold=3.0),
-     "strategy.threshold=3.0 is impossible for PC-Sampler's debiased confidences (strategy.alg=maskgit_plus, "
+     "strategy.threshold=3.0 is impossible for PC-Sampler's debiased confidences (strategy.alg=prob, "
      "strategy.debias=true, clipped at strategy.clip_alpha=2), which never exceed 2: no position would ever pass "
      "it; use a value in (0, 2]"),
     ("ar", dict(debias=True, threshold=12.0), "which never exceed 10"),
     ("d2c", dict(debias=True, threshold=0.0), "strategy.threshold=0.0 is outside (0, 10] for PC-Sampler's debiased "
                                               "confidences"),
     ("d2c", dict(debias=True, threshold=3.0, alg="topk_margin"),     # the alg overwrites the debiased value
-     "impossible for top-1 minus top-2 probability margins (strategy.alg=topk_margin, which replaces PC-Sampler's "
+     "impossible for top-1 minus top-2 probability margins (strategy.alg=margin, which replaces PC-Sampler's "
      "debiased value unless strategy.debias_after_alg=true)"),
     ("d2c", dict(alg="entropy", threshold=0.5), "impossible for entropy confidences sum p ln p (strategy.alg=entropy), "
                                                 "which never exceed 0"),

@@ -18,14 +18,14 @@ PROMPTS = "prompts=['347+085=',hi,'name a fruit:']"
 def _checkpoint(directory):
     """A tiny random LLaDA-format checkpoint (safetensors + config.json) with the char tokenizer."""
     import torch
-    from omegaconf import OmegaConf
     from safetensors.torch import save_file
 
     from dlm_engine.models.loader import build_random
     from dlm_engine.models.tokenizer import save_char_tokenizer
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    mc = OmegaConf.load(os.path.join(root, "conf", "model", "tiny_random.yaml"))
+    from dlm_engine.app.config import model_preset
+
+    mc = model_preset("tiny_random")
     model, raw, _ = build_random(dict(mc.random), seed=1)
     os.makedirs(directory, exist_ok=True)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(directory, "model.safetensors"))

@@ -8,7 +8,7 @@ import torch
 
 from dlm_engine.errors import UserError
 from dlm_engine.trace import records
-from dlm_engine.trace.runtime import restore_rng, rng_state
+from dlm_engine.app.recording import restore_rng, rng_state
 
 
 def test_a_freshly_seeded_state_is_recorded_by_its_seed_and_restored_exactly():

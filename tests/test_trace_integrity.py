@@ -9,7 +9,6 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
 
 from dlm_engine.app.api import load_model, run_prompts  # noqa: E402
 from dlm_engine.core.loop import Sink  # noqa: E402
@@ -28,7 +27,9 @@ PROMPTS = ["347+085=", "hi", "name a fruit:", "sum 9:", "x"]
 
 @pytest.fixture(scope="module")
 def lm():
-    mc = OmegaConf.load(os.path.join(ROOT, "conf", "model", "tiny_random.yaml"))
+    from dlm_engine.app.config import model_preset
+
+    mc = model_preset("tiny_random")
     return load_model(mc, "cpu", "float32")
 
 

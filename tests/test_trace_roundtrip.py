@@ -8,7 +8,6 @@ import dataclasses  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
 
 from dlm_engine.core.canvas import BlockEvent, Canvas, FrameDelta  # noqa: E402
 from dlm_engine.errors import ConfigError  # noqa: E402
@@ -25,7 +24,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def lm():
-    mc = OmegaConf.load(os.path.join(ROOT, "conf", "model", "tiny_random.yaml"))
+    from dlm_engine.app.config import model_preset
+
+    mc = model_preset("tiny_random")
     return load_model(mc, "cpu", "float32")
 
 
@@ -254,6 +255,33 @@ def test_remask_and_edit_events_round_trip(tmp_path):
     assert s0.commits_per_step().tolist() == [0, 1, 2, 3, 2]
 
 
+def test_records_are_the_final_canvas_and_a_change_outside_the_deltas_is_flagged(tmp_path):
+    """The writer keeps no copy of the canvas: a sequence record is the final canvas plus what the deltas told
+    (edits, confidences). A canvas changed outside the deltas is recorded as it ended, and the batch end says
+    the deltas do not account for it (``mismatch``); the same stream without the change is not flagged."""
+    for tamper in (False, True):
+        canvas = Canvas.from_prompts([[10, 11], [12]], gen_length=4, mask_id=3, pad_id=0)
+        g = canvas.gen_start
+        rec = TraceRecorder(str(tmp_path / f"m{tamper}.dlmt"), HEADER, capture="confidence")
+        sink = rec.sink(0, [0, 1])
+        sink.on_start(canvas, {})
+        for step, cols in enumerate(([True, True, False, False], [False, False, True, True]), 1):
+            c = torch.tensor([cols, cols])
+            _apply_and_emit(canvas, [sink], FrameDelta(
+                step=step, nfe=1, start=g, commit=c, tokens=torch.full((2, 4), 40 + step),
+                active=torch.ones(2, dtype=torch.bool), finished=torch.tensor([step == 2] * 2),
+                confidence=torch.full((2, 4), 0.25 * step)))
+        if tamper:                                  # e.g. a hook writing the canvas: no delta tells it
+            canvas.tokens[1, g + 3] = 77
+        sink.on_end(canvas)
+        rec.close()
+        tr = open_trace(tmp_path / f"m{tamper}.dlmt", recover=False)
+        assert tr.batches[0].end["mismatch"] is tamper
+        assert [s.tokens.tolist() for s in tr] == canvas.tokens[:, g:].tolist()
+        assert tr[1].tokens.tolist() == [41, 41, 42, 77 if tamper else 42]
+        assert tr[0].confidence.tolist() == [0.25, 0.25, 0.5, 0.5] and tr[0].step_of.tolist() == [1, 1, 2, 2]
+
+
 def test_overwrite_inside_a_run_of_same_window_steps(tmp_path):
     """The writer applies same-window steps together; an overwrite among them must still be an edit."""
     mask = 3
@@ -333,8 +361,8 @@ def test_confidence_of_any_float_dtype(tmp_path, dtype):
 
 @pytest.mark.parametrize("name", ["low_confidence", "threshold", "block_buffer", "d2c"])
 def test_held_runs_of_any_length_write_the_same_trace(lm, tmp_path, monkeypatch, name):
-    """The writer applies same-window deltas in runs (``HOLD`` deltas, at most ``HOLD_POSITIONS`` positions): the
-    run length changes when the shadow canvas is updated, never what is written -- the same sequences
+    """The writer takes same-window deltas in runs (``HOLD`` deltas, at most ``HOLD_POSITIONS`` positions): the
+    run length changes when the writes are logged, never what is written -- the same sequences
     (tokens, commit steps, confidences, NFE, finish steps) and step tables (wall time aside, a clock) with runs of
     one delta, of three, or capped by positions."""
     from dlm_engine.trace import recorder as R
@@ -352,7 +380,7 @@ def test_held_runs_of_any_length_write_the_same_trace(lm, tmp_path, monkeypatch,
         tabs = [(t.step.tolist(), t.nfe.tolist(), t.start.tolist(), t.width.tolist(), t.active.tolist(),
                  t.finished.tolist(), sorted((k, np.asarray(v).tolist()) for k, v in t.scalars.items()), t.events)
                 for t in (tr.batches[k].steps for k in sorted(tr.batches))]
-        # the writer's shadow canvas (what the runs update) ended where the decode did
+        # the writes the runs logged account for the canvas the decode ended with
         assert not any(tr.batches[k].end["mismatch"] for k in tr.batches)
         return repr((seqs, tabs))
 

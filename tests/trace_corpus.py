@@ -109,15 +109,15 @@ def record_base(path, capture: str = "tokens", batch_size: int = 3, prompts=PROM
     """A real trace: the seeded random tiny model, low_confidence, 3 batches; its header declares the shape.
     ``step_chunk``: steps per step table, so that a batch of 8 steps has a steps record and a batch-end table."""
     import torch
-    from omegaconf import OmegaConf
 
     from dlm_engine.app.api import load_model, run_prompts
     from dlm_engine.core.registry import STRATEGIES, cache_class, load_plugins
     from dlm_engine.trace import TraceRecorder
 
     load_plugins()
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    lm = load_model(OmegaConf.load(os.path.join(root, "conf", "model", "tiny_random.yaml")), "cpu", "float32")
+    from dlm_engine.app.config import model_preset
+
+    lm = load_model(model_preset("tiny_random"), "cpu", "float32")
     ids = [lm.encode(p) for p in prompts]
     V = max(lm.config.get("vocab_size") or 0, lm.config.get("embedding_size") or 0)
     header = {"model": {"name": "tiny_random", "eos_id": lm.eos_id, "mask_id": lm.mask_id, "vocab_size": V},

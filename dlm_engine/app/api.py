@@ -1,4 +1,6 @@
-"""Python API: load a model, decode prompts in batches, collect per-row results and metrics."""
+"""The engine under the Python API, ``dlm`` and ``dlm-serve``: load a model, decode prompts in batches, collect
+per-row results and metrics (no Hydra). The public Python API is the ``dlm_engine`` package (``generate``,
+``Session``: :mod:`dlm_engine.app.session`), whose defaults are ``dlm``'s."""
 from __future__ import annotations
 
 import contextlib
@@ -75,8 +77,13 @@ def load_directory(path: Optional[str] = None, device: str = "cpu", dtype: str =
     return load_model(SimpleNamespace(name=name, path=str(path), random=None, random_seed=0), device, dtype)
 
 
-def load_model(model_cfg, device: str = "auto", dtype: str = "auto") -> LoadedModel:
-    """Load the model named by a ``model`` config node (a local directory or a seeded random model)."""
+_RESOLVE = object()
+
+
+def load_model(model_cfg, device: str = "auto", dtype: str = "auto", checkpoint=_RESOLVE) -> LoadedModel:
+    """Load the model named by a ``model`` config node (a local directory or a seeded random model).
+    ``checkpoint``: the directory :func:`dlm_engine.models.checkpoint.check_checkpoint` already resolved for it
+    (None: a seeded random model); left out, it is resolved here."""
     from dlm_engine.models.loader import build_random, load_pretrained, resolve_device, resolve_dtype
     from dlm_engine.models.tokenizer import build_char_tokenizer
 
@@ -88,7 +95,7 @@ def load_model(model_cfg, device: str = "auto", dtype: str = "auto") -> LoadedMo
     dname = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[tdtype]
     from dlm_engine.models.checkpoint import check_checkpoint
 
-    path = check_checkpoint(model_cfg)  # None for seeded random models
+    path = check_checkpoint(model_cfg) if checkpoint is _RESOLVE else checkpoint   # None for seeded random models
     if path is not None:
         from dlm_engine.models.chat import load_tokenizer
 
@@ -215,8 +222,9 @@ def run_prompts(lm: LoadedModel, prompt_ids: Sequence[Union[str, Sequence[int]]]
     ``prompt_ids``: token-id lists, or strings (encoded with ``lm.encode``; they are then also the rows'
     ``prompt``). Per-sequence metrics come from a :class:`~dlm_engine.app.sinks.StepLog` of every batch.
 
-    ``make_strategy()``/``make_cache()`` build fresh per-batch objects; ``sinks_for_batch(i, rows)`` returns
-    the sinks of batch ``i``. Wall time covers decoding only (device synchronised, after a warm-up call).
+    ``make_strategy``: the strategy (one object serves every batch: its per-batch state is ``init_state``'s) or a
+    function that builds it, called once; ``make_cache()`` builds a fresh cache per batch; ``sinks_for_batch(i,
+    rows)`` returns the sinks of batch ``i``. Wall time covers decoding only (device synchronised, after a warm-up call).
     ``threads``: torch's intra-op CPU threads while decoding (see :func:`torch_threads`; None leaves them).
     """
     with torch_threads(threads):
@@ -248,7 +256,9 @@ def _run_prompts(lm, prompt_ids, make_strategy, make_cache, gen_length, batch_si
     prompt_ids_given, prompt_ids = prompt_ids, as_token_ids(lm, prompt_ids, gen_length)
     if prompts is None and any(isinstance(p, str) for p in prompt_ids_given):
         prompts = [p if isinstance(p, str) else None for p in prompt_ids_given]
-    strategy0 = make_strategy()
+    from dlm_engine.core.strategy import Strategy
+
+    strategy0 = make_strategy if isinstance(make_strategy, Strategy) else make_strategy()
     built = getattr(strategy0, "gen_length", None)
     if built is not None and int(built) != int(gen_length):
         raise UserError(f"gen_length={gen_length} but the strategy was built for gen_length={built} "
@@ -267,10 +277,9 @@ def _run_prompts(lm, prompt_ids, make_strategy, make_cache, gen_length, batch_si
         chunk = prompt_ids[start:start + bs]
         log = StepLog()
         sinks = [log, *(sinks_for_batch(b, list(range(start, start + len(chunk)))) if sinks_for_batch else ())]
-        strategy = strategy0 if b == 0 else make_strategy()
         sync(lm.device)
         t0 = time.perf_counter()
-        canvas = decode_batch(lm, chunk, strategy, make_cache(), gen_length, sinks, canvas_hook)
+        canvas = decode_batch(lm, chunk, strategy0, make_cache(), gen_length, sinks, canvas_hook)
         sync(lm.device)
         total_time += time.perf_counter() - t0
         calls += canvas.nfe

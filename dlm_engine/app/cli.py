@@ -30,13 +30,13 @@ def _hydra_main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from dlm_engine.errors import UserError
-    from dlm_engine.sweeps.jobs import JobRecord
+    from dlm_engine.app.jobs import JobRecord
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     from dlm_engine.core.memory import keep_freed_memory
 
     keep_freed_memory()      # (launcher workers are processes of their own)
-    from dlm_engine.sweeps.worker import exit_with_parent, uses_local_pool
+    from dlm_engine.app.worker import exit_with_parent, uses_local_pool
 
     if uses_local_pool():
         exit_with_parent()  # a killed `dlm -m hydra/launcher=joblib` must not leave its workers decoding

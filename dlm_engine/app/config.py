@@ -70,6 +70,18 @@ class RunConfig:
     resume: bool = True                      # multirun: skip a job whose result.json exists (same config)
 
 
+def model_preset(name: str):
+    """The ``model`` config node of the preset ``conf/model/<name>.yaml`` merged onto its schema
+    (:class:`ModelConfig`: the defaults a preset does not restate), without composing a run."""
+    from importlib.resources import files
+
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.load(str(files("dlm_engine.conf") / "model" / f"{name}.yaml"))
+    node.pop("defaults", None)
+    return OmegaConf.merge(OmegaConf.structured(ModelConfig), node)
+
+
 _registered = False
 
 
@@ -113,7 +125,7 @@ def config_groups_text() -> str:
 
 
 def _job_dir(overrides=()) -> str:
-    from dlm_engine.sweeps.jobs import job_dirname
+    from dlm_engine.app.jobs import job_dirname
 
     return job_dirname(overrides)
 

@@ -38,18 +38,14 @@ class Prompt:
 
 
 def read_prompts_file(path: Union[str, Path]) -> List[Prompt]:
-    """Every prompt of a ``prompts_file``; :class:`ConfigError` naming the file (and line) otherwise."""
+    """Every prompt of a ``prompts_file`` (the file read once); :class:`ConfigError` naming the file (and line)
+    otherwise: a directory, a missing file, a binary or non-UTF-8 file, a bad JSONL line, no prompts."""
     p = Path(str(path)).expanduser()
     if p.is_dir():
         raise ConfigError(f"prompts_file: '{path}' is a directory, not a file")
     if not p.exists():
         raise ConfigError(f"prompts_file: '{path}' does not exist")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"prompts_file: '{path}' is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    except OSError as exc:
-        raise ConfigError(f"prompts_file: '{path}' cannot be read ({exc.strerror or exc})") from None
+    text = check_text_file(str(p), "prompts_file", shown=str(path))
     if p.suffix.lower() in JSONL_SUFFIXES:
         prompts = [_jsonl_prompt(line, n, path) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
     else:
@@ -57,6 +53,24 @@ def read_prompts_file(path: Union[str, Path]) -> List[Prompt]:
     if not prompts:
         raise ConfigError(f"prompts_file: '{path}' holds no prompts (it is empty or has only blank lines)")
     return prompts
+
+
+def check_text_file(path: str, key: str, shown: Optional[str] = None) -> str:
+    """The text of a UTF-8 file; a binary file or one that is not UTF-8 is a ConfigError naming the key, the file
+    (``shown``: as the user gave it) and the byte."""
+    shown = path if shown is None else shown
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise ConfigError(f"{key}: cannot read '{shown}' ({exc.strerror or exc})") from None
+    nul = data.find(b"\0")
+    if nul >= 0:
+        raise ConfigError(f"{key}: '{shown}' is a binary file (a NUL byte at offset {nul}), not text")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{key}: '{shown}' is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
 
 
 def _jsonl_prompt(line: str, n: int, path) -> Prompt:

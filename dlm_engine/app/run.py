@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import contextlib
 import platform
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -30,7 +31,19 @@ def build_cache(cfg: DictConfig):
     return lambda: cls(conf)
 
 
-def validate(cfg: DictConfig, schema=None):
+@dataclass
+class Prepared:
+    """What validating a run config resolved, handed to the run so that nothing is resolved twice: the strategy
+    (built once; a strategy object serves every batch), the cache factory (a cache is per batch), the checkpoint
+    directory (None: a seeded random model) and the prompts of ``prompts_file`` (read once; None without one)."""
+
+    strategy: Any
+    make_cache: Callable[[], Any]
+    checkpoint: Optional[Path]
+    file_prompts: Optional[list] = None
+
+
+def prepare(cfg: DictConfig, schema=None) -> Prepared:
     """Every check that needs no model; raises ConfigError naming the key. ``schema``: the top level's dataclass
     when not ``dlm``'s RunConfig (``dlm-serve``)."""
     from dlm_engine.app.config import check_known_keys, check_values
@@ -43,8 +56,7 @@ def validate(cfg: DictConfig, schema=None):
         raise ConfigError(f"batch_size={cfg.batch_size} must be a positive integer")
     if cfg.threads is not None and cfg.threads <= 0:
         raise ConfigError(f"threads={cfg.threads} must be a positive integer (or null: torch's default)")
-    make_strategy = build_strategy(cfg)
-    strategy = make_strategy()  # runs the strategy's cross-field validation
+    strategy = build_strategy(cfg)()  # runs the strategy's cross-field validation
     make_cache = build_cache(cfg)
     problem = incompatibility(strategy, make_cache())
     if problem is not None:
@@ -57,50 +69,42 @@ def validate(cfg: DictConfig, schema=None):
     found = check_checkpoint(cfg.model)
     if found is not None and str(found) != str(cfg.model.path):  # a Hugging Face cache folder or snapshot
         cfg.model.path = str(found)
+    file_prompts = None
     if cfg.prompts_file:
         from dlm_engine.app.inputs import read_prompts_file
 
-        if Path(cfg.prompts_file).is_file():
-            check_text_file(str(cfg.prompts_file), "prompts_file")   # binary or not UTF-8: one line
-        read_prompts_file(cfg.prompts_file)
+        file_prompts = read_prompts_file(cfg.prompts_file)   # binary, not UTF-8, no prompts: one line
     _check_declared_length(cfg, found)
     from dlm_engine.models.loader import resolve_device, resolve_dtype
 
     resolve_dtype(cfg.dtype, resolve_device(cfg.device))
-    from dlm_engine.trace.runtime import check_batch_size, check_config
+    from dlm_engine.app.recording import check_batch_size, check_config
 
     check_config(cfg.trace)
-    check_batch_size(cfg, known_prompt_count(cfg))   # before the model loads, not in the trace header's terms
-    return make_strategy, make_cache
+    check_batch_size(cfg, known_prompt_count(cfg, file_prompts))   # before the model loads
+    return Prepared(strategy, make_cache, found, file_prompts)
 
 
-def known_prompt_count(cfg: DictConfig):
-    """How many prompts ``dlm`` will decode, as far as the config tells without the model (None: not known)."""
+def validate(cfg: DictConfig, schema=None):
+    """:func:`prepare`, as the ``(make_strategy, make_cache)`` factories a decode takes."""
+    p = prepare(cfg, schema)
+    return (lambda: p.strategy), p.make_cache
+
+
+def known_prompt_count(cfg: DictConfig, file_prompts: Optional[list] = None):
+    """How many prompts ``dlm`` will decode, as far as the config tells without the model (None: not known);
+    ``file_prompts``: the prompts file's prompts, already read."""
     if cfg.prompts is not None:
         return len(cfg.prompts)
     if cfg.prompts_file:
-        from dlm_engine.app.inputs import read_prompts_file
+        if file_prompts is None:
+            from dlm_engine.app.inputs import read_prompts_file
 
-        return len(read_prompts_file(cfg.prompts_file))
+            file_prompts = read_prompts_file(cfg.prompts_file)
+        return len(file_prompts)
     if cfg.task.name == "prompts":
         return len(DEMO_PROMPTS)
     return int(cfg.task.n) if cfg.task.n is not None else None
-
-
-def check_text_file(path: str, key: str) -> None:
-    """A prompts file must be UTF-8 text: a binary file is a ConfigError naming the key, the file and the byte."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as exc:
-        raise ConfigError(f"{key}: cannot read '{path}' ({exc.strerror or exc})") from None
-    nul = data.find(b"\0")
-    if nul >= 0:
-        raise ConfigError(f"{key}: '{path}' is a binary file (a NUL byte at offset {nul}), not text")
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{key}: '{path}' is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
 
 
 def _check_declared_length(cfg: DictConfig, found) -> None:
@@ -122,9 +126,10 @@ def _check_declared_length(cfg: DictConfig, found) -> None:
         check_gen_length(int(cfg.gen_length), declared, str(cfg.model.name), override)
 
 
-def load_inputs(cfg: DictConfig, lm) -> Dict[str, Any]:
+def load_inputs(cfg: DictConfig, lm, file_prompts: Optional[list] = None) -> Dict[str, Any]:
     """Prompts (text and ids) plus the task examples when the task has a checker; every check that needs the
-    model (context length, vocabulary, token ids in the strategy config) fails here, before decoding."""
+    model (context length, vocabulary, token ids in the strategy config) fails here, before decoding.
+    ``file_prompts``: the prompts file's prompts when :func:`prepare` read them."""
     from dlm_engine.app import inputs as inp
     from dlm_engine.app import tasks as taskmod
 
@@ -132,7 +137,7 @@ def load_inputs(cfg: DictConfig, lm) -> Dict[str, Any]:
     if cfg.prompts is not None:
         prompts = [_config_prompt(p, i) for i, p in enumerate(cfg.prompts)]
     elif cfg.prompts_file:
-        prompts = inp.read_prompts_file(cfg.prompts_file)
+        prompts = file_prompts if file_prompts is not None else inp.read_prompts_file(cfg.prompts_file)
     elif cfg.task.name == "prompts":
         prompts = [inp.Prompt(text=p) for p in DEMO_PROMPTS]
     else:
@@ -170,20 +175,20 @@ def run(cfg: DictConfig, out_dir: Path) -> Dict[str, Any]:
     from dlm_engine.app.api import load_model, run_prompts
     from dlm_engine.app.sinks import ProgressSink
 
-    make_strategy, make_cache = validate(cfg)
+    prep = prepare(cfg)      # the checkpoint resolved, the prompts file read and the strategy built: once
     torch.manual_seed(cfg.seed)
-    lm = load_model(cfg.model, cfg.device, cfg.dtype)
-    inputs = load_inputs(cfg, lm)
+    lm = load_model(cfg.model, cfg.device, cfg.dtype, checkpoint=prep.checkpoint)
+    inputs = load_inputs(cfg, lm, prep.file_prompts)
     prompts, ids, examples = inputs["prompts"], inputs["ids"], inputs["examples"]
     progress = ProgressSink(len(ids), enabled=None if cfg.progress else False, log_interval=cfg.progress_interval,
-                            start=start_line(cfg, len(ids), make_strategy()))
+                            start=start_line(cfg, len(ids), prep.strategy))
 
     torch.manual_seed(cfg.seed)
-    from dlm_engine.trace.runtime import open_run_recorder
+    from dlm_engine.app.recording import open_run_recorder
 
     recorder = open_run_recorder(cfg, out_dir, lm, ids)  # None when trace.record=false
     with recorder if recorder is not None else contextlib.nullcontext():  # closed (flushed) on errors and Ctrl-C too
-        stats = run_prompts(lm, ids, make_strategy, make_cache, cfg.gen_length, cfg.batch_size,
+        stats = run_prompts(lm, ids, prep.strategy, prep.make_cache, cfg.gen_length, cfg.batch_size,
                             sinks_for_batch=lambda b, rows: [progress] + ([recorder.sink(b, rows)] if recorder else []),
                             prompts=prompts, threads=cfg.threads)
     progress.close()
@@ -276,7 +281,7 @@ def report(cfg: DictConfig, rows: List[dict], summary: Dict[str, Any], totals) -
     import logging
 
     from dlm_engine.metrics import summary_line
-    from dlm_engine.sweeps.jobs import in_multirun
+    from dlm_engine.app.jobs import in_multirun
 
     log = logging.getLogger("dlm_engine.run")
     show = cfg.print_outputs if cfg.print_outputs is not None else not in_multirun()

@@ -124,8 +124,13 @@ class Session:
 
     def config(self, strategy: Any = None, cache: Any = None, overrides: Iterable[str] = (), **options: Any):
         """The validated run config of a :meth:`generate` call (nothing is loaded)."""
+        return self._prepare(strategy, cache, overrides, **options)[0]
+
+    def _prepare(self, strategy: Any = None, cache: Any = None, overrides: Iterable[str] = (), **options: Any):
+        """``(config, prepared)``: the composed config and what validating it resolved and built
+        (:class:`dlm_engine.app.run.Prepared`)."""
         from dlm_engine.app.compose import compose
-        from dlm_engine.app.run import validate
+        from dlm_engine.app.run import prepare
 
         bad = sorted(k for k in options if _is_model_key(k))
         if bad:
@@ -134,8 +139,7 @@ class Session:
         options = {"strategy": strategy, "cache": cache, "progress": False, "print_outputs": False,
                    "trace.record": False, **options}
         cfg = compose(self._model_overrides() + _overrides(options, overrides))
-        validate(cfg)
-        return cfg
+        return cfg, prepare(cfg)
 
     @property
     def lm(self):
@@ -143,8 +147,8 @@ class Session:
         if self._lm is None:
             from dlm_engine.app.api import load_model
 
-            cfg = self.config()
-            self._lm = load_model(cfg.model, cfg.device, cfg.dtype)
+            cfg, prep = self._prepare()
+            self._lm = load_model(cfg.model, cfg.device, cfg.dtype, checkpoint=prep.checkpoint)
         return self._lm
 
     def generate(self, prompts: Sequence[Any], strategy: Any = None, cache: Any = None, *,
@@ -158,7 +162,6 @@ class Session:
 
         from dlm_engine.app import inputs as inp
         from dlm_engine.app.api import run_prompts
-        from dlm_engine.app.run import build_cache, build_strategy
 
         prompts = _prompt_list(prompts)
         if not len(prompts):
@@ -168,8 +171,12 @@ class Session:
             if path.is_dir() or not path.parent.is_dir():
                 raise UserError(f"trace: '{trace}' must be a file in an existing directory")
             options = dict(options, **{"trace.record": True, "trace.filename": path.name})
-        cfg = self.config(strategy, cache, overrides, **options)
-        lm = self.lm
+        cfg, prep = self._prepare(strategy, cache, overrides, **options)
+        if self._lm is None:      # the model options are the Session's: this call's config names its model
+            from dlm_engine.app.api import load_model
+
+            self._lm = load_model(cfg.model, cfg.device, cfg.dtype, checkpoint=prep.checkpoint)
+        lm = self._lm
         items, ids, warning = inp.prepare(lm, prompts, int(cfg.gen_length), cfg)
         if warning:
             import warnings
@@ -180,11 +187,11 @@ class Session:
         torch.manual_seed(int(cfg.seed))
         recorder = None
         if trace is not None:
-            from dlm_engine.trace.runtime import open_run_recorder
+            from dlm_engine.app.recording import open_run_recorder
 
             recorder = open_run_recorder(cfg, path.parent, lm, ids)
         with recorder if recorder is not None else contextlib.nullcontext():
-            stats = run_prompts(lm, ids, build_strategy(cfg), build_cache(cfg), int(cfg.gen_length),
+            stats = run_prompts(lm, ids, prep.strategy, prep.make_cache, int(cfg.gen_length),
                                 int(cfg.batch_size), prompts=[p.shown for p in items],
                                 sinks_for_batch=(lambda b, rows: [recorder.sink(b, rows)]) if recorder else None,
                                 threads=cfg.threads)

@@ -29,7 +29,7 @@ class ProgressSink(Sink):
 
         auto = enabled is None
         if enabled is None:
-            from dlm_engine.sweeps.jobs import in_launcher_worker
+            from dlm_engine.app.jobs import in_launcher_worker
 
             enabled = sys.stderr.isatty() and not in_launcher_worker()
         if log_lines is None:

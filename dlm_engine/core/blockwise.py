@@ -18,7 +18,8 @@ from dlm_engine.core.canvas import BlockEvent
 from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.eos import (EosOptions, check_eos_options, eos_confidence, eos_stop, eos_suppress,
                                  no_candidate_scores_neg_inf)
-from dlm_engine.core.strategy import (BlockCursor, CacheDirective, Remasking, StepPlan, Strategy, block_range,
+from dlm_engine.core.confidence import Remasking, ranking
+from dlm_engine.core.strategy import (BlockCursor, CacheDirective, StepPlan, Strategy, block_range,
                                       candidates)
 
 
@@ -126,7 +127,7 @@ class FillBlocks(Strategy):
         left = [row[cur.block] for row in counts]
         return StepPlan(
             window=(s, e), temperature=c.temperature,
-            confidence="random" if c.remasking == Remasking.random else "prob", softmax_dtype="float64",
+            confidence=ranking(c.remasking), softmax_dtype="float64",
             cache=CacheDirective(block=(s, e), block_start=cur.step == 0, step_in_block=cur.step),
             suppress=eos_suppress(c, canvas), rows=None if all(left) else [n > 0 for n in left],
             masked=left, info={"counts": left},

@@ -16,9 +16,67 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Optional
 
 from dlm_engine.errors import ConfigError
+
+
+class Confidence(str, Enum):
+    """The one enum of confidence kinds (docs/glossary.md, "Confidence kinds"): how a step ranks its
+    candidates, higher = commit sooner. Every strategy option that picks a kind has this type (LLaDA's
+    ``confidence``, the d2c family's and WINO's ``alg``, CadLLM's ``confidence_method``); the names the
+    references use are aliases of the same members, so ``alg=maskgit_plus`` is ``prob`` and
+    ``confidence_method=softmax`` is ``prob`` too.
+
+    A kind fixes the ranking, not one formula: the ``entropy`` kind ranks by low entropy ``H``, and each
+    reference's own monotone form of it is kept for parity (LLaDA-style strategies ``exp(-H)``, the d2c family
+    and Dream ``-H``, CadLLM ``1 / (1 + H)`` over its top-V logits, the sampler's ``inv_entropy``)."""
+
+    prob = "prob"                   # probability of the proposal x0 under the clean softmax
+    margin = "margin"               # top-1 minus top-2 probability
+    entropy = "entropy"             # low entropy first (the strategy's reference form, see above)
+    inv_entropy = "inv_entropy"     # 1 / (1 + H) over the top-V logits (CadLLM's entropy)
+    random = "random"               # uniform noise
+    # the references' names (aliases: the same members)
+    maskgit_plus = "prob"           # Dream / d2Cache / WINO alg
+    topk_margin = "margin"          # Dream / d2Cache / WINO alg
+    softmax = "prob"                # CadLLM confidence_method
+
+    @classmethod
+    def _missing_(cls, value):
+        """``Confidence("maskgit_plus")``: a reference's name looked up as an alias."""
+        return cls.__members__.get(value) if isinstance(value, str) else None
+
+    @classmethod
+    def kinds(cls):
+        """The canonical names, without the aliases."""
+        return tuple(m.value for m in cls)
+
+
+class Remasking(str, Enum):
+    """How the candidates of a step are ranked (LLaDA's ``remasking`` option): by a confidence, or by uniform
+    noise (``random``). It re-masks nothing (that is ``FrameDelta.remask``)."""
+
+    low_confidence = "low_confidence"
+    random = "random"
+
+
+def check_kind(key: str, value: Any, allowed) -> None:
+    """A :class:`ConfigError` naming ``strategy.<key>`` unless the confidence kind ``value`` is one a strategy
+    implements (``allowed``: the kinds, in the order the message lists them)."""
+    if Confidence(value) not in allowed:
+        names = " | ".join(Confidence(a).name for a in allowed)
+        raise ConfigError(f"strategy.{key}={Confidence(value).value} is not a kind this strategy ranks by "
+                          f"(choose {names})")
+
+
+def ranking(remasking: Any, confidence: Any = Confidence.prob) -> Confidence:
+    """The one remasking -> confidence mapping: ``remasking=random`` ranks by noise, ``low_confidence`` by the
+    confidence kind ``confidence`` (LLaDA's ``confidence`` option; ``prob`` for the strategies without one)."""
+    if Remasking(remasking) == Remasking.random:
+        return Confidence.random
+    return Confidence(confidence)
 
 CLIP_ALPHA = 10.0     # PC-Sampler's clip when ``clip_alpha`` is not given
 
@@ -72,7 +130,7 @@ class ConfidenceKind:
 PROBABILITY = ConfidenceKind("probability confidences", 0.0, 1.0)
 
 
-def sampler_confidence(alg: str = "maskgit_plus", debias: bool = False, clip_alpha: Optional[float] = None,
+def sampler_confidence(alg: str = "prob", debias: bool = False, clip_alpha: Optional[float] = None,
                        debias_after_alg: bool = False, prefix: str = "strategy.") -> ConfidenceKind:
     """The kind of the confidences :func:`~dlm_engine.core.sampler.sample_tokens` returns with these options:
     ``alg`` replaces the (debiased) probability -- by a margin in ``[0, 1]``, an entropy ``sum p ln p`` in
@@ -80,15 +138,16 @@ def sampler_confidence(alg: str = "maskgit_plus", debias: bool = False, clip_alp
     ``-ln(freq) >= 0``) multiplies what it applies to and clips it at ``clip_alpha`` (null: 10): the probability
     for ``maskgit_plus`` (the other algs overwrite it, the reference's quirk), or the alg's value with
     ``debias_after_alg``."""
-    alg = getattr(alg, "value", alg)
-    base = {"maskgit_plus": PROBABILITY,
-            "topk_margin": ConfidenceKind("top-1 minus top-2 probability margins", 0.0, 1.0),
-            "random": ConfidenceKind("uniform random confidences", 0.0, 1.0, high_reached=False),
-            "entropy": ConfidenceKind("entropy confidences sum p ln p", -math.inf, 0.0)}[alg]
+    alg = Confidence(alg)
+    base = {Confidence.prob: PROBABILITY,
+            Confidence.margin: ConfidenceKind("top-1 minus top-2 probability margins", 0.0, 1.0),
+            Confidence.random: ConfidenceKind("uniform random confidences", 0.0, 1.0, high_reached=False),
+            Confidence.entropy: ConfidenceKind("entropy confidences sum p ln p", -math.inf, 0.0)}[alg]
+    alg = alg.value
     where = f"{prefix}alg={alg}"
     if not debias:
         return ConfidenceKind(f"{base.what} ({where})", base.low, base.high, base.high_reached)
-    if alg != "maskgit_plus" and not debias_after_alg:
+    if alg != Confidence.prob and not debias_after_alg:
         return ConfidenceKind(f"{base.what} ({where}, which replaces PC-Sampler's debiased value unless "
                               f"{prefix}debias_after_alg=true)", base.low, base.high, base.high_reached)
     if alg == "entropy":        # a non-positive value times a non-negative weight stays <= 0 (the clip never acts)

@@ -200,7 +200,7 @@ class StoredKVCache(Cache):
         self._span = self._rows_mask = None
 
     def keys_values(self, layer: int, io, k: torch.Tensor, v: torch.Tensor):
-        if self._span is None or io.query_rows is not None:
+        if self._span is None or io.query_cols is not None:
             return k, v, None
         a, b, key_end = self._span
         kk = self._write(self.k, layer, k, a, b)[:, :, :key_end]

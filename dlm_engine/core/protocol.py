@@ -9,14 +9,14 @@ caching, and caches know nothing about the model family beyond the fields named 
   fills :attr:`ForwardCall.logits` for the requested window and :attr:`ForwardCall.valid` says which of
   those columns were actually computed.
 * ``hooks.attention(layer, io)`` wraps each attention layer *before* the Q/K/V projections. On entry a
-  cache may choose :attr:`AttentionIO.query_rows` (a subset of the call's columns that goes through the
+  cache may choose :attr:`AttentionIO.query_cols` (a subset of the call's columns that goes through the
   projections; the others keep the cache's stored output) and ask for the head-averaged attention
   weights (:attr:`AttentionIO.need_weights`). Inside, the model projects the selected rows and calls
   ``hooks.keys_values(layer, io, k, v)``, which returns the keys/values to attend to -- fresh ones merged
   into the cache's store, or the fresh ones unchanged. On exit :attr:`AttentionIO.out` must cover every
   column of the call (a cache that narrowed the queries widens it from its store; it may apply
   :attr:`AttentionIO.out_proj` itself and set :attr:`AttentionIO.projected`, to keep projected outputs).
-* ``hooks.ffn(layer, io)`` wraps each feed-forward block in the same way (:attr:`FFNIO.rows`).
+* ``hooks.ffn(layer, io)`` wraps each feed-forward block in the same way (:attr:`FFNIO.cols`).
 
 :class:`NullHooks` is the no-cache behaviour; concrete caches live in ``cache/``.
 """
@@ -171,7 +171,7 @@ class Columns:
         return cls(int(start), int(end))
 
     @classmethod
-    def rows(cls, index: torch.Tensor) -> "Columns":
+    def indexed(cls, index: torch.Tensor) -> "Columns":
         return cls(0, 0, index)
 
     @property
@@ -258,7 +258,7 @@ class ForwardCall:
 
 @dataclass
 class AttentionIO:
-    """One attention layer. The model fills ``x`` before the context; the cache may set ``query_rows`` and
+    """One attention layer. The model fills ``x`` before the context; the cache may set ``query_cols`` and
     ``need_weights`` on entry; the model sets ``out`` (and ``weights``) inside; ``out`` covers all columns
     of the call after the context exits."""
 
@@ -267,7 +267,7 @@ class AttentionIO:
     call: ForwardCall
     project_v: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # x -> V [B, Hkv, n, D] (no RoPE)
     out_proj: Optional[Callable[[torch.Tensor], torch.Tensor]] = None   # the layer's output projection
-    query_rows: Optional[torch.Tensor] = None     # [B, Q] rows of x that are projected and queried; None = all
+    query_cols: Optional[torch.Tensor] = None     # [B, Q] columns of x that are projected and queried; None = all
     need_weights: bool = False                    # ask the model for head-averaged attention weights
     out: Optional[torch.Tensor] = None            # [B, Q or T, d] attention output (before the output projection)
     projected: bool = False                       # set by a cache on exit: ``out`` already went through
@@ -283,7 +283,8 @@ class FFNIO:
     layer: int
     x: torch.Tensor                               # [B, T, d]
     call: ForwardCall
-    rows: Optional[torch.Tensor] = None           # [B, Q] rows computed; None = all (set by a cache on entry)
+    cols: Optional[torch.Tensor] = None           # [B, Q] indices into x's columns computed; None = all (set by a
+                                                  # cache on entry)
     out: Optional[torch.Tensor] = None            # [B, Q or T, d] FFN output before the residual add
 
 

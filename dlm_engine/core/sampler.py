@@ -12,7 +12,9 @@ from typing import Optional, Tuple
 
 import torch
 
-CONFIDENCE_KINDS = ("prob", "margin", "entropy", "inv_entropy", "random")
+from dlm_engine.core.confidence import Confidence
+
+CONFIDENCE_KINDS = Confidence.kinds()    # the kinds a StepPlan may ask for (docs/glossary.md)
 
 # logits a confidence pass must leave out for computing it at chosen positions only (StepPlan.masked, the d2c
 # family's block candidates) to pay off: below this the gathering costs more than it saves (~20 us on a CPU)
@@ -316,7 +318,7 @@ def draw_tokens(probs: torch.Tensor, temperature: float):
     return conf, x0
 
 
-ALGS = ("maskgit_plus", "topk_margin", "entropy", "random")
+ALGS = (Confidence.prob, Confidence.margin, Confidence.entropy, Confidence.random)   # sample_tokens' kinds
 
 
 @dataclass
@@ -329,7 +331,7 @@ class Sampled:
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float = 0.0, top_p: Optional[float] = None,
-                  top_k: Optional[int] = None, alg: str = "maskgit_plus", freq=None,
+                  top_k: Optional[int] = None, alg: str = "prob", freq=None,
                   clip_alpha: Optional[float] = None, debias_after_alg: bool = False,
                   filters_at_zero: bool = True) -> Sampled:
     """Dream's and the d2Cache framework's per-position sampler over logits ``[..., V]`` (any leading shape;
@@ -339,12 +341,16 @@ def sample_tokens(logits: torch.Tensor, temperature: float = 0.0, top_p: Optiona
     False -- a reference quirk: they change confidences there); then a categorical draw at ``T > 0`` (one
     ``multinomial`` over all positions) or the argmax. ``freq`` (PC-Sampler, :func:`dlm_engine.core.priors.debias`:
     the frequencies or their ``FrequencyWeights``) rescales the confidence; ``alg`` then replaces it --
-    ``topk_margin``: top-1 minus top-2 probability, ``entropy``: ``sum p ln(p + 1e-10)`` (higher = more certain),
+    ``margin`` (``topk_margin``): top-1 minus top-2 probability, ``entropy``: ``sum p ln(p + 1e-10)`` (higher = more certain),
     ``random``: uniform noise (one ``torch.rand`` after the draw) -- which overwrites the debiased value unless
     ``debias_after_alg``.
     """
+    try:
+        alg = Confidence(alg)      # a kind or a reference's name for it (maskgit_plus, topk_margin)
+    except ValueError:
+        alg = None
     if alg not in ALGS:
-        raise ValueError(f"unknown alg '{alg}' (choose from {', '.join(ALGS)})")
+        raise ValueError(f"unknown alg (choose from {', '.join(a.value for a in ALGS)})")
     shape, V = logits.shape[:-1], logits.shape[-1]
     # the categorical draw takes rows; everything else works on any leading shape (no reshapes, four ops fewer)
     rows = temperature > 0 and logits.dim() != 2
@@ -360,12 +366,12 @@ def sample_tokens(logits: torch.Tensor, temperature: float = 0.0, top_p: Optiona
 
     if freq is not None and not debias_after_alg:
         conf = debiased(conf)
-    if alg == "topk_margin":
+    if alg == Confidence.margin:
         top2 = torch.topk(probs, 2, dim=-1).values
         conf = top2[..., 0] - top2[..., 1]
-    elif alg == "entropy":
+    elif alg == Confidence.entropy:
         conf = (probs * torch.log(probs + 1e-10)).sum(-1)
-    elif alg == "random":
+    elif alg == Confidence.random:
         conf = torch.rand_like(conf)
     if freq is not None and debias_after_alg:
         conf = debiased(conf)

@@ -19,20 +19,13 @@ import torch
 
 from dlm_engine.core.canvas import BlockEvent, Canvas, FrameDelta
 from dlm_engine.core.capabilities import Cap, Caps, caps
-from dlm_engine.core.confidence import PROBABILITY, ConfidenceKind
+from dlm_engine.core.confidence import PROBABILITY, ConfidenceKind, Remasking  # noqa: F401  (Remasking re-exported)
 from dlm_engine.core.devices import host_tensor
 from dlm_engine.core.protocol import AuxColumns, CacheDirective, SoftInputs
 from dlm_engine.core.sampler import Proposal
 from dlm_engine.errors import ConfigError
 
 __all__ = ["Strategy", "StepPlan", "CacheDirective", "BlockCursor", "Remasking", "block_range", "candidates", "evolve"]
-
-
-class Remasking(str, Enum):
-    """How the candidates of a step are ranked: by confidence, or by uniform noise (LLaDA's ``random``)."""
-
-    low_confidence = "low_confidence"
-    random = "random"
 
 
 @dataclass

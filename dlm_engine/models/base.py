@@ -1,7 +1,7 @@
 """What every model family shares: the mixin on top of ``PreTrainedModel``, registration with transformers'
 Auto classes (our own code, never remote code) and the registry of families by ``config.json``
 ``model_type``. A family module decorates its model class with ``@register_model("<model_type>")`` and is
-listed in :mod:`dlm_engine.models.families`."""
+listed in :mod:`dlm_engine.models.families`, whose ``MODELS`` is the registry with every bundled family."""
 from __future__ import annotations
 
 import torch.nn as nn
@@ -45,9 +45,7 @@ def register_auto(model_type: str, config_cls, model_cls) -> None:
             pass
 
 
-def _load_families() -> None:
-    import dlm_engine.models.families  # noqa: F401  (imports every bundled family)
-
-
-MODELS = Registry("model family", DiffusionLMMixin, loader=_load_families)
+# filled by the family modules' decorators; :mod:`dlm_engine.models.families` imports every bundled family and is
+# the module to read it from (this one imports no family: a family imports it)
+MODELS = Registry("model family", DiffusionLMMixin)
 register_model = MODELS.register

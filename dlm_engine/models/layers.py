@@ -1,7 +1,7 @@
 """Hooked transformer pieces shared by every model family (LLaDA, Dream, ...).
 
 A family supplies its projections, its RoPE rotation and a few flags (:class:`AttentionSpec`); the code
-here runs them inside the cache hooks of :mod:`dlm_engine.core.protocol`: only the rows a cache selects go
+here runs them inside the cache hooks of :mod:`dlm_engine.core.protocol`: only the columns a cache selects go
 through the Q/K/V projections and the FFN, keys/values come from ``hooks.keys_values``, the attention mask
 covers padding, block-causal blocks and auxiliary columns, and the logits of a window are assembled from
 whichever hidden states were computed (with the family's logit shift) together with a validity mask.
@@ -58,13 +58,13 @@ def rope_native(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return (t * cos) + (rotate_half(t) * sin)
 
 
-def take_rows(t: torch.Tensor, rows: Optional[torch.Tensor], dim: int = 1) -> torch.Tensor:
-    """``t`` restricted to ``rows`` ([B, Q] indices along ``dim``); ``t`` itself when ``rows`` is None."""
-    if rows is None:
+def take_cols(t: torch.Tensor, cols: Optional[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """``t`` restricted to ``cols`` ([B, Q] column indices along ``dim``); ``t`` itself when ``cols`` is None."""
+    if cols is None:
         return t
     shape = [1] * t.dim()
-    shape[0], shape[dim] = rows.shape
-    idx = rows.view(shape).expand(*[t.shape[i] if i not in (0, dim) else rows.shape[0 if i == 0 else 1]
+    shape[0], shape[dim] = cols.shape
+    idx = cols.view(shape).expand(*[t.shape[i] if i not in (0, dim) else cols.shape[0 if i == 0 else 1]
                                     for i in range(t.dim())])
     return torch.gather(t, dim, idx)
 
@@ -143,12 +143,12 @@ def attention_mask(call: ForwardCall, q_cols: torch.Tensor, k_cols: Optional[tor
     return mask
 
 
-def _memo_mask(call: ForwardCall, q_cols, k_cols, rows) -> Optional[torch.Tensor]:
-    """The mask of a layer; layers with the same query rows and key columns share one (built once per call)."""
-    key = ("mask", None if rows is None else id(rows), None if k_cols is None else id(k_cols))
+def _memo_mask(call: ForwardCall, q_cols, k_cols, sel) -> Optional[torch.Tensor]:
+    """The mask of a layer; layers with the same query columns and key columns share one (built once per call)."""
+    key = ("mask", None if sel is None else id(sel), None if k_cols is None else id(k_cols))
     memo = call.memo
     if key not in memo:
-        memo[key] = (attention_mask(call, q_cols, k_cols), rows, k_cols)   # keep the tensors alive (stable ids)
+        memo[key] = (attention_mask(call, q_cols, k_cols), sel, k_cols)   # keep the tensors alive (stable ids)
     return memo[key][0]
 
 
@@ -172,27 +172,27 @@ def attention_block(idx: int, x: torch.Tensor, norm: nn.Module, spec: AttentionS
     io = AttentionIO(layer=idx, x=a, call=call, out_proj=out_proj,
                      project_v=lambda t: _heads(spec.v_proj(t), spec.n_kv_heads, spec.head_dim))
     with hooks.attention(idx, io) as io:
-        rows = io.query_rows
-        xs = take_rows(a, rows)
+        sel = io.query_cols
+        xs = take_cols(a, sel)
         q = _heads(spec.q_proj(xs), spec.n_heads, spec.head_dim)
         k = _heads(spec.k_proj(xs), spec.n_kv_heads, spec.head_dim)
         v = _heads(spec.v_proj(xs), spec.n_kv_heads, spec.head_dim)
-        cos, sin = (take_rows(t, rows, dim=2) for t in rope)
+        cos, sin = (take_cols(t, sel, dim=2) for t in rope)
         q, k = spec.rope(q, cos, sin), spec.rope(k, cos, sin)
         kk, vv, k_cols = hooks.keys_values(idx, io, k, v)
         if spec.n_kv_heads != spec.n_heads:
             rep = spec.n_heads // spec.n_kv_heads
             kk, vv = kk.repeat_interleave(rep, dim=1), vv.repeat_interleave(rep, dim=1)
         masked = call.key_mask is not None or call.attention_mode != "bidirectional" or call.request.aux is not None
-        q_cols = take_rows(call_columns(call), rows) if masked else None
-        mask = _memo_mask(call, q_cols, k_cols, rows) if masked else None
+        q_cols = take_cols(call_columns(call), sel) if masked else None
+        mask = _memo_mask(call, q_cols, k_cols, sel) if masked else None
         out, io.weights = attend(q, kk, vv, mask, io.need_weights)
         if spec.zero_padding_queries and call.key_mask is not None:
             km = call.key_mask
             if call.request.aux is not None:                            # aux columns are never padding
                 km = torch.cat([km, torch.ones_like(call.request.aux.tokens, dtype=torch.bool)], dim=1)
             out = out * km.gather(1, q_cols)[:, None, :, None].to(out.dtype)
-        io.out = out.transpose(1, 2).reshape(B, q.shape[2], spec.n_heads * spec.head_dim)   # (also with 0 rows)
+        io.out = out.transpose(1, 2).reshape(B, q.shape[2], spec.n_heads * spec.head_dim)   # (also with 0 columns)
         io.key_columns = k_cols
         call.layer_positions += B * q.shape[2]
     if io.out.shape[1] != T:
@@ -202,10 +202,10 @@ def attention_block(idx: int, x: torch.Tensor, norm: nn.Module, spec: AttentionS
 
 def ffn_block(idx: int, x: torch.Tensor, norm: nn.Module, mlp: Callable[[torch.Tensor], torch.Tensor],
               call: ForwardCall, hooks) -> torch.Tensor:
-    """``x + mlp(norm(x))`` with the FFN inside ``hooks.ffn`` (a cache may compute only some rows)."""
+    """``x + mlp(norm(x))`` with the FFN inside ``hooks.ffn`` (a cache may compute only some columns)."""
     fio = FFNIO(layer=idx, x=x, call=call)
     with hooks.ffn(idx, fio) as fio:
-        fio.out = mlp(norm(take_rows(fio.x, fio.rows)))
+        fio.out = mlp(norm(take_cols(fio.x, fio.cols)))
     if fio.out.shape[1] != x.shape[1]:
         raise RuntimeError(f"cache hook left FFN output for {fio.out.shape[1]} of {x.shape[1]} positions in layer {idx}")
     return x + fio.out

@@ -15,7 +15,7 @@ from .base import register_auto
 def architecture(model_type: str) -> Tuple[type, type]:
     """``(config class, model class)`` of a ``config.json`` ``model_type`` (registered with transformers' Auto
     classes on the way)."""
-    from .base import MODELS
+    from .families import MODELS
 
     try:
         cls = MODELS.get(model_type)

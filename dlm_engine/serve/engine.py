@@ -370,7 +370,7 @@ class Engine:
                                    trace=written))
 
     def _open_recorder(self, cfg, reqs, ids, b: int):
-        from dlm_engine.trace.runtime import build_header
+        from dlm_engine.app.recording import build_header
         from dlm_engine.trace.recorder import TraceRecorder
 
         t = cfg.trace

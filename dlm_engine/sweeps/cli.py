@@ -11,7 +11,7 @@ try:  # Hydra is a dependency; the fallback keeps this module importable without
 except Exception:  # pragma: no cover
     _HydraCallback = object
 
-from dlm_engine.sweeps.jobs import ERROR, MAX_PRINTED_ROWS, RESULT, VIZ_HINT
+from dlm_engine.app.jobs import ERROR, MAX_PRINTED_ROWS, RESULT, VIZ_HINT
 from dlm_engine.sweeps.plots import write_plots
 from dlm_engine.sweeps.scan import scan
 from dlm_engine.sweeps.tables import markdown_table, rows_from_jobs, varying, write_csv
@@ -22,7 +22,7 @@ def not_started(root: Path, jobs) -> Union[List[Dict[str, Any]], str]:
     from omegaconf import OmegaConf
 
     from dlm_engine.sweeps.grid import read_grid
-    from dlm_engine.sweeps.jobs import job_dirname
+    from dlm_engine.app.jobs import job_dirname
 
     path = Path(root) / "multirun.yaml"
     if not path.is_file():

@@ -87,7 +87,7 @@ def check_jobs(config) -> Tuple[int, List[Tuple[List[str], str]]]:
 
 def swept_part(job: List[str], jobs: List[List[str]]) -> str:
     """The overrides of ``job`` whose values differ between ``jobs`` (all of them when none differ)."""
-    from dlm_engine.sweeps.jobs import split_override
+    from dlm_engine.app.jobs import split_override
 
     values = {}
     for j in jobs:

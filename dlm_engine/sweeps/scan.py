@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any, Dict, List
 
-from dlm_engine.sweeps.jobs import ERROR, RESULT
+from dlm_engine.app.jobs import ERROR, RESULT
 
 def scan(root: Path) -> List[Dict[str, Any]]:
     """Every job under ``root``: ``result.json`` (ok), ``error.json`` (failed), or a Hydra job directory

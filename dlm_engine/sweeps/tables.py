@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from dlm_engine.metrics import METRICS_VERSION
-from dlm_engine.sweeps.jobs import NEUTRAL_KEYS, split_override
+from dlm_engine.app.jobs import NEUTRAL_KEYS, split_override
 
 # result.json metric -> sweep.csv column ("prompts" is also a config key, hence n_prompts)
 # NFE, TPF and latency are per sequence (dlm_engine.metrics); model_calls is the only batch-dependent count

@@ -219,7 +219,7 @@ def _vis(s: str) -> str:
 def cmd_verify(a) -> int:
     from .format import TraceError
     from .reader import open_trace
-    from .tools import describe_divergence, rerun, verify_integrity
+    from .tools import describe_divergence, verify_integrity
 
     tr = open_trace(a.trace, recover=True)
     try:
@@ -233,6 +233,8 @@ def cmd_verify(a) -> int:
           f"{info['bytes']} bytes, sha256:{info['sha256']}")
     if not a.rerun:
         return 0
+    from dlm_engine.app.rerun import rerun    # re-decoding is the app's (the entry point may reach any layer)
+
     res = rerun(tr, device=a.device, model_path=a.model_path)
     for n in res["notes"]:
         print(f"note: {n}")

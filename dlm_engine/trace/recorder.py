@@ -3,8 +3,9 @@
 The step loop only hands references to the delta's tensors to a queue (the loop never mutates a delta
 after emitting it). On CUDA the hand-over also records an event; the writer thread waits on that event
 and copies on a side stream, so recording adds no host-device synchronisation to the step loop. The
-writer thread keeps a shadow canvas, compacts each batch into one record per sequence (``step_of`` +
-final tokens), compresses and appends. A full queue blocks the producer (backpressure, never a drop).
+writer thread keeps no copy of the canvas: it logs what the deltas wrote and, at a batch's end, builds one
+record per sequence from the final canvas (``step_of`` + tokens) plus what only the deltas know (the edits,
+the commit confidences, the top-k logits), compresses and appends. A full queue blocks the producer (backpressure, never a drop).
 The file is written as ``NAME.partial`` and renamed to ``NAME`` after the end record and fsync; an
 interrupted or failed run leaves a flushed ``NAME.partial`` whose end record says why.
 """
@@ -199,28 +200,130 @@ def _stacked_scalar(chunks: List[_Steps], name: str) -> Optional[np.ndarray]:
     return None
 
 
+class _Writes:
+    """What one delta (or a run of held deltas) wrote, in the order it happened: per event its row, canvas
+    column, step and kind -- a remask (the position goes back to the mask id) or a commit (of ``token``, with its
+    confidence when the delta carried one). Remasks of a delta come before its commits (the canvas applies them
+    first); within each, row-major."""
+
+    __slots__ = ("row", "col", "step", "commit", "token", "conf", "has_conf")
+
+    def __init__(self, row, col, step, commit, token, conf, has_conf):
+        self.row, self.col, self.step, self.commit = row, col, step, commit
+        self.token, self.conf, self.has_conf = token, conf, has_conf
+
+
+def _join(chunks: List[_Writes], attr: str, dtype) -> np.ndarray:
+    return (np.concatenate([getattr(c, attr) for c in chunks]).astype(dtype, copy=False) if chunks
+            else np.zeros(0, dtype=dtype))
+
+
 class _BatchState:
+    """One batch being recorded. The writer keeps no copy of the canvas: the sequence records are the final
+    canvas (the batch-end item) plus what only the deltas know -- the writes in order (for the edits, the
+    positions' earlier holdings, and the check that the deltas account for the final canvas), the commit
+    confidences and the top-k logits of each commit."""
+
     def __init__(self, batch: int, rows: List[int], tokens: np.ndarray, step_of: np.ndarray, gen_start: int,
                  mask_id: int, capture: str, topk: int):
         self.batch, self.rows = batch, rows
-        self.tok = tokens.astype(np.int64)
-        self.step = step_of.astype(np.int64)
+        self.tok0 = tokens.astype(np.int64)       # the canvas the batch starts from (the given tokens)
+        self.step0 = step_of.astype(np.int64)
         self.gen_start, self.mask_id = gen_start, mask_id
-        B, L = self.tok.shape
-        self.conf = np.full((B, L), np.nan, dtype=np.float32) if capture != "tokens" else None
-        self.topk_ids = np.full((B, L, topk), -1, dtype=np.int64) if capture in ("topk", "logits") else None
-        self.topk_logits = np.full((B, L, topk), np.nan, dtype=np.float32) if self.topk_ids is not None else None
-        self.finish_step = np.full(B, -1, dtype=np.int64)
-        self.edits: List[tuple] = []      # (row, col, token, start, end, conf)
+        self.keeps_conf = capture != "tokens"
+        self.topk = topk if capture in ("topk", "logits") else 0
+        self.writes: List[_Writes] = []
+        self.topk_writes: List[tuple] = []  # (row, col, ids [n, k], logits [n, k]) per delta, in order
+        self.finish_step = np.full(self.tok0.shape[0], -1, dtype=np.int64)
         self.wall_prev = 0                # decode time (us) after the last step written
         self.pending: List[_Steps] = []   # per-step metadata not yet written
         self.n_pending = 0                # steps in it
-        self.held: List[Any] = []         # deltas of one window not applied yet (applied together)
+        self.held: List[Any] = []         # deltas of one window not taken yet (taken together)
         self.first_pending = 0
         self.last_flush = 0.0             # decode wall time (s) of the last flushed step
         self.n_steps = 0
         self.nfe = 0
         self.wall = 0.0
+
+    def log_remasks(self, rm: np.ndarray, s: int, t: int) -> None:
+        r, c = np.nonzero(rm)
+        if len(r):
+            n = len(r)
+            self.writes.append(_Writes(r, c + s, np.full(n, t, np.int64), np.zeros(n, np.bool_),
+                                       np.full(n, self.mask_id, np.int64), np.full(n, np.nan, np.float32),
+                                       np.full(n, self.keeps_conf, np.bool_)))
+
+    def log_commits(self, commit: np.ndarray, tokens: np.ndarray, conf: Optional[np.ndarray], s: int,
+                    steps) -> None:
+        """``commit`` ``[B, W]`` (one delta; ``steps`` its step) or ``[n, B, W]`` (a run of ``n`` deltas; ``steps``
+        theirs), ``tokens`` and ``conf`` (None: not carried) of the same shape."""
+        where = np.nonzero(commit)
+        n = len(where[0])
+        if not n:
+            return
+        k = where[0] if commit.ndim == 3 else None
+        r, c = where[-2], where[-1]
+        step = np.asarray(steps, dtype=np.int64)[k] if k is not None else np.full(n, int(steps), np.int64)
+        has = conf is not None and self.keeps_conf
+        self.writes.append(_Writes(r, c + s, step, np.ones(n, np.bool_), tokens[where].astype(np.int64),
+                                   conf[where].astype(np.float32) if has else np.full(n, np.nan, np.float32),
+                                   np.full(n, has, np.bool_)))
+
+    def replay(self, tokens: np.ndarray, step_of: np.ndarray):
+        """From the writes: the confidence of every position (its last commit's; NaN when never committed or
+        re-masked after it), the edits of every row (the holdings a remask or an overwrite ended, in the order
+        they ended: ``(row, col, token, start, end, confidence)``), and whether the writes account for the final
+        canvas ``tokens`` / ``step_of`` in the generation region (False: something changed the canvas outside the
+        deltas)."""
+        w = self.writes
+        row, col, step = _join(w, "row", np.int64), _join(w, "col", np.int64), _join(w, "step", np.int64)
+        com, tok = _join(w, "commit", np.bool_), _join(w, "token", np.int64)
+        conf, has = _join(w, "conf", np.float32), _join(w, "has_conf", np.bool_)
+        B, L = self.tok0.shape
+        n = len(row)
+        order = np.lexsort((np.arange(n), col, row))          # each position's writes together, in order
+        row, col, step, com, tok, conf, has = (x[order] for x in (row, col, step, com, tok, conf, has))
+        idx = np.arange(n)
+        first = np.ones(n, np.bool_)
+        first[1:] = (row[1:] != row[:-1]) | (col[1:] != col[:-1])
+        last = np.ones(n, np.bool_)
+        last[:-1] = first[1:]
+        chain = np.maximum.accumulate(np.where(first, idx, 0)) if n else idx
+        prev = np.maximum(idx - 1, 0)
+        # what each write found: the holding the previous write (or the batch's start) left
+        held = np.where(first, self.step0[row, col] >= 0, com[prev]) if n else np.zeros(0, np.bool_)
+        held_tok = np.where(first, self.tok0[row, col], tok[prev]) if n else tok
+        held_start = np.where(first, self.step0[row, col], step[prev]) if n else step
+        # the confidence it held: the last write before it that set one (a remask sets NaN)
+        setter = np.maximum.accumulate(np.where(has, idx, -1)) if n else idx
+        before = np.concatenate([[-1], setter[:-1]]) if n else setter
+        held_conf = np.where(before >= chain, conf[np.maximum(before, 0)], np.float32(np.nan)).astype(np.float32)
+        e = np.nonzero(held)[0]
+        e = e[np.argsort(order[e], kind="stable")]            # the order the holdings ended in
+        edits = (row[e], col[e], held_tok[e], held_start[e], step[e], held_conf[e])
+        final_conf = None
+        if self.keeps_conf:
+            final_conf = np.full((B, L), np.nan, dtype=np.float32)
+            at = last & (setter >= chain)
+            final_conf[row[at], col[at]] = conf[setter[at]]
+        rt, rs = self.tok0.copy(), self.step0.copy()           # the writes' account of the final canvas
+        rt[row[last], col[last]] = tok[last]
+        rs[row[last], col[last]] = np.where(com[last], step[last], -1)
+        P = self.gen_start
+        accounted = np.array_equal(tokens[:, P:], rt[:, P:]) and np.array_equal(step_of[:, P:], rs[:, P:])
+        return final_conf, edits, accounted
+
+    def final_topk(self):
+        """``(ids [B, L, k], logits [B, L, k])`` of every position's last commit with top-k logits (-1 / NaN
+        where none)."""
+        B, L = self.tok0.shape
+        ids = np.full((B, L, self.topk), -1, dtype=np.int64)
+        vals = np.full((B, L, self.topk), np.nan, dtype=np.float32)
+        for r, c, i, v in self.topk_writes:      # in order: a later commit of a position replaces an earlier one
+            k = i.shape[1]
+            ids[r, c, :k] = i
+            vals[r, c, :k] = v
+        return ids, vals
 
 
 class TraceRecorder:
@@ -457,10 +560,7 @@ class TraceRecorder:
             self._on_end(*item[1:])
 
     def _flush_held(self, st: _BatchState) -> None:
-        """Apply a run of same-window deltas at once (vectorised) when no position is committed twice.
-
-        Anything else (overwrites, remasks) takes the exact per-step path of :meth:`_on_delta`.
-        """
+        """Take a run of same-window deltas at once (vectorised: one stack per field)."""
         ds, st.held = st.held, []
         if len(ds) <= 1:
             for d in ds:
@@ -469,27 +569,19 @@ class TraceRecorder:
         s = int(ds[0].start)
         C = self._stack([d.commit for d in ds])                      # [n, B, W]
         W = C.shape[2]
-        tok, so = st.tok[:, s:s + W], st.step[:, s:s + W]
-        cnt = C.sum(0)
-        if (cnt > 1).any() or ((cnt > 0) & (so >= 0)).any():
-            for d in ds:
-                self._on_delta(st, d)
-            return
         steps = np.array([int(d.step) for d in ds], dtype=np.int64)
-        hit = cnt > 0
-        idx = C.argmax(0)[None]
-        tok[hit] = np.take_along_axis(self._stack([d.tokens for d in ds]), idx, 0)[0][hit]
-        so[hit] = steps[idx[0]][hit]
-        if st.conf is not None:
+        conf = None
+        if st.keeps_conf:
             confs = [d.confidence for d in ds]
             if all(c is not None and c.dtype == confs[0].dtype and c.shape == confs[0].shape for c in confs):
-                conf = self._stack(confs).astype(np.float32)     # stacked on the copy stream, cast on the host
-                st.conf[:, s:s + W][hit] = np.take_along_axis(conf, idx, 0)[0][hit]
-            else:
-                for d, c in zip(ds, confs):
-                    if c is not None:
-                        m = _np(self._host(d.commit))
-                        np.copyto(st.conf[:, s:s + W], _np(self._host(c)).astype(np.float32), where=m)
+                conf = self._stack(confs)                           # stacked on the copy stream
+        if conf is not None or not st.keeps_conf:
+            st.log_commits(C, self._stack([d.tokens for d in ds]), conf, s, steps)
+        else:                                                       # confidences of differing kinds: per delta
+            for i, d in enumerate(ds):
+                c = d.confidence
+                st.log_commits(C[i], _np(self._host(d.tokens)), None if c is None else _np(self._host(c)), s,
+                               steps[i])
         F = self._stack([d.finished for d in ds])
         A = self._stack([d.active for d in ds])
         newly = F.any(0) & (st.finish_step < 0)
@@ -547,30 +639,15 @@ class TraceRecorder:
         s = int(delta.start)
         commit = _np(self._host(delta.commit))
         W = commit.shape[1]
-        tok = st.tok[:, s:s + W]
-        so = st.step[:, s:s + W]
         t = int(delta.step)
-        conf = None
-        if st.conf is not None and delta.confidence is not None:
-            conf = _np(self._host(delta.confidence))
-        cw = st.conf[:, s:s + W] if st.conf is not None else None
         if delta.remask is not None:
-            rm = _np(self._host(delta.remask))
-            if rm.any():
-                self._note_edits(st, rm & (so >= 0), s, tok, so, cw, t)
-                tok[rm] = st.mask_id
-                so[rm] = -1
-                if cw is not None:
-                    cw[rm] = np.nan
-        over = commit & (so >= 0)
-        if over.any():
-            self._note_edits(st, over, s, tok, so, cw, t)
-        np.copyto(tok, _np(self._host(delta.tokens)), where=commit)
-        so[commit] = t
-        if conf is not None:
-            np.copyto(cw, conf, where=commit)
+            st.log_remasks(_np(self._host(delta.remask)), s, t)
+        conf = None
+        if st.keeps_conf and delta.confidence is not None:
+            conf = _np(self._host(delta.confidence))
+        st.log_commits(commit, _np(self._host(delta.tokens)), conf, s, t)
         logits = getattr(delta, "logits", None)
-        if logits is not None and st.topk_ids is not None:
+        if logits is not None and st.topk:
             self._capture_logits(st, delta, logits, commit, s, W)
         fin = _np(self._host(delta.finished))
         newly = fin & (st.finish_step < 0)
@@ -586,13 +663,6 @@ class TraceRecorder:
         st.wall = float(delta.wall_time)
         self._flush_full(st)
 
-    @staticmethod
-    def _note_edits(st: _BatchState, where: np.ndarray, s: int, tok, so, cw, t: int) -> None:
-        r, c = np.nonzero(where)
-        for ri, ci in zip(r.tolist(), c.tolist()):
-            st.edits.append((ri, s + ci, int(tok[ri, ci]), int(so[ri, ci]), t,
-                             float(cw[ri, ci]) if cw is not None else float("nan")))
-
     def _capture_logits(self, st: _BatchState, delta, logits, commit, s: int, W: int) -> None:
         lg = self._host(logits)
         if lg.dtype not in (torch.float32, torch.float64):
@@ -602,8 +672,7 @@ class TraceRecorder:
             sel = lg[torch.from_numpy(r), torch.from_numpy(c)]
             k = min(self.topk, sel.shape[-1])
             vals, ids = torch.topk(sel.float(), k, dim=-1)
-            st.topk_ids[r, s + c, :k] = ids.numpy()
-            st.topk_logits[r, s + c, :k] = vals.numpy()
+            st.topk_writes.append((r, s + c, ids.numpy().astype(np.int64), vals.numpy()))
         if self.capture == "logits":
             meta, arrays = fmt.quantize_logits(lg.float().numpy(), self.bound)
             meta.update(batch=st.batch, step=int(delta.step), start=s)
@@ -705,31 +774,29 @@ class TraceRecorder:
         table = self._flush_steps(st, final=True)
         tokens, step_of, row_nfe = (_np(self._host(t)) for t in (tokens, step_of, row_nfe))
         P = st.gen_start
-        mismatch = not (np.array_equal(tokens[:, P:], st.tok[:, P:]) and np.array_equal(step_of[:, P:], st.step[:, P:]))
-        final_tok = tokens.astype(np.int64) if mismatch else st.tok
-        final_step = step_of.astype(np.int64) if mismatch else st.step
+        final_tok, final_step = tokens.astype(np.int64), step_of.astype(np.int64)
         if final_tok.size and int(final_tok.max()) >= self.limits.vocab:
             raise TraceError(f"trace: batch {batch} holds token id {int(final_tok.max())}, the header's vocabulary "
                              f"has {self.limits.vocab}")
-        edits_by_row: Dict[int, List[tuple]] = {}
-        for e in st.edits:
-            edits_by_row.setdefault(e[0], []).append(e)
+        final_conf, edits, accounted = st.replay(final_tok, final_step)
+        mismatch = not accounted
+        topk_ids, topk_logits = st.final_topk() if st.topk else (None, None)
+        e_row = edits[0]
         seqs = []
         for i, row in enumerate(st.rows):
             so = final_step[i, P:]
             sd = SeqData(row=row, tokens=final_tok[i, P:], step_of=so, nfe=int(row_nfe[i]),
                          finish_step=int(st.finish_step[i]))
-            if st.conf is not None:
-                sd.confidence = st.conf[i, P:]
-            ed = edits_by_row.get(i)
-            if ed:
-                sd.edits = {"col": np.array([e[1] for e in ed]), "token": np.array([e[2] for e in ed]),
-                            "start": np.array([e[3] for e in ed]), "end": np.array([e[4] for e in ed]),
-                            "confidence": np.array([e[5] for e in ed], dtype=np.float32)}
-            if st.topk_ids is not None:
+            if final_conf is not None:
+                sd.confidence = final_conf[i, P:]
+            mine = e_row == i
+            if mine.any():
+                sd.edits = {"col": edits[1][mine], "token": edits[2][mine], "start": edits[3][mine],
+                            "end": edits[4][mine], "confidence": edits[5][mine].astype(np.float32)}
+            if topk_ids is not None:
                 committed = so >= 1
-                sd.topk_ids = np.maximum(st.topk_ids[i, P:][committed], 0)
-                sd.topk_logits = st.topk_logits[i, P:][committed]
+                sd.topk_ids = np.maximum(topk_ids[i, P:][committed], 0)
+                sd.topk_logits = topk_logits[i, P:][committed]
             seqs.append(sd)
         for payload in fmt.encode_seqs(seqs, self.level):      # (the batch's records sized together)
             self._write(fmt.SEQ, payload)

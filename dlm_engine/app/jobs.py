@@ -1,4 +1,6 @@
-"""Sweep jobs: directory names from overrides, the config digest that decides resume, and the per-job record.
+"""A ``dlm`` job's run directory: directory names from overrides, the config digest that decides resume, and the
+per-job record. It belongs to the app (every ``dlm`` run is a job, a multirun's or alone); the sweep tools
+read what it writes and import it, never the reverse.
 
 :class:`JobRecord` is used by the ``dlm`` task function: it skips a multirun job whose ``result.json`` exists
 (same resolved config), writes ``result.json`` atomically when the job finishes and ``error.json`` when it

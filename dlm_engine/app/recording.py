@@ -1,4 +1,6 @@
-"""Glue between ``dlm`` runs and traces: provenance header, the run's recorder, config from a header."""
+"""Glue between ``dlm`` runs and traces: provenance header, the run's recorder, config from a header. It lives in
+the app (it reads run configs, which the trace package below it never does); the verified re-run of a recorded
+decode is :mod:`dlm_engine.app.rerun`."""
 from __future__ import annotations
 
 import base64
@@ -11,15 +13,15 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
-from . import format as fmt
+from dlm_engine.trace import format as fmt
 
 if TYPE_CHECKING:  # the recorder (and its numpy/zstd imports) loads only when a run records
-    from .recorder import TraceRecorder
+    from dlm_engine.trace.recorder import TraceRecorder
 
 
 def check_config(trace_cfg) -> None:
     """Validate the ``trace`` config group before any model is loaded (ConfigError names the key)."""
-    from ..errors import ConfigError
+    from dlm_engine.errors import ConfigError
 
     if trace_cfg.capture not in fmt.CAPTURE_LEVELS:
         raise ConfigError(f"trace.capture={trace_cfg.capture} is not one of {', '.join(fmt.CAPTURE_LEVELS)}")
@@ -43,8 +45,8 @@ def batch_rows(cfg, prompts: Optional[int]) -> int:
 def check_batch_size(cfg, prompts: Optional[int]) -> None:
     """A recorded run's batches fit what a trace holds (``MAX_BATCH`` rows a batch); ``prompts``: how many the run
     decodes, None when not known yet. ConfigError in the run's own terms."""
-    from ..errors import ConfigError
-    from .reader import MAX_BATCH
+    from dlm_engine.errors import ConfigError
+    from dlm_engine.trace.reader import MAX_BATCH
 
     if cfg.trace.record and batch_rows(cfg, prompts) > MAX_BATCH:
         raise ConfigError(f"batch_size={int(cfg.batch_size)} is more than a trace records in one batch "
@@ -72,7 +74,7 @@ def rng_state(seed: Optional[int] = None) -> Dict[str, Any]:
     the batch records compare their states with (:func:`records.rng_fingerprint` of CPU + CUDA state)."""
     import torch
 
-    from .records import rng_fingerprint
+    from dlm_engine.trace.records import rng_fingerprint
 
     cpu = torch.random.get_rng_state().numpy().tobytes()
     out: Dict[str, Any] = {"torch_cpu_sha256": hashlib.sha256(cpu).hexdigest()}
@@ -95,7 +97,7 @@ def restore_rng(state: Dict[str, Any]) -> None:
 
     import torch
 
-    from ..errors import UserError
+    from dlm_engine.errors import UserError
 
     try:
         if state.get("torch_cpu_b64"):
@@ -137,7 +139,7 @@ def build_header(cfg, lm, rows_expected: Optional[int] = None, prompt_length: Op
     import zstandard
     from omegaconf import OmegaConf
 
-    from .. import __version__
+    from dlm_engine import __version__
 
     # one resolution of the config: each read of an interpolated value (the embedded model's path) parses it again
     config = OmegaConf.to_container(cfg, resolve=True)
@@ -184,7 +186,7 @@ def vocab_size(lm) -> Optional[int]:
 
 def open_run_recorder(cfg, out_dir, lm, prompt_ids: Sequence) -> Optional[TraceRecorder]:
     """The recorder of a ``dlm`` run (``None`` when ``trace.record=false``). Call right before decoding."""
-    from .recorder import TraceRecorder
+    from dlm_engine.trace.recorder import TraceRecorder
 
     t = cfg.trace
     if not t.record:
@@ -202,7 +204,7 @@ def config_from_header(header: Dict[str, Any]):
     from omegaconf import OmegaConf
 
     from dlm_engine.app.config import ModelConfig, RunConfig, register_configs
-    from ..errors import UserError
+    from dlm_engine.errors import UserError
     from dlm_engine.core.registry import cache_class, strategy_class
 
     register_configs()

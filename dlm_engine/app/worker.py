@@ -38,6 +38,6 @@ def exit_with_parent(poll: float = 1.0, grace: float = 10.0) -> None:
 
 def uses_local_pool() -> bool:
     """True in a job run by the joblib launcher (local worker processes that must not outlive the sweep)."""
-    from dlm_engine.sweeps.jobs import launcher_target
+    from dlm_engine.app.jobs import launcher_target
 
     return "joblib" in launcher_target().lower()
