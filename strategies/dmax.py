@@ -51,7 +51,6 @@ from dlm_engine.strategies.llada2 import AbsoluteBlocks
 
 @dataclass
 class DMaxConfig:
-    name: str = "dmax"
     block_length: int = 32               # block size of the schedule (DMax scripts: 32)
     threshold: float = 0.5               # M2T prefix threshold (DMax scripts: 0.5 math, 0.65 code)
     stop_confidence: float = 0.9         # a block ends when every active position is this confident (dInfer: 0.9)
