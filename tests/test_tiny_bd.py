@@ -196,3 +196,19 @@ def test_sdar_training_recipe_runs_end_to_end_from_the_llada_warm_start(tmp_path
     src, got = load_file(os.path.join(embedded_path("tiny"), "model.safetensors")), load_file(out / "model.safetensors")
     assert (got["model.layers.0.mlp.up_proj.weight"] - src["model.transformer.blocks.0.up_proj.weight"]).abs().max() < 0.05
     assert not torch.allclose(got["model.layers.0.self_attn.q_norm.weight"], torch.ones(32))
+
+
+@pytest.mark.slow
+def test_dlm_serve_model_tiny_bd_answers_with_the_family_decoding(tmp_path):
+    need("uvicorn", "serve")
+    need("sse_starlette", "serve")
+    httpx = need("httpx", "dev")
+    from dlm_engine.serve.cli import ServerThread
+
+    with ServerThread(["device=cpu", "model=tiny_bd", "trace.record=false"], tmp_path) as s:
+        with httpx.Client(base_url=s.url, timeout=60) as c:
+            r = c.post("/v1/completions", json={"prompt": ["347+085=", "901-256="], "max_tokens": 16,
+                                                "dlm": {"top_k": 1}})
+            assert c.get("/v1/models").json()["data"][0]["id"] == "tiny_bd"
+    assert r.status_code == 200, r.text
+    assert [ch["text"] for ch in r.json()["choices"]] == ["0432", "645"]
