@@ -2,6 +2,7 @@
 """Accuracy / NFE / TPS of the embedded tiny model under every strategy setting, per task.
 
     python experiments/eval_tiny.py [--model-path DIR] [--n 1000] [--batch 64] [--markdown]
+    python experiments/eval_tiny.py --model tiny_bd --markdown        # the block-diffusion one (BD_SETTINGS)
 
 Held-out prompts come from ``dlm_engine.app.tasks.held_out`` (a fixed seed never used in training).
 Settings whose strategy is not registered are listed as skipped.
@@ -39,6 +40,20 @@ SETTINGS = [
     ("block_buffer 4x b4 t0.5", "block_buffer", {"block_length": 4, "buffer_size": 4, "accept_threshold": 0.5}),
 ]
 
+# the embedded block-diffusion model (tiny_bd, blocks of 4): its family's decoder with the block KV store, and
+# block-by-block strategies at the model's block size
+BD_SETTINGS = [
+    ("sdar defaults (4 steps/block)", "sdar", {}),
+    ("sdar top_k=1 (greedy)", "sdar", {"top_k": 1}),
+    ("sdar 2 steps/block", "sdar", {"denoising_steps": 2}),
+    ("sdar 1 step/block", "sdar", {"denoising_steps": 1}),
+    ("sdar threshold 0.9", "sdar", {"threshold": 0.9}),
+    ("sdar threshold 0.7", "sdar", {"threshold": 0.7}),
+    ("low_confidence b4 1 tok/step", "low_confidence", {"steps": 16, "block_length": 4}),
+    ("threshold 0.9 b4", "threshold", {"threshold": 0.9, "block_length": 4}),
+]
+CACHE_OF = {"cadllm": "dual", "sdar": "block_kv"}
+
 
 def load(path: str) -> LoadedModel:
     from dlm_engine.app.api import load_directory
@@ -49,7 +64,8 @@ def load(path: str) -> LoadedModel:
 def evaluate(lm: LoadedModel, examples, strategy: str, kwargs: dict, batch: int, gen_length: int = tasks.ANSWER_LENGTH):
     cls = STRATEGIES[strategy]
     conf = cls.Config(**kwargs)
-    cache_name = "dual" if strategy == "cadllm" and "dual" in CACHES else "none"
+    cache_name = CACHE_OF.get(strategy, "none")
+    cache_name = cache_name if cache_name in CACHES else "none"
     ccls = cache_class(cache_name)
     ids = [lm.encode(e.prompt) for e in examples]
     torch.manual_seed(0)
@@ -66,6 +82,7 @@ def evaluate(lm: LoadedModel, examples, strategy: str, kwargs: dict, batch: int,
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default=None, help="checkpoint directory (default: the embedded model)")
+    ap.add_argument("--model", default="tiny", help="the embedded model when no --model-path: tiny | tiny_bd")
     ap.add_argument("--n", type=int, default=1000, help="held-out prompts (>= 500 for the quality bar)")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--only", default=None, help="run only settings whose label contains this string")
@@ -78,11 +95,12 @@ def main(argv=None) -> int:
     if path is None:
         from dlm_engine.checkpoints import embedded_path
 
-        path = embedded_path()
+        path = embedded_path(args.model)
         if path is None:
             print("eval_tiny: no embedded checkpoint; pass --model-path", file=sys.stderr)
             return 2
     lm = load(path)
+    settings = BD_SETTINGS if getattr(lm.model, "block_diffusion", False) else SETTINGS
     examples = tasks.held_out(args.n)
     names = sorted({e.task for e in examples})
     head = ["setting", "accuracy", *names, "NFE/prompt", "TPS"]
@@ -93,7 +111,7 @@ def main(argv=None) -> int:
     else:
         print(f"{'setting':<30}{'acc':>7}" + "".join(f"{n:>7}" for n in names) + f"{'NFE':>7}{'TPS':>9}")
     skipped = []
-    for label, strategy, kwargs in SETTINGS:
+    for label, strategy, kwargs in settings:
         if args.only and args.only not in label:
             continue
         if strategy not in STRATEGIES:

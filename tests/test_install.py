@@ -18,6 +18,7 @@ def test_non_editable_install_finds_configs(tmp_path):
     assert (target / "dlm_engine" / "strategies" / "low_confidence.py").is_file()
     assert (target / "dlm_engine" / "conf" / "serve.yaml").is_file()          # dlm-serve's config and live page
     assert (target / "dlm_engine" / "serve" / "page.html").is_file()
+    assert (target / "dlm_engine" / "checkpoints" / "tiny_bd" / "model.safetensors").is_file()   # both embedded models
     env = dict(os.environ, PYTHONPATH=str(target))
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
