@@ -212,3 +212,19 @@ def test_dlm_serve_model_tiny_bd_answers_with_the_family_decoding(tmp_path):
             assert c.get("/v1/models").json()["data"][0]["id"] == "tiny_bd"
     assert r.status_code == 200, r.text
     assert [ch["text"] for ch in r.json()["choices"]] == ["0432", "645"]
+
+
+def test_a_refused_cache_chosen_by_the_model_preset_names_the_caches_that_pair():
+    """``model=tiny_bd`` selects cache=block_kv; a strategy picked on the command line that cannot use it gets
+    one line naming the caches it pairs with (the user never typed block_kv)."""
+    from dlm_engine.app.compose import compose
+    from dlm_engine.app.run import prepare
+    from dlm_engine.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        prepare(compose(["model=tiny_bd", "strategy=threshold", "strategy.block_length=4"]))
+    msg = str(err.value)
+    assert "\n" not in msg and "cache=block_kv" in msg
+    paired = msg.split("caches that pair with it: ")[1].rstrip(")").split(", ")
+    assert "none" in paired and "block_kv" not in paired
+    prepare(compose(["model=tiny_bd", "strategy=threshold", "strategy.block_length=4", f"cache={paired[-1]}"]))

@@ -31,6 +31,14 @@ def build_cache(cfg: DictConfig):
     return lambda: cls(conf)
 
 
+def pairing_caches(strategy) -> List[str]:
+    """The registered caches that pair with ``strategy`` at their defaults (a refusal names them: a cache chosen by
+    a model preset, e.g. ``model=tiny_bd`` -> ``block_kv``, is not on the user's command line)."""
+    from dlm_engine.core.registry import CACHES
+
+    return [name for name, cls in CACHES.items() if incompatibility(strategy, cls(cls.Config())) is None]
+
+
 @dataclass
 class Prepared:
     """What validating a run config resolved, handed to the run so that nothing is resolved twice: the strategy
@@ -60,7 +68,7 @@ def prepare(cfg: DictConfig, schema=None) -> Prepared:
     make_cache = build_cache(cfg)
     problem = incompatibility(strategy, make_cache())
     if problem is not None:
-        raise ConfigError(problem)
+        raise ConfigError(f"{problem} (caches that pair with it: {', '.join(pairing_caches(strategy)) or 'none'})")
     from dlm_engine.models.chat import CHAT_MODES
     from dlm_engine.models.checkpoint import check_checkpoint
 
