@@ -67,6 +67,11 @@ def test_completion_models_health_and_metrics(srv):
     u = body["usage"]
     assert u["completion_tokens"] == 5 and u["prompt_tokens"] == 8 and u["total_tokens"] == 13
     assert r.headers["x-request-id"] == body["dlm"]["request_id"]
+    # the server's own figures: its time from arrival to the answer, and that time less the decode
+    choice, top = body["choices"][0]["dlm"], body["dlm"]
+    assert 0 < top["server_time"] <= r.elapsed.total_seconds()
+    assert top["server_time"] >= choice["queue_wait"] + choice["decode_time"] > 0
+    assert top["overhead"] == pytest.approx(top["server_time"] - choice["decode_time"], abs=1e-9)
     two = post(srv, {"prompt": ["347+085=", "901-256="]}).json()      # an array of prompts: a choice each
     assert [c["index"] for c in two["choices"]] == [0, 1] and two["choices"][0]["text"] == "0432"
     assert two["usage"]["completion_tokens"] == sum(c["dlm"]["generated_tokens"] for c in two["choices"])

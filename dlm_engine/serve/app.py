@@ -416,11 +416,15 @@ def create_app(server: Server) -> Starlette:
             metrics.sequence(out.row, len(r.prompt_ids))
             metrics.queue_wait.observe(out.queue_wait)
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-        metrics.latency.observe(time.perf_counter() - arrived)
+        server_time = time.perf_counter() - arrived
+        metrics.latency.observe(server_time)
         metrics.answered(endpoint, 200)
+        # the request's decode: from its first batch's start to its last batch's end (one batch for one prompt)
+        decode = max(o.queue_wait + o.decode_time for o in outs) - min(o.queue_wait for o in outs)
         body = {"id": cid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": server.name, "choices": choices, "usage": usage,
-                "dlm": {"request_id": rid, "request_ids": [r.id for r in reqs], "trace": choices[0]["dlm"]["trace"]}}
+                "dlm": {"request_id": rid, "request_ids": [r.id for r in reqs], "trace": choices[0]["dlm"]["trace"],
+                        "server_time": server_time, "overhead": server_time - decode}}
         return JSONResponse(body, headers={"X-Request-Id": rid})
 
     async def completions(request):
