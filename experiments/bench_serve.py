@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""dlm-serve under load: N concurrent streaming clients (threads of this process) against a ``dlm-serve`` process
+"""dlm-serve under load: N concurrent streaming clients (asyncio tasks of this process) against a ``dlm-serve`` process
 on 127.0.0.1, next to sequential single-request serving and plain ``dlm`` (the Python API) on the same prompts.
 
     python experiments/bench_serve.py                                  # embedded model, 1/4/16/64 clients
@@ -41,10 +41,10 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
-def plain_one(client, body):
+async def plain_one(client, body):
     """The figures of :func:`stream_one` for a request that is not streamed (TTFT = latency, no chunk gaps)."""
     t0 = time.perf_counter()
-    r = client.post("/v1/completions", json=body)
+    r = await client.post("/v1/completions", json=body)
     if r.status_code != 200:
         raise RuntimeError(r.text)
     d = r.json()
@@ -52,18 +52,18 @@ def plain_one(client, body):
     return lat, lat, [], d["usage"]["completion_tokens"], d["choices"][0]["dlm"]["batch_size"]
 
 
-def stream_one(client, body):
+async def stream_one(client, body):
     """(latency, ttft, chunk gaps, completion tokens, batch size) of one streamed request."""
     if not STREAM:
-        return plain_one(client, body)
+        return await plain_one(client, body)
     t0 = time.perf_counter()
     first, last, gaps, fig = None, None, [], None
-    with client.stream("POST", "/v1/completions", json=dict(body, stream=True,
-                                                            stream_options={"include_usage": True})) as r:
+    async with client.stream("POST", "/v1/completions", json=dict(body, stream=True,
+                                                                  stream_options={"include_usage": True})) as r:
         if r.status_code != 200:
-            raise RuntimeError(r.read().decode())
+            raise RuntimeError((await r.aread()).decode())
         usage = 0
-        for line in r.iter_lines():
+        async for line in r.aiter_lines():
             if not line.startswith("data:") or "[DONE]" in line:
                 continue
             d = json.loads(line[5:])
@@ -84,28 +84,26 @@ def stream_one(client, body):
 
 
 def level(url, bodies, clients):
+    """``clients`` concurrent clients (tasks of one asyncio loop, one connection each: threads would spend this
+    machine's cores on the GIL) sending ``bodies`` until none is left."""
+    import asyncio
+
     import httpx
 
-    results, lock = [], threading.Lock()
     todo = list(bodies)
 
-    def worker():
-        with httpx.Client(base_url=url, timeout=600) as c:
-            while True:
-                with lock:
-                    if not todo:
-                        return
-                    body = todo.pop()
-                res = stream_one(c, body)
-                with lock:
-                    results.append(res)
+    async def client(results):
+        async with httpx.AsyncClient(base_url=url, timeout=600) as c:
+            while todo:
+                results.append(await stream_one(c, todo.pop()))
+
+    async def run():
+        results = []
+        await asyncio.gather(*(client(results) for _ in range(clients)))
+        return results
 
     t0 = time.perf_counter()
-    ts = [threading.Thread(target=worker) for _ in range(clients)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    results = asyncio.run(run())
     wall = time.perf_counter() - t0
     lat = [r[0] for r in results]
     ttft = [r[1] for r in results]
