@@ -174,14 +174,19 @@ class Steps(RecordingSink):
         self.masked, self.tok = canvas.step_of < 0, canvas.tokens.clone()
 
 
-def run(m, prompt, gen, cache="none", cache_kw=None, **kw):
+def decode_with(make, m, prompt, gen, cache="none", cache_kw=None, **kw):
+    """``prompt`` decoded by ``make(gen, **kw)`` under ``cache``: the final canvas and every step (:class:`Steps`)."""
     mask, eos = int(m.config.mask_token_id), int(m.config.eos_token_id)
     canvas = Canvas.from_prompts([prompt], gen, mask, eos, eos_id=eos)
     rec = Steps()
     c = cache_class(cache)(cache_class(cache).Config(**(cache_kw or {})))
     with torch.inference_mode():
-        decode(m, canvas, dmax(gen, **kw), cache=c, sinks=[rec])
+        decode(m, canvas, make(gen, **kw), cache=c, sinks=[rec])
     return canvas, rec
+
+
+def run(m, prompt, gen, cache="none", cache_kw=None, **kw):
+    return decode_with(dmax, m, prompt, gen, cache, cache_kw, **kw)
 
 
 PROMPTS = json.loads((BD / "llada21.json").read_text())["prompts"]

@@ -8,9 +8,9 @@ import torch
 from dlm_engine.core.canvas import Canvas
 from dlm_engine.core.capabilities import incompatibility
 from dlm_engine.core.loop import decode
-from dlm_engine.core.registry import CACHES, cache_class, load_plugins, strategy_class
+from dlm_engine.core.registry import CACHES, load_plugins, strategy_class
 
-from test_dmax import PROMPTS, Steps, model
+from test_dmax import PROMPTS, Steps, decode_with, model
 
 load_plugins()
 
@@ -28,13 +28,7 @@ def prompt_for(family):
 
 
 def run(m, prompt, gen, cache="none", cache_kw=None, **kw):
-    mask, eos = int(m.config.mask_token_id), int(m.config.eos_token_id)
-    canvas = Canvas.from_prompts([prompt], gen, mask, eos, eos_id=eos)
-    rec = Steps()
-    c = cache_class(cache)(cache_class(cache).Config(**(cache_kw or {})))
-    with torch.inference_mode():
-        decode(m, canvas, edit(gen, **kw), cache=c, sinks=[rec])
-    return canvas, rec
+    return decode_with(edit, m, prompt, gen, cache, cache_kw, **kw)
 
 
 def check_edit_rule(canvas, rec, threshold, editing_threshold, ntt=1):
