@@ -55,6 +55,16 @@ class CadLLMConfig:
 
 
 @dataclass(frozen=True)
+class CadPlan:
+    """What a step's select needs: ``all_in`` (the Prophet-style commit of every candidate), else the step's
+    top-V vocabulary size and threshold (None: no threshold)."""
+
+    all_in: bool = False
+    vocab_size: Optional[int] = None
+    threshold: Optional[float] = None
+
+
+@dataclass(frozen=True)
 class CadState:
     next_start: int                           # canvas column where the next block starts
     history: Tuple[float, ...] = ()           # per-step mean confidence of the candidates (whole generation)
@@ -120,7 +130,7 @@ class CadLLM(Strategy):
         if st.all_in:
             d = CacheDirective(block=(st.start, st.end), block_start=st.cursor.step == 0, step_in_block=st.cursor.step)
             return StepPlan(window=(st.start, st.end), temperature=0.0, confidence="prob", cache=d,
-                            info={"allin": True}), st
+                            data=CadPlan(all_in=True)), st
         if not st.open:
             remaining = canvas.length - st.next_start
             if remaining <= 0:
@@ -143,19 +153,19 @@ class CadLLM(Strategy):
             "prob" if c.confidence_method == ConfidenceMethod.softmax else "inv_entropy")
         d = CacheDirective(block=(st.start, st.end), block_start=i == 0, step_in_block=i)
         return StepPlan(window=(st.start, st.end), temperature=c.temperature, confidence=kind, top_v=v_t, cache=d,
-                        masked=[st.left], info={"vocab_size": v_t, "threshold": self.threshold_at(i, st.budget)}), st
+                        masked=[st.left], data=CadPlan(vocab_size=v_t, threshold=self.threshold_at(i, st.budget))), st
 
     def select(self, canvas, plan, proposal, st: CadState):
         c = self.cfg
         cand = candidates(canvas, proposal, st.end)
         scalars = {"block": st.cursor.block, "block_size": st.end - st.start, "steps": st.budget}
         bounds = (st.start, st.end)
-        if plan.info.get("allin"):               # Prophet-style commit: plain argmax everywhere
+        if plan.data.all_in:               # Prophet-style commit: plain argmax everywhere
             nxt, events = st.cursor.advance(bounds, done=True)
             return (self.delta(canvas, proposal, cand, events=events, scalars=scalars, masked_left=[sum(st.masked)]),
                     evolve(st, cursor=nxt, all_in=False, open=False, next_start=st.end, pending=None))
         i = st.cursor.step
-        tau, v_t = plan.info["threshold"], plan.info["vocab_size"]
+        tau, v_t = plan.data.threshold, plan.data.vocab_size
         scalars["vocab_size"] = v_t
         if tau is not None:
             scalars["threshold"] = tau

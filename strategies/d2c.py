@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -77,6 +77,13 @@ class D2CConfig:
     reference_positions: bool = True           # quirk 12: Dream rows ignore left padding for positions
     sample_candidates_only: bool = False        # quirk 15: every generated position is sampled (RNG)
     eos_fill: bool = False                      # quirk 19: masks after the first EOS stay (True: filled with EOS)
+
+
+@dataclass(frozen=True)
+class D2CPlan:
+    """The eligible positions of the block per row that takes part in the step (host)."""
+
+    counts: Sequence[int]
 
 
 @dataclass(frozen=True)
@@ -203,7 +210,7 @@ class D2C(Strategy):
         d = CacheDirective(block=(g + a, g + b), block_start=st.step == 0, step_in_block=st.step)
         return StepPlan(window=(g, canvas.length), sample=False, rows=None if all(left) else [n > 0 for n in left],
                         cache=d, temperature=self.cfg.temperature, position_ids=self.positions(canvas),
-                        info={"counts": [n for n in left if n > 0]}), st
+                        data=D2CPlan([n for n in left if n > 0])), st
 
     # -- the step's host read: eligible positions per row and block -----------------------------------------
     @staticmethod
@@ -367,7 +374,7 @@ class D2C(Strategy):
         if c.stop_until_eos:
             elig = self.eligible(canvas, masked_all)
             block_cand = block_cand & (elig if every else elig[rows])
-        counts = plan.info["counts"] if cand is masked else None
+        counts = plan.data.counts if cand is masked else None
         n = None if counts is None else sum(counts)
         if (n is not None and sampler.scoring_pays_off(B_a * G - n, V, None, proposal.logits.device)
                 and self.block_scores_suffice(proposal)):

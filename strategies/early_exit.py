@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -55,6 +55,13 @@ class EarlyExitConfig:
     mid_threshold: float = 5.0              # ... < 0.67
     late_threshold: float = 2.5             # ... afterwards
     constraints: Optional[List[List[int]]] = None  # [[generation position, token id], ...], given tokens
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """The step's transfer count per row (its schedule's entry)."""
+
+    k: Sequence[int]
 
 
 @dataclass(frozen=True)
@@ -137,7 +144,7 @@ class EarlyExit(Strategy):
         return StepPlan(window=window, temperature=c.temperature,
                         confidence="random" if c.remasking == Remasking.random else "prob", cfg_scale=c.cfg_scale,
                         cache=CacheDirective(block=(s, e), block_start=cur.step == 0, step_in_block=cur.step),
-                        masked=masked, info={"k": [sch[cur.step] for sch in st.schedule]}), st
+                        masked=masked, data=TransferPlan([sch[cur.step] for sch in st.schedule])), st
 
     def sync_request(self, canvas, st: ExitState):
         if st.committed is not None:          # the step's commits and the exit flags (the loop's cat promotes)
@@ -193,7 +200,7 @@ class EarlyExit(Strategy):
                 cand = masked & _first_columns(masked.shape[1], e - canvas.gen_start, masked.device)
             if proposal.valid is not None:
                 cand = cand & proposal.valid
-        commit = topk_commit(proposal.confidence, cand, plan.info["k"], proposal.row_span)
+        commit = topk_commit(proposal.confidence, cand, plan.data.k, proposal.row_span)
         exited = st.exited
         if self.answer_window is None:
             scalars = {"block": cur.block, "committed": commit.sum(-1)}

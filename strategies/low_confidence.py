@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -72,6 +72,13 @@ class Schedule:
     committed_host: Optional[Tuple[int, ...]] = None
 
 
+@dataclass(frozen=True)
+class TransferPlan:
+    """The step's transfer count per row (its schedule's entry)."""
+
+    k: Sequence[int]
+
+
 @register_strategy("low_confidence", LowConfidenceConfig)
 class LowConfidence(Strategy):
     offers = caps(Cap.BLOCKS)
@@ -110,7 +117,7 @@ class LowConfidence(Strategy):
             confidence="random" if c.remasking == Remasking.random else c.confidence.value,
             softmax_dtype="float64" if c.loop == Loop.fastdllm else "model", cfg_scale=c.cfg_scale,
             cache=CacheDirective(block=(s, e), block_start=cur.step == 0, step_in_block=cur.step),
-            suppress=eos_suppress(c, canvas), rows=rows, masked=left, info={"k": k},
+            suppress=eos_suppress(c, canvas), rows=rows, masked=left, data=TransferPlan(k),
         ), st
 
     def select(self, canvas, plan, proposal, st: Schedule):
@@ -118,7 +125,7 @@ class LowConfidence(Strategy):
         cur, c = st.cursor, self.cfg
         cand = candidates(canvas, proposal, e)
         conf = eos_confidence(c, canvas, plan, proposal)
-        k = plan.info["k"]
+        k = plan.data.k
         # LLaDA runs every scheduled step; Fast-dLLM's loop ends the block when it is full (decided on the host)
         done = c.loop == Loop.llada and cur.step + 1 >= self.steps_per_block
         nxt, events = cur.advance((s, e), done)

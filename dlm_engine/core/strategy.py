@@ -46,7 +46,8 @@ class StepPlan:
     top_v: Optional[int] = None
     cfg_scale: float = 0.0
     cache: Optional[CacheDirective] = None
-    info: Dict[str, Any] = field(default_factory=dict)
+    data: Any = None                     # the strategy's own plan data for its select (a frozen dataclass of its
+                                         # module, e.g. ``low_confidence.TransferPlan``); the loop never reads it
     suppress: Tuple[int, ...] = ()       # token ids whose logits are set to -inf before sampling (e.g. EOS)
     sample: bool = True                  # False: the proposal carries the call rows' logits only (the strategy
                                          # samples itself; ``Proposal.rows`` names the rows)
