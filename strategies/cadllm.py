@@ -20,6 +20,7 @@ from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.registry import register_strategy
 from dlm_engine.core.sampler import confidence_of, gumbel_argmax
 from dlm_engine.core.selection import factor_commit, host_schedule, masked_order, threshold_commit, topk_commit
+from dlm_engine.core.fast import counted_delta
 from dlm_engine.core.strategy import BlockCursor, CacheDirective, Remasking, StepPlan, Strategy, candidates, evolve
 from dlm_engine.errors import ConfigError
 from dlm_engine.strategies import _cadllm_rules as rules
@@ -162,7 +163,7 @@ class CadLLM(Strategy):
         bounds = (st.start, st.end)
         if plan.data.all_in:               # Prophet-style commit: plain argmax everywhere
             nxt, events = st.cursor.advance(bounds, done=True)
-            return (self.delta(canvas, proposal, cand, events=events, scalars=scalars, masked_left=[sum(st.masked)]),
+            return (counted_delta(canvas, proposal, cand, [sum(st.masked)], events=events, scalars=scalars),
                     evolve(st, cursor=nxt, all_in=False, open=False, next_start=st.end, pending=None))
         i = st.cursor.step
         tau, v_t = plan.data.threshold, plan.data.vocab_size
@@ -200,7 +201,7 @@ class CadLLM(Strategy):
                 stable = self._stable_now(st, gap, mean, n if n is not None else int(cand.sum()))
                 commit = commit & ~stable
                 scalars["prophet_commit"] = stable
-        delta = self.delta(canvas, proposal, commit, scalars=scalars, masked_left=[sum(st.masked)])  # commit <= cand
+        delta = counted_delta(canvas, proposal, commit, [sum(st.masked)], scalars=scalars)  # commit <= cand
         if n is not None:
             # the candidates are the block's masked columns: the masks read after the step tell whether any is left
             # (and which were committed: their tokens are read from the canvas), so only Prophet's flag is sent

@@ -39,7 +39,8 @@ from dlm_engine.core.rows import full_batch
 from dlm_engine.core import sampler
 from dlm_engine.core.sampler import Sampled, placed, sample_tokens
 from dlm_engine.core.selection import d2c_commit, first_true, masked_order
-from dlm_engine.core.strategy import CacheDirective, StepPlan, Strategy, evolve, host_finished, masked_after
+from dlm_engine.core.fast import host_finished
+from dlm_engine.core.strategy import CacheDirective, StepPlan, Strategy, evolve, masked_after
 from dlm_engine.errors import ConfigError
 
 
@@ -439,10 +440,12 @@ class D2C(Strategy):
                 it = iter(n_call)
                 n_host = tuple(next(it) if f else 0 for f in run)
             delta.finished_host, delta.finished = host_finished(canvas, n_host, left)
+            delta.counted = True
             return delta, host_constant(n_host, torch.long, dev), True, n_host
         committed = commit.sum(-1)
         if len(left) == B:                                  # told on the host in the loop's sync
             delta.finished_counts = (committed, tuple(left))
+            delta.counted = True
         else:
             delta.finished = ~(masked > commit).any(-1)          # (masked > commit: masked and not committed)
         return delta, committed, True, None

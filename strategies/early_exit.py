@@ -24,6 +24,7 @@ from dlm_engine.core.confidence import ConfidenceKind
 from dlm_engine.core.registry import register_strategy
 from dlm_engine.core.blockwise import block_counts, counts_after, fresh_block_counts, host_rows
 from dlm_engine.core.selection import host_schedule, topk_commit
+from dlm_engine.core.fast import counted_delta
 from dlm_engine.core.strategy import (BlockCursor, CacheDirective, Remasking, StepPlan, Strategy, block_range,
                                       candidates, evolve)
 from dlm_engine.errors import ConfigError
@@ -217,8 +218,8 @@ class EarlyExit(Strategy):
                        "exit": fire}
         done = cur.step + 1 >= self.steps_per_block
         nxt, events = cur.advance((s, e), done)
-        delta = self.delta(canvas, proposal, commit, events=events, scalars=scalars, committed=scalars["committed"],
-                           masked_left=[sum(row) for row in st.counts])      # commits are masked positions only
+        delta = counted_delta(canvas, proposal, commit, [sum(row) for row in st.counts], committed=scalars["committed"],
+                              events=events, scalars=scalars)      # commits are masked positions only
         # with every column computed, the commits are masked positions of the block (earlier blocks are full:
         # each of their steps committed its scheduled number), or every masked position of a row that went all-in
         committed = (cur.block, scalars["committed"]) if proposal.valid is None else None

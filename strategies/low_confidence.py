@@ -28,6 +28,7 @@ from dlm_engine.core.blockwise import block_counts, counts_after, fresh_block_co
 from dlm_engine.core.canvas import BlockEvent
 from dlm_engine.core.devices import host_constant
 from dlm_engine.core.selection import host_schedule, topk_commit
+from dlm_engine.core.fast import counted_delta
 from dlm_engine.core.strategy import (BlockCursor, CacheDirective, Remasking, StepPlan, Strategy, block_range,
                                       candidates, evolve)
 
@@ -144,14 +145,14 @@ class LowConfidence(Strategy):
                                  candidates_only=all(kb <= lb for kb, lb in zip(k, left)),
                                  masked=not (proposal.masked_confidence and conf is proposal.confidence))
             scalars["committed"] = host_constant(n_host, torch.long, canvas.device)
-            delta = self.delta(canvas, proposal, commit, events=events, confidence=conf, committed_host=n_host,
-                               masked_left=masked_left, scalars=scalars)
+            delta = counted_delta(canvas, proposal, commit, masked_left, committed_host=n_host, events=events,
+                                  confidence=conf, scalars=scalars)
             return delta, evolve(st, cursor=nxt, committed_host=n_host, committed_block=cur.block)
         commit = topk_commit(conf, cand, k, proposal.row_span)
         n = commit.sum(-1)
         scalars["committed"] = n
-        delta = self.delta(canvas, proposal, commit, events=events, confidence=conf, committed=n,
-                           masked_left=masked_left, scalars=scalars)
+        delta = counted_delta(canvas, proposal, commit, masked_left, committed=n, events=events, confidence=conf,
+                              scalars=scalars)
         # commits are masked positions of the block and nothing else changes the canvas unless an EOS stop
         # widens the delta: then the canvas is recounted
         done_n = None if c.stop_at_eos else n

@@ -18,6 +18,7 @@ from dlm_engine.core.canvas import BlockEvent
 from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.eos import (EosOptions, check_eos_options, eos_confidence, eos_stop, eos_suppress,
                                  no_candidate_scores_neg_inf)
+from dlm_engine.core.fast import counted_delta
 from dlm_engine.core.strategy import (BlockCursor, CacheDirective, Remasking, StepPlan, Strategy, block_range,
                                       candidates)
 
@@ -152,8 +153,8 @@ class FillBlocks(Strategy):
         if not self.rule_within_candidates:
             commit = commit & cand
         n = commit.sum(-1)
-        delta = eos_stop(self.cfg, canvas, self.delta(canvas, proposal, commit, confidence=conf, committed=n,
-                                                      masked_left=[sum(row) for row in st.counts]))
+        delta = eos_stop(self.cfg, canvas, counted_delta(canvas, proposal, commit, [sum(row) for row in st.counts],
+                                                         committed=n, confidence=conf))
         delta.block_events = [BlockEvent("opened", cur.block, s, e)] if cur.step == 0 else []
         delta.scalars.update({"block": cur.block, "committed": n})
         delta.scalars.update(self.step_scalars(proposal, cand, commit))
