@@ -263,14 +263,17 @@ def block_range(canvas: Canvas, block: int, block_length: int) -> Tuple[int, int
 
 def candidates(canvas: Canvas, proposal: Proposal, end: int) -> torch.Tensor:
     """Masked positions of the window that lie before ``end`` (the end of the current block) and whose
-    logits the call computed (a cache may leave some columns out: ``Proposal.valid``)."""
+    logits the call computed (a cache may leave some columns out: ``Proposal.valid``). The proposal's own
+    ``masked`` (the loop's comparison for the sampler) is read, never written: callers must not write into the
+    result either."""
     s = proposal.start
     W = proposal.x0.shape[1]
-    cand = proposal.masked                           # the loop's comparison for the sampler, taken over ...
-    if cand is None:
-        cand = canvas.masked_cols(s, s + W)          # ... or canvas.masked() of the window, a fresh tensor
+    if proposal.masked is None:
+        cand = canvas.masked_cols(s, s + W)          # canvas.masked() of the window, a fresh tensor
+    elif end < s + W or proposal.valid is not None:
+        cand = proposal.masked.clone()               # (written to below)
     else:
-        proposal.masked = None                       # (written to below: not to be taken twice)
+        return proposal.masked
     if end < s + W:
         cand[:, max(0, end - s):] = False
     if proposal.valid is not None:
