@@ -15,7 +15,7 @@ from dlm_engine.core.protocol import CallRequest, ForwardCall
 from dlm_engine.core.registry import cache_class
 from dlm_engine.core.rows import ActiveRows, call_rows, expand_proposal, full_batch, idle_proposal, recomputed_rows
 from dlm_engine.core import sampler
-from dlm_engine.core.fast import plain_finished
+from dlm_engine.core.fast import plain_finished, scored_window
 from dlm_engine.core.sampler import Proposal, propose
 from dlm_engine.core.strategy import StepPlan, Strategy
 from dlm_engine.errors import ConfigError, check_finite_logits
@@ -101,14 +101,9 @@ def sample(logits: torch.Tensor, plan: StepPlan, call: ForwardCall, rows: Option
         call_len, call_start = cols.end - cols.start, cols.start
     else:   # per-row column sets: random draws have the window's shape
         call_len, call_start = logits.shape[1], start
-    scored = None
-    if (plan.masked is not None and canvas is not None and not all_confidences
-            and plan.confidence in sampler.ROW_EXACT_KINDS):   # confidences at the window's masked positions only
-        B, W, V = logits.shape
-        count = sum(plan.masked) if rows is None else sum(n for n, f in zip(plan.masked, run) if f)
-        if sampler.scoring_pays_off(B * W - count, V, plan.top_v, logits.device):
-            mask, held = canvas.masked_cols(start, start + W), canvas.cols(start, start + W)[0]
-            scored = (mask, count, held) if rows is None else (mask[rows], count, held[rows])
+    scored = mask = None
+    if plan.masked is not None and canvas is not None and not all_confidences:   # the fast layer's scored path
+        scored, mask = scored_window(logits, plan, canvas, rows, run)
     proposal = propose(logits, start, temperature=plan.temperature, confidence=plan.confidence,
                        softmax_dtype=plan.softmax_dtype, call_len=call_len, call_start=call_start, top_v=plan.top_v,
                        discard_draws=call.discard_draws, valid=call.valid, scored=scored)
