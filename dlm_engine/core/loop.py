@@ -191,14 +191,14 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
                     proposal = expand_proposal(proposal, rows, canvas)
             proposal.active, proposal.pads, proposal.all_confidences = active.mask, canvas.pads, all_conf
             delta, state = strategy.select(canvas, plan, proposal, state)
+            if not fast and delta.counted:     # the plain path: finished rows from the canvas, not from counts
+                plain_finished(canvas, delta)
             delta.wall_time = time.perf_counter() - t0
             if want_logits:
                 delta.logits = delta_logits(proposal, delta, rows, canvas)
             cache.after_step(canvas, delta, call)
             if want_recomputed:
                 delta.scalars["recomputed"] = recomputed_rows(canvas, call, rows)
-            if not fast and delta.counted:
-                plain_finished(canvas, delta)
             canvas.apply(delta, settle=False)     # (finished_counts: told in sync_round)
             host, state = sync_round(canvas, strategy, state, delta, finite, fast)
             if host.bad:
