@@ -107,3 +107,30 @@ def test_the_plain_path_takes_none_of_the_shortcuts():
                    sinks=[Probe(fast)], fast=fast)
     assert all(not c and n is None and h is None and not inf for c, n, h, inf in seen[False])
     assert any(c for c, *_ in seen[True]) and any(inf for *_, inf in seen[True])
+
+
+def test_the_plain_delta_takes_six_keywords_and_plans_carry_typed_data():
+    """``Strategy.delta`` is the plain rule (the count shortcuts live in ``core/fast``), and what a plan hands its
+    select is a dataclass, not a dict (``StepPlan.info`` is gone)."""
+    import dataclasses
+    import inspect
+
+    from dlm_engine.core.strategy import StepPlan, Strategy
+
+    kw = [p.name for p in inspect.signature(Strategy.delta).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    assert len(kw) <= 6 and not {"masked_left", "committed", "committed_host", "finished_counts"} & set(kw)
+    assert "info" not in StepPlan.__dataclass_fields__
+    seen = []
+
+    class Plans(type(make("low_confidence"))):
+        def plan(self, canvas, st):
+            p, st = super().plan(canvas, st)
+            seen.append(None if p is None else p.data)
+            return p, st
+
+    strategy = Plans(make("low_confidence").cfg, GEN)
+    canvas = Canvas.from_prompts(PROMPTS, GEN, V - 1, 0)
+    with torch.inference_mode():
+        decode(ScriptedModel(random_script(), V), canvas, strategy, cache_class("none")())
+    data = [d for d in seen if d is not None]
+    assert data and all(dataclasses.is_dataclass(d) and type(d).__name__ == "TransferPlan" for d in data)
