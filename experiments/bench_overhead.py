@@ -23,7 +23,8 @@ caches before every forward, as the model's weights are (how much of the plain f
 the forward emptied). ``--between sleep:MS`` or ``spin:MS`` (with ``--replayed``) adds ``sleep us/st`` or ``spin us/st``: the replayed loop
 with the thread sleeping, or spinning in a bare Python loop, MS ms before every forward instead (no data streamed):
 how much of the plain figure the forward's time alone costs the loop, whatever fills it.
-``--record`` attaches a trace recorder to every decode, as a ``dlm`` run does; the ``sinks``
+``--plain`` decodes with ``fast=False`` (the plain path: :mod:`dlm_engine.core.fast`'s shortcuts off) to measure
+what the fast layer pays. ``--record`` attaches a trace recorder to every decode, as a ``dlm`` run does; the ``sinks``
 column is the step loop's hand-over to it. ``--ops-detail N`` prints under each row its N most expensive tensor
 operations outside the model, per step: CPU, count, op and the framework line that made it
 (:class:`dlm_engine.core.instrument.OpProfile`, one more instrumented run).
@@ -136,7 +137,7 @@ def one(model, prompts, gen, name, kw, cache, batch, instrument=("sections", "sy
                 (counter if "syncs" in instrument else contextlib.nullcontext()), \
                 (profile if "ops" in instrument else contextlib.nullcontext()):
             w0, t0 = time.perf_counter(), time.thread_time()
-            decode(timer, canvas, strategy, cache_class(cache)(), sinks=sinks)
+            decode(timer, canvas, strategy, cache_class(cache)(), sinks=sinks, fast=not one.plain)
             cpu += time.thread_time() - t0
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
@@ -153,6 +154,9 @@ def one(model, prompts, gen, name, kw, cache, batch, instrument=("sections", "sy
     one.profile = profile              # (the last call's op profile: empty unless "ops" was instrumented)
     one.tokens = tokens                # (the last call's final tokens, per decode)
     return cpu, timer.cpu, steps, syncs, sections.cpu, decodes, ops
+
+
+one.plain = False      # --plain: decode(..., fast=False), the plain path without the fast layer's shortcuts
 
 
 class ReplayedForwards:
@@ -245,7 +249,11 @@ def main(argv=None) -> int:
     ap.add_argument("--ops-detail", type=int, default=0, metavar="N",
                     help="under each row, its N most expensive tensor ops outside the model per step (CPU, count, "
                          "op, the framework line that made it), from one more instrumented run")
+    ap.add_argument("--plain", action="store_true",
+                    help="decode with fast=False: the plain path, none of the fast layer's shortcuts "
+                         "(dlm_engine.core.fast): run with and without it to see what the fast paths pay")
     args = ap.parse_args(argv)
+    one.plain = args.plain
     from dlm_engine.core.memory import keep_freed_memory
 
     print(f"glibc thresholds fixed as in a dlm run (dlm_engine.core.memory): {keep_freed_memory()}")

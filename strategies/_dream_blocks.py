@@ -7,7 +7,8 @@ helpers (``_propose``, ``_k``, ``_pick``, ``_delta``, ``_scatter``).
 """
 from __future__ import annotations
 
-from typing import Tuple
+from dataclasses import dataclass
+from typing import Sequence, Tuple
 
 import numpy as np
 import torch
@@ -15,6 +16,13 @@ import torch
 from dlm_engine.core.canvas import BlockEvent
 from dlm_engine.core.selection import masked_order
 from dlm_engine.core.strategy import evolve, masked_after
+
+
+@dataclass(frozen=True)
+class DreamPlan:
+    """Per row (host): whether it takes part in the step (its block is not full yet)."""
+
+    rows: Sequence[bool]
 
 
 class DreamBlockLoop:
@@ -45,7 +53,7 @@ class DreamBlockLoop:
         if block_only:
             mask[:, be - lo:] = False
         per_row = st.inner if block_only or hi == be else st.win
-        M = sum(n for n, r in zip(per_row, plan.info["rows"]) if r)
+        M = sum(n for n, r in zip(per_row, plan.data.rows) if r)
         return mask, masked_order(mask, M), M
 
     def _block_threshold(self, canvas, plan, proposal, st):
@@ -107,7 +115,7 @@ class DreamBlockLoop:
             commit = chosen & mask
             # batch-average quirk: a row with fewer masks than k gets decoded positions re-masked (never a row
             # that sits the step out)
-            if any(r and n_r < k for n_r, r in zip(st.inner, plan.info["rows"])):
+            if any(r and n_r < k for n_r, r in zip(st.inner, plan.data.rows)):
                 remask = chosen & ~mask & ~canvas.masked_cols(lo, hi) & proposal.active[:, None]
         conf = scores[:, lo - bs:].float()
         return self._cached_delta(canvas, st, lo, commit, tokens, conf, remask, proposal), \

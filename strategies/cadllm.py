@@ -21,6 +21,7 @@ from dlm_engine.core.sampler import confidence_of, gumbel_argmax
 from dlm_engine.core.selection import factor_commit, host_schedule, masked_order, threshold_commit, topk_commit
 from dlm_engine.core.confidence import Confidence, Remasking, check_kind, ranking
 from dlm_engine.core.strategy import BlockCursor, CacheDirective, StepPlan, Strategy, candidates, evolve
+from dlm_engine.core.fast import counted_delta
 from dlm_engine.errors import ConfigError
 from dlm_engine.strategies import _cadllm_rules as rules
 
@@ -46,6 +47,16 @@ class CadLLMConfig:
     min_confidence_gap: float = 0.3
     prophet_patience: int = 2
     min_confidence_commit: float = 0.6
+
+
+@dataclass(frozen=True)
+class CadPlan:
+    """What a step's select needs: ``all_in`` (the Prophet-style commit of every candidate), else the step's
+    top-V vocabulary size and threshold (None: no threshold)."""
+
+    all_in: bool = False
+    vocab_size: Optional[int] = None
+    threshold: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -115,7 +126,7 @@ class CadLLM(Strategy):
         if st.all_in:
             d = CacheDirective(block=(st.start, st.end), block_start=st.cursor.step == 0, step_in_block=st.cursor.step)
             return StepPlan(window=(st.start, st.end), temperature=0.0, confidence="prob", cache=d,
-                            info={"allin": True}), st
+                            data=CadPlan(all_in=True)), st
         if not st.open:
             remaining = canvas.length - st.next_start
             if remaining <= 0:
@@ -139,19 +150,19 @@ class CadLLM(Strategy):
                        else c.confidence_method)
         d = CacheDirective(block=(st.start, st.end), block_start=i == 0, step_in_block=i)
         return StepPlan(window=(st.start, st.end), temperature=c.temperature, confidence=kind, top_v=v_t, cache=d,
-                        masked=[st.left], info={"vocab_size": v_t, "threshold": self.threshold_at(i, st.budget)}), st
+                        masked=[st.left], data=CadPlan(vocab_size=v_t, threshold=self.threshold_at(i, st.budget))), st
 
     def select(self, canvas, plan, proposal, st: CadState):
         c = self.cfg
         cand = candidates(canvas, proposal, st.end)
         scalars = {"block": st.cursor.block, "block_size": st.end - st.start, "steps": st.budget}
         bounds = (st.start, st.end)
-        if plan.info.get("allin"):               # Prophet-style commit: plain argmax everywhere
+        if plan.data.all_in:               # Prophet-style commit: plain argmax everywhere
             nxt, events = st.cursor.advance(bounds, done=True)
-            return (self.delta(canvas, proposal, cand, events=events, scalars=scalars, masked_left=[sum(st.masked)]),
+            return (counted_delta(canvas, proposal, cand, [sum(st.masked)], events=events, scalars=scalars),
                     evolve(st, cursor=nxt, all_in=False, open=False, next_start=st.end, pending=None))
         i = st.cursor.step
-        tau, v_t = plan.info["threshold"], plan.info["vocab_size"]
+        tau, v_t = plan.data.threshold, plan.data.vocab_size
         scalars["vocab_size"] = v_t
         if tau is not None:
             scalars["threshold"] = tau
@@ -186,7 +197,7 @@ class CadLLM(Strategy):
                 stable = self._stable_now(st, gap, mean, n if n is not None else int(cand.sum()))
                 commit = commit & ~stable
                 scalars["prophet_commit"] = stable
-        delta = self.delta(canvas, proposal, commit, scalars=scalars, masked_left=[sum(st.masked)])  # commit <= cand
+        delta = counted_delta(canvas, proposal, commit, [sum(st.masked)], scalars=scalars)  # commit <= cand
         if n is not None:
             # the candidates are the block's masked columns: the masks read after the step tell whether any is left
             # (and which were committed: their tokens are read from the canvas), so only Prophet's flag is sent

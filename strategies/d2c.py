@@ -22,7 +22,7 @@ Reference quirks are reproduced by default; each has an option for the corrected
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -38,7 +38,8 @@ from dlm_engine.core.rows import full_batch
 from dlm_engine.core import sampler
 from dlm_engine.core.sampler import ALGS, Sampled, placed, sample_tokens
 from dlm_engine.core.selection import d2c_commit, first_true, masked_order
-from dlm_engine.core.strategy import CacheDirective, StepPlan, Strategy, evolve, host_finished, masked_after
+from dlm_engine.core.fast import host_finished
+from dlm_engine.core.strategy import CacheDirective, StepPlan, Strategy, evolve, masked_after
 from dlm_engine.errors import ConfigError
 
 
@@ -68,6 +69,13 @@ class D2CConfig:
     reference_positions: bool = True           # quirk 12: Dream rows ignore left padding for positions
     sample_candidates_only: bool = False        # quirk 15: every generated position is sampled (RNG)
     eos_fill: bool = False                      # quirk 19: masks after the first EOS stay (True: filled with EOS)
+
+
+@dataclass(frozen=True)
+class D2CPlan:
+    """The eligible positions of the block per row that takes part in the step (host)."""
+
+    counts: Sequence[int]
 
 
 @dataclass(frozen=True)
@@ -195,7 +203,7 @@ class D2C(Strategy):
         d = CacheDirective(block=(g + a, g + b), block_start=st.step == 0, step_in_block=st.step)
         return StepPlan(window=(g, canvas.length), sample=False, rows=None if all(left) else [n > 0 for n in left],
                         cache=d, temperature=self.cfg.temperature, position_ids=self.positions(canvas),
-                        info={"counts": [n for n in left if n > 0]}), st
+                        data=D2CPlan([n for n in left if n > 0])), st
 
     # -- the step's host read: eligible positions per row and block -----------------------------------------
     @staticmethod
@@ -359,7 +367,7 @@ class D2C(Strategy):
         if c.stop_until_eos:
             elig = self.eligible(canvas, masked_all)
             block_cand = block_cand & (elig if every else elig[rows])
-        counts = plan.info["counts"] if cand is masked else None
+        counts = plan.data.counts if cand is masked else None
         n = None if counts is None else sum(counts)
         if (n is not None and sampler.scoring_pays_off(B_a * G - n, V, None, proposal.logits.device)
                 and self.block_scores_suffice(proposal)):
@@ -424,10 +432,12 @@ class D2C(Strategy):
                 it = iter(n_call)
                 n_host = tuple(next(it) if f else 0 for f in run)
             delta.finished_host, delta.finished = host_finished(canvas, n_host, left)
+            delta.counted = True
             return delta, host_constant(n_host, torch.long, dev), True, n_host
         committed = commit.sum(-1)
         if len(left) == B:                                  # told on the host in the loop's sync
             delta.finished_counts = (committed, tuple(left))
+            delta.counted = True
         else:
             delta.finished = ~(masked > commit).any(-1)          # (masked > commit: masked and not committed)
         return delta, committed, True, None

@@ -47,7 +47,7 @@ from dlm_engine.core.sampler import sample_positions, sample_tokens
 from dlm_engine.core.selection import masked_order
 from dlm_engine.core.strategy import CacheDirective, StepPlan, Strategy, evolve
 from dlm_engine.errors import ConfigError
-from dlm_engine.strategies._dream_blocks import DreamBlockLoop
+from dlm_engine.strategies._dream_blocks import DreamBlockLoop, DreamPlan
 
 
 class Alg(str, Enum):
@@ -242,7 +242,7 @@ class Dream(DreamBlockLoop, Strategy):
         # rows whose block is already full sit the step out (their trajectory is the one they have alone)
         left = [row[st.block] > 0 for row in st.blocks]
         return StepPlan(window=window, temperature=0.0, confidence="prob", cache=d,
-                        rows=None if all(left) else left, info={"rows": left}), st
+                        rows=None if all(left) else left, data=DreamPlan(left)), st
 
     # -- select ----------------------------------------------------------------------------------------
     def select(self, canvas, plan, proposal, st: DreamState):

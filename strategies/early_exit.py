@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -24,6 +24,7 @@ from dlm_engine.core.confidence import ConfidenceKind, Remasking, ranking
 from dlm_engine.core.registry import register_strategy
 from dlm_engine.core.blockwise import block_counts, counts_after, fresh_block_counts, host_rows
 from dlm_engine.core.selection import host_schedule, topk_commit
+from dlm_engine.core.fast import counted_delta
 from dlm_engine.core.strategy import (BlockCursor, CacheDirective, StepPlan, Strategy, block_range,
                                       candidates, evolve)
 from dlm_engine.errors import ConfigError
@@ -54,6 +55,13 @@ class EarlyExitConfig:
     mid_threshold: float = 5.0              # ... < 0.67
     late_threshold: float = 2.5             # ... afterwards
     constraints: Optional[List[List[int]]] = None  # [[generation position, token id], ...], given tokens
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """The step's transfer count per row (its schedule's entry)."""
+
+    k: Sequence[int]
 
 
 @dataclass(frozen=True)
@@ -136,7 +144,7 @@ class EarlyExit(Strategy):
         return StepPlan(window=window, temperature=c.temperature,
                         confidence=ranking(c.remasking), cfg_scale=c.cfg_scale,
                         cache=CacheDirective(block=(s, e), block_start=cur.step == 0, step_in_block=cur.step),
-                        masked=masked, info={"k": [sch[cur.step] for sch in st.schedule]}), st
+                        masked=masked, data=TransferPlan([sch[cur.step] for sch in st.schedule])), st
 
     def sync_request(self, canvas, st: ExitState):
         if st.committed is not None:          # the step's commits and the exit flags (the loop's cat promotes)
@@ -192,7 +200,7 @@ class EarlyExit(Strategy):
                 cand = masked & _first_columns(masked.shape[1], e - canvas.gen_start, masked.device)
             if proposal.valid is not None:
                 cand = cand & proposal.valid
-        commit = topk_commit(proposal.confidence, cand, plan.info["k"], proposal.row_span)
+        commit = topk_commit(proposal.confidence, cand, plan.data.k, proposal.row_span)
         exited = st.exited
         if self.answer_window is None:
             scalars = {"block": cur.block, "committed": commit.sum(-1)}
@@ -209,8 +217,8 @@ class EarlyExit(Strategy):
                        "exit": fire}
         done = cur.step + 1 >= self.steps_per_block
         nxt, events = cur.advance((s, e), done)
-        delta = self.delta(canvas, proposal, commit, events=events, scalars=scalars, committed=scalars["committed"],
-                           masked_left=[sum(row) for row in st.counts])      # commits are masked positions only
+        delta = counted_delta(canvas, proposal, commit, [sum(row) for row in st.counts], committed=scalars["committed"],
+                              events=events, scalars=scalars)      # commits are masked positions only
         # with every column computed, the commits are masked positions of the block (earlier blocks are full:
         # each of their steps committed its scheduled number), or every masked position of a row that went all-in
         committed = (cur.block, scalars["committed"]) if proposal.valid is None else None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from dlm_engine.core.blockwise import FillBlocks, FillBlocksConfig
+from dlm_engine.core.blockwise import FillBlocks, FillBlocksConfig, FillPlan
 from dlm_engine.errors import ConfigError
 from dlm_engine.core.registry import register_strategy
 from dlm_engine.core.selection import factor_commit
@@ -33,7 +33,7 @@ class Factor(FillBlocks):
         """The block's masked positions per row are its candidates' number only when the call computed every
         column (no ``valid``): otherwise the rule counts the candidates on the device."""
         if proposal.valid is not None:
-            plan = dataclasses.replace(plan, info={**plan.info, "counts": None})
+            plan = dataclasses.replace(plan, data=FillPlan(None))
         return super().select(canvas, plan, proposal, st)
 
     rule_within_candidates = True       # factor_commit ends with ``& cand``

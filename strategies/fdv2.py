@@ -186,7 +186,7 @@ class Fdv2(BlockDiffusionStrategy):
         d = CacheDirective(block=(S, E), block_start=not st.have_block_cache, key_start=ks,
                            query=(a, b) if sub else None,
                            attention_block=bs if sub else int(c.decode_mask_block or bs))
-        return StepPlan(window=(a, b), sample=False, cache=d, position_ids=pos, info={"sub": sub}), st
+        return StepPlan(window=(a, b), sample=False, cache=d, position_ids=pos), st
 
     # -- steps ----------------------------------------------------------------------------------------------
     def select(self, canvas, plan, proposal, st: Fdv2State):

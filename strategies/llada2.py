@@ -160,8 +160,7 @@ class AbsoluteBlocks(Strategy):
         s, e = self.bounds(canvas, st.block)
         return StepPlan(window=(s, e), sample=False, temperature=float(self.cfg.temperature),
                         cache=CacheDirective(block=(s, e), block_start=st.step == 0,
-                                             step_in_block=st.step, store=store, attention_block=self.bl),
-                        info={"block": st.block, "step": st.step})
+                                             step_in_block=st.step, store=store, attention_block=self.bl))
 
     def eos_written(self, canvas, commit: torch.Tensor, x0: torch.Tensor, s: int, e: int) -> torch.Tensor:
         """0-dim bool on the device: an EOS stands at a generated position before ``e`` once this step's writes

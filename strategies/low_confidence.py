@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -29,6 +29,7 @@ from dlm_engine.core.canvas import BlockEvent
 from dlm_engine.core.confidence import Confidence, Remasking, check_kind, ranking
 from dlm_engine.core.devices import host_constant
 from dlm_engine.core.selection import host_schedule, topk_commit
+from dlm_engine.core.fast import counted_delta
 from dlm_engine.core.strategy import (BlockCursor, CacheDirective, StepPlan, Strategy, block_range,
                                       candidates, evolve)
 
@@ -64,6 +65,13 @@ class Schedule:
     committed_block: int = -1
     # or those commits known on the host (a tuple of ints): the host read then needs nothing from the strategy
     committed_host: Optional[Tuple[int, ...]] = None
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """The step's transfer count per row (its schedule's entry)."""
+
+    k: Sequence[int]
 
 
 @register_strategy("low_confidence", LowConfidenceConfig)
@@ -105,7 +113,7 @@ class LowConfidence(Strategy):
             confidence=ranking(c.remasking, c.confidence),
             softmax_dtype="float64" if c.loop == Loop.fastdllm else "model", cfg_scale=c.cfg_scale,
             cache=CacheDirective(block=(s, e), block_start=cur.step == 0, step_in_block=cur.step),
-            suppress=eos_suppress(c, canvas), rows=rows, masked=left, info={"k": k},
+            suppress=eos_suppress(c, canvas), rows=rows, masked=left, data=TransferPlan(k),
         ), st
 
     def select(self, canvas, plan, proposal, st: Schedule):
@@ -113,7 +121,7 @@ class LowConfidence(Strategy):
         cur, c = st.cursor, self.cfg
         cand = candidates(canvas, proposal, e)
         conf = eos_confidence(c, canvas, plan, proposal)
-        k = plan.info["k"]
+        k = plan.data.k
         # LLaDA runs every scheduled step; Fast-dLLM's loop ends the block when it is full (decided on the host)
         done = c.loop == Loop.llada and cur.step + 1 >= self.steps_per_block
         nxt, events = cur.advance((s, e), done)
@@ -132,14 +140,14 @@ class LowConfidence(Strategy):
                                  candidates_only=all(kb <= lb for kb, lb in zip(k, left)),
                                  masked=not (proposal.masked_confidence and conf is proposal.confidence))
             scalars["committed"] = host_constant(n_host, torch.long, canvas.device)
-            delta = self.delta(canvas, proposal, commit, events=events, confidence=conf, committed_host=n_host,
-                               masked_left=masked_left, scalars=scalars)
+            delta = counted_delta(canvas, proposal, commit, masked_left, committed_host=n_host, events=events,
+                                  confidence=conf, scalars=scalars)
             return delta, evolve(st, cursor=nxt, committed_host=n_host, committed_block=cur.block)
         commit = topk_commit(conf, cand, k, proposal.row_span)
         n = commit.sum(-1)
         scalars["committed"] = n
-        delta = self.delta(canvas, proposal, commit, events=events, confidence=conf, committed=n,
-                           masked_left=masked_left, scalars=scalars)
+        delta = counted_delta(canvas, proposal, commit, masked_left, committed=n, events=events, confidence=conf,
+                              scalars=scalars)
         # commits are masked positions of the block and nothing else changes the canvas unless an EOS stop
         # widens the delta: then the canvas is recounted
         done_n = None if c.stop_at_eos else n

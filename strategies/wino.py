@@ -55,6 +55,14 @@ class WinoConfig:
 
 
 @dataclass(frozen=True)
+class WinoPlan:
+    """Per row that takes part (host): its block's masked positions and its wide-in cap."""
+
+    counts: Sequence[int]
+    cap: Sequence[int]
+
+
+@dataclass(frozen=True)
 class WinoState:
     block: int = 0
     block_mask: Optional[torch.Tensor] = None   # [B, G] the reference's in-place-shrunk block mask (shrinking_window)
@@ -141,7 +149,7 @@ class Wino(Strategy):
         run = [n[r] for r in range(B) if rows[r]]
         cap = [wide_cap(k, ntt) for k in run]
         return StepPlan(window=(g + bs, g + be), sample=False, rows=None if all(rows) else list(rows), aux=aux,
-                        position_ids=pos, temperature=c.temperature, info={"counts": run, "cap": cap}), st
+                        position_ids=pos, temperature=c.temperature, data=WinoPlan(run, cap)), st
 
     def shadow(self, canvas, bs: int, be: int) -> AuxColumns:
         """The shadow block of window ``[bs, be)``: W masks at the window's positions; canvas rows cannot see it,
@@ -214,7 +222,7 @@ class Wino(Strategy):
             dens = st.density.of_masked(m)[:, bs:be].to(conf.dtype)
             scores = conf * dens
         ntt = c.num_transfer_tokens
-        wide, n_wide = wide_in(scores, masked_w, ntt, plan.info["cap"], plan.info["counts"], c.wide_in_thres)
+        wide, n_wide = wide_in(scores, masked_w, ntt, plan.data.cap, plan.data.counts, c.wide_in_thres)
         k = (n_wide - ntt).clamp_min(0)
         # narrow out: the k least confident decoded slots, but only those scoring below the threshold. Ranked with
         # the masked slots last (inf), the slots below the threshold take the first ranks (NaN sorts last, and

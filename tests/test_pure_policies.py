@@ -79,6 +79,9 @@ class Checked(Strategy):
         assert same(snapshot(state), st0), f"{self.name}: sync_request mutated the state"
         return req
 
+    def fresh_values(self, canvas, state):
+        return self.inner.fresh_values(canvas, state)
+
     def synced(self, canvas, state, values, delta):
         st0 = snapshot(state)
         new = self.inner.synced(canvas, state, values, delta)
@@ -119,6 +122,27 @@ def test_plan_and_select_are_pure(tiny_llada, name):
     strategy = Checked(cls(cls.Config(**kw), GEN))
     rec = RecordingSink()
     decode(tiny_llada, canvas, strategy, cache=cache_class("none")(), sinks=[rec])
+    assert strategy.steps > 0 and not canvas.masked()[:, canvas.gen_start:].any()
+
+
+@pytest.mark.parametrize("name", STRATEGIES.names())
+def test_plan_and_select_are_pure_where_every_fast_path_is_taken(name):
+    """As above, at a real vocabulary's size (50,000: the sampler scores the masked positions only and ranks by
+    chunked maxima) and a padded batch of three whose rows finish at different steps (host counts, counted
+    finished rows, rows sitting steps out), on :class:`fakes.ScriptedModel`: the proposal a fast path hands to
+    ``select`` (``Proposal.masked`` included) must come back as it went in."""
+    from fakes import ScriptedModel, random_script
+
+    V = 50_000
+    cls = strategy_class(name)
+    kw = dict(SETTINGS.get(name, {}))
+    if name == "sdar":
+        kw.update(temperature=1.0, top_k=1)         # (SDAR has no greedy mode: top-1 sampling is one)
+    prompts = [[5, 6, 7, 8, 9], [11, 12], [13, 14, 15, 16]]
+    prompts = prompts[:1] if cls.max_batch == 1 or getattr(cls, "unpadded_only", False) else prompts
+    canvas = Canvas.from_prompts(prompts, GEN, V - 1, 0, eos_id=V - 2)
+    strategy = Checked(cls(cls.Config(**kw), GEN))
+    decode(ScriptedModel(random_script(seed=2), V), canvas, strategy, cache=cache_class("none")())
     assert strategy.steps > 0 and not canvas.masked()[:, canvas.gen_start:].any()
 
 

@@ -10,7 +10,7 @@ options of :class:`dlm_engine.core.eos.EosOptions` (``logits_eos_inf``, ``confid
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Optional, Tuple
+from typing import ClassVar, Optional, Sequence, Tuple
 
 import torch
 
@@ -19,6 +19,7 @@ from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.eos import (EosOptions, check_eos_options, eos_confidence, eos_stop, eos_suppress,
                                  no_candidate_scores_neg_inf)
 from dlm_engine.core.confidence import Remasking, ranking
+from dlm_engine.core.fast import counted_delta
 from dlm_engine.core.strategy import (BlockCursor, CacheDirective, StepPlan, Strategy, block_range,
                                       candidates)
 
@@ -32,6 +33,14 @@ class BlockState:
     # the last step's commits per row ([B], device), all masked positions of the cursor's block: the next host
     # read takes them and updates ``counts`` (None: recount the canvas)
     committed: Optional[torch.Tensor] = None
+
+
+@dataclass(frozen=True)
+class FillPlan:
+    """What a block-filling plan tells its select: the block's masked positions per row (host; None = unknown,
+    e.g. a cache left columns out: the rule counts the candidates on the device)."""
+
+    counts: Optional[Sequence[int]] = None
 
 
 def block_counts(canvas, block_length: int, masked: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -130,7 +139,7 @@ class FillBlocks(Strategy):
             confidence=ranking(c.remasking), softmax_dtype="float64",
             cache=CacheDirective(block=(s, e), block_start=cur.step == 0, step_in_block=cur.step),
             suppress=eos_suppress(c, canvas), rows=None if all(left) else [n > 0 for n in left],
-            masked=left, info={"counts": left},
+            masked=left, data=FillPlan(left),
         ), BlockState(cur, counts)
 
     def select(self, canvas, plan, proposal, st: "BlockState"):
@@ -141,12 +150,12 @@ class FillBlocks(Strategy):
         # every masked position of the block is a candidate (all columns computed) and none scores -inf (that takes
         # the EOS/EOT ranking quirk): the host counts are the candidates
         exact = no_candidate_scores_neg_inf(self.cfg, plan, proposal)
-        commit = self.rule(conf, cand, cur, proposal.row_span, plan.info["counts"], exact_counts=exact)
+        commit = self.rule(conf, cand, cur, proposal.row_span, plan.data.counts, exact_counts=exact)
         if not self.rule_within_candidates:
             commit = commit & cand
         n = commit.sum(-1)
-        delta = eos_stop(self.cfg, canvas, self.delta(canvas, proposal, commit, confidence=conf, committed=n,
-                                                      masked_left=[sum(row) for row in st.counts]))
+        delta = eos_stop(self.cfg, canvas, counted_delta(canvas, proposal, commit, [sum(row) for row in st.counts],
+                                                         committed=n, confidence=conf))
         delta.block_events = [BlockEvent("opened", cur.block, s, e)] if cur.step == 0 else []
         delta.scalars.update({"block": cur.block, "committed": n})
         delta.scalars.update(self.step_scalars(proposal, cand, commit))

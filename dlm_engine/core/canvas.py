@@ -105,6 +105,9 @@ class FrameDelta:
     # delta, so that the step makes no comparison and no ``finished |=`` on the device; elsewhere
     # :meth:`settle_finished` (which :meth:`Canvas.apply` calls) compares on the device
     finished_counts: Optional[Tuple[torch.Tensor, Tuple[int, ...]]] = None
+    # True when ``finished`` was told from commit counts by the fast layer (:mod:`dlm_engine.core.fast`): the plain
+    # path (``decode(..., fast=False)``) recomputes it from the canvas with the plain rule
+    counted: bool = False
 
     @property
     def width(self) -> int:
@@ -149,7 +152,7 @@ class Canvas:
         self._no_rows: Optional[torch.Tensor] = None
         self._views: Dict[tuple, tuple] = {}      # see cols
         # ``finished`` as the step loop last read it on the host (set by the loop once per step). Fast paths rely
-        # on it (Strategy.delta(masked_left=...), d2c's frame): code that changes ``finished`` outside the loop
+        # on it (dlm_engine.core.fast.counted_delta, d2c's frame): code that changes ``finished`` outside the loop
         # must update it too
         self.finished_host: Tuple[bool, ...] = (False,) * tokens.shape[0]
         self.position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)

@@ -15,6 +15,7 @@ from dlm_engine.core.protocol import CallRequest, ForwardCall
 from dlm_engine.core.registry import cache_class
 from dlm_engine.core.rows import ActiveRows, call_rows, expand_proposal, full_batch, idle_proposal, recomputed_rows
 from dlm_engine.core import sampler
+from dlm_engine.core.fast import plain_finished, scored_window
 from dlm_engine.core.sampler import Proposal, propose
 from dlm_engine.core.strategy import StepPlan, Strategy
 from dlm_engine.errors import ConfigError, check_finite_logits
@@ -104,14 +105,9 @@ def sample(logits: torch.Tensor, plan: StepPlan, call: ForwardCall, rows: Option
         call_len, call_start = cols.end - cols.start, cols.start
     else:   # per-row column sets: random draws have the window's shape
         call_len, call_start = logits.shape[1], start
-    scored = None
-    if (plan.masked is not None and canvas is not None and not all_confidences
-            and plan.confidence in sampler.ROW_EXACT_KINDS):   # confidences at the window's masked positions only
-        B, W, V = logits.shape
-        count = sum(plan.masked) if rows is None else sum(n for n, f in zip(plan.masked, run) if f)
-        if sampler.scoring_pays_off(B * W - count, V, plan.top_v, logits.device):
-            mask, held = canvas.masked_cols(start, start + W), canvas.cols(start, start + W)[0]
-            scored = (mask, count, held) if rows is None else (mask[rows], count, held[rows])
+    scored = mask = None
+    if plan.masked is not None and canvas is not None and not all_confidences:   # the fast layer's scored path
+        scored, mask = scored_window(logits, plan, canvas, rows, run)
     proposal = propose(logits, start, temperature=plan.temperature, confidence=plan.confidence,
                        softmax_dtype=plan.softmax_dtype, call_len=call_len, call_start=call_start, top_v=plan.top_v,
                        discard_draws=call.discard_draws, valid=call.valid, scored=scored)
@@ -122,7 +118,7 @@ def sample(logits: torch.Tensor, plan: StepPlan, call: ForwardCall, rows: Option
 
 
 def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterable[Sink] = (),
-           max_steps: Optional[int] = None, compact: bool = True) -> Canvas:
+           max_steps: Optional[int] = None, compact: bool = True, fast: bool = True) -> Canvas:
     """Decode ``canvas`` in place with ``strategy``; every step's delta goes to ``sinks``.
 
     A strategy's set-up (constraints, an initial canvas) arrives as a step-0 delta before the first step.
@@ -133,6 +129,13 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
     Host synchronisation: once per step, after the delta is applied, the loop reads the finished rows and
     whatever the strategy asks for (:meth:`Strategy.sync_request`) in a single transfer and hands the values
     to :meth:`Strategy.synced` before the sinks see the delta. Plans decide on those host values alone.
+
+    ``fast=False`` runs the plain path: the loop takes none of the fast paths a plan or a delta offers --
+    confidences at every position (``StepPlan.masked`` ignored, and ``Proposal.all_confidences`` set, as under a
+    cache that reads every confidence), no host-made read before the first step (:meth:`Strategy.fresh_values`),
+    finished rows a delta told from commit counts (:mod:`dlm_engine.core.fast`) recomputed from the canvas with the
+    plain rule, and finished rows read from the device rather than taken from ``FrameDelta.finished_host``. It
+    makes the same deltas (tests/test_plain_fast.py), with more work on the device and more host reads.
     """
     if strategy.max_batch is not None and canvas.batch_size > strategy.max_batch:
         raise ValueError(f"strategy '{strategy.name}' decodes at most {strategy.max_batch} row(s) at a time "
@@ -147,7 +150,7 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
     sinks = list(sinks)
     want_logits = any(getattr(s, "wants_logits", False) for s in sinks)  # e.g. trace capture=topk|logits
     want_recomputed = any(getattr(s, "wants_recomputed", False) for s in sinks)   # e.g. trace.recomputed=true
-    all_conf = bool(getattr(cache, "reads_confidence", False))
+    all_conf = bool(getattr(cache, "reads_confidence", False)) or not fast
     cache.begin(canvas)
     for s in sinks:
         s.on_start(canvas, {"strategy": strategy.name})
@@ -159,7 +162,7 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
     state = strategy.init_state(canvas)
     limit = max_steps if max_steps is not None else strategy.max_steps(canvas)
     active = ActiveRows(canvas, compact)
-    host, state = first_sync(canvas, strategy, state)
+    host, state = first_sync(canvas, strategy, state, fast)
     t0 = time.perf_counter()
     # (a caller already in inference mode -- decode_batch, the benchmarks -- costs no second enter and exit a decode)
     with contextlib.nullcontext() if torch.is_inference_mode_enabled() else torch.inference_mode():
@@ -192,6 +195,8 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
                     proposal = expand_proposal(proposal, rows, canvas)
             proposal.active, proposal.pads, proposal.all_confidences = active.mask, canvas.pads, all_conf
             delta, state = strategy.select(canvas, plan, proposal, state)
+            if not fast and delta.counted:     # the plain path: finished rows from the canvas, not from counts
+                plain_finished(canvas, delta)
             delta.wall_time = time.perf_counter() - t0
             if want_logits:
                 delta.logits = delta_logits(proposal, delta, rows, canvas)
@@ -199,7 +204,7 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
             if want_recomputed:
                 delta.scalars["recomputed"] = recomputed_rows(canvas, call, rows)
             canvas.apply(delta, settle=False)     # (finished_counts: told in sync_round)
-            host, state = sync_round(canvas, strategy, state, delta, finite)
+            host, state = sync_round(canvas, strategy, state, delta, finite, fast)
             if host.bad:
                 check_finite_logits(logits)             # describes the problem and raises
             for s in sinks:
@@ -221,16 +226,16 @@ class HostView:
 
 
 def sync_round(canvas: Canvas, strategy: Strategy, state, delta: Optional[FrameDelta],
-               finite: Optional[torch.Tensor] = None):
+               finite: Optional[torch.Tensor] = None, fast: bool = True):
     """The one host read of a step: finished rows, the first forward's health (``finite``, see
     :func:`all_finite`) and the strategy's request; returns ``(HostView, state after Strategy.synced)``. A step
     whose delta says on the host which rows it finished (``FrameDelta.finished_host``), with nothing else to read,
-    reads nothing."""
+    reads nothing (``fast=False``: it reads them)."""
     req = strategy.sync_request(canvas, state)
     counts = None
     if delta is not None:
         known = delta.finished_host
-        if known is not None and finite is None and req is None:    # nothing to read: the host knows it all
+        if fast and known is not None and finite is None and req is None:    # nothing to read: the host knows it all
             fin = tuple(map(operator.or_, canvas.finished_host, known))
             canvas.finished_host = fin
             return HostView(fin, [], False), strategy.synced(canvas, state, [], delta)
@@ -282,10 +287,10 @@ def sync_round(canvas: Canvas, strategy: Strategy, state, delta: Optional[FrameD
     return host, strategy.synced(canvas, state, host.values, delta)
 
 
-def first_sync(canvas: Canvas, strategy: Strategy, state):
+def first_sync(canvas: Canvas, strategy: Strategy, state, fast: bool = True):
     """The host read before the first step, made on the host when the canvas is fresh and the strategy knows
-    what a fresh canvas' read returns (:meth:`Strategy.fresh_values`)."""
-    values = strategy.fresh_values(canvas, state) if canvas.is_fresh() else None
+    what a fresh canvas' read returns (:meth:`Strategy.fresh_values`; not with ``fast=False``)."""
+    values = strategy.fresh_values(canvas, state) if fast and canvas.is_fresh() else None
     if values is None:
         return sync_round(canvas, strategy, state, None)
     host = HostView((False,) * canvas.batch_size, values, False)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -20,12 +20,12 @@ import torch
 from dlm_engine.core.canvas import BlockEvent, Canvas, FrameDelta
 from dlm_engine.core.capabilities import Cap, Caps, caps
 from dlm_engine.core.confidence import PROBABILITY, ConfidenceKind, Remasking  # noqa: F401  (Remasking re-exported)
-from dlm_engine.core.devices import host_tensor
 from dlm_engine.core.protocol import AuxColumns, CacheDirective, SoftInputs
 from dlm_engine.core.sampler import Proposal
 from dlm_engine.errors import ConfigError
 
-__all__ = ["Strategy", "StepPlan", "CacheDirective", "BlockCursor", "Remasking", "block_range", "candidates", "evolve"]
+__all__ = ["Strategy", "StepPlan", "CacheDirective", "BlockCursor", "Remasking", "block_range", "candidates", "evolve",
+           "frame", "masked_after"]
 
 
 @dataclass
@@ -39,7 +39,8 @@ class StepPlan:
     top_v: Optional[int] = None
     cfg_scale: float = 0.0
     cache: Optional[CacheDirective] = None
-    info: Dict[str, Any] = field(default_factory=dict)
+    data: Any = None                     # the strategy's own plan data for its select (a frozen dataclass of its
+                                         # module, e.g. ``low_confidence.TransferPlan``); the loop never reads it
     suppress: Tuple[int, ...] = ()       # token ids whose logits are set to -inf before sampling (e.g. EOS)
     sample: bool = True                  # False: the proposal carries the call rows' logits only (the strategy
                                          # samples itself; ``Proposal.rows`` names the rows)
@@ -191,60 +192,34 @@ class Strategy:
         return bl
 
     @staticmethod
-    def delta(canvas: Canvas, proposal: Proposal, commit: torch.Tensor, *, nfe: int = 1,
-              active: Optional[torch.Tensor] = None, events: Optional[List[BlockEvent]] = None,
-              scalars: Optional[dict] = None, finished: Optional[torch.Tensor] = None,
+    def delta(canvas: Canvas, proposal: Proposal, commit: torch.Tensor, *, confidence: Optional[torch.Tensor] = None,
               tokens: Optional[torch.Tensor] = None, remask: Optional[torch.Tensor] = None,
-              confidence: Optional[torch.Tensor] = None, masked_left: Optional[Sequence[int]] = None,
-              committed: Optional[torch.Tensor] = None,
-              committed_host: Optional[Sequence[int]] = None,
-              finished_counts: Optional[Tuple[torch.Tensor, Sequence[int]]] = None) -> FrameDelta:
-        """A delta over the proposal's window committing ``commit`` (and re-masking ``remask``, applied
-        first) with the proposal's tokens and confidences. Unless given, ``active`` is the rows of the call and
-        ``finished`` marks the rows that have no masked generated position left once the delta is applied.
-
-        ``masked_left``: per row, on the host, the masked generated positions before this delta (the last host
-        read), for a ``commit`` that only covers masked positions and no ``remask``: a row then finishes when it
-        commits as many as it had left (``committed``: ``commit.sum(-1)`` if the caller has it). ``finished`` is
-        then left to those counts (``FrameDelta.finished_counts``): the loop reads them in its sync, no
-        operation on the device (a strategy that asks for the same ``committed`` tensor reads it once). Rows finished before are told by ``canvas.finished_host``, which the step
-        loop keeps current (a caller outside :func:`dlm_engine.core.loop.decode` must set it). ``committed_host``:
-        those counts known exactly on the host (with ``masked_left``): the finished rows are then decided on the
-        host too (``FrameDelta.finished_host``), with no operation when none finishes (:meth:`Canvas.no_rows`).
-        A caller that changes ``finished`` afterwards (an EOS stop) must clear ``finished_host``.
-        ``finished_counts``: ``finished`` left to these counts (see ``FrameDelta.finished_counts``; ``finished`` and
-        ``masked_left`` are then not given)."""
-        s = proposal.start
-        if active is None:
-            active = proposal.active if proposal.active is not None else ~canvas.finished
-        fin, pending = None, finished_counts
-        if pending is not None:
-            pending = (pending[0], tuple(pending[1]))
-        elif finished is None and masked_left is not None and remask is None:
-            if committed_host is not None:
-                fin, finished = host_finished(canvas, committed_host, masked_left)
-            else:   # told from the counts on the host in the loop's sync (FrameDelta.finished_counts)
-                n = commit.sum(-1) if committed is None else committed
-                pending = (n, tuple(-1 if f else m for m, f in zip(masked_left, canvas.finished_host)))
-        elif finished is None:     # ~left & ~finished, as one reduction and two in-place ops
-            finished = masked_after(canvas, s, commit, remask).any(dim=-1).logical_or_(canvas.finished).logical_not_()
-        conf = proposal.confidence if confidence is None else confidence   # (float64 or float32: sinks cast)
-        return FrameDelta(
-            step=canvas.step + 1, nfe=nfe, start=s, commit=commit,
-            tokens=proposal.x0 if tokens is None else tokens,
-            active=active, finished=finished, confidence=conf, remask=remask,
-            block_events=list(events or []), scalars=dict(scalars or {}), finished_host=fin,
-            finished_counts=pending,
-        )
+              finished: Optional[torch.Tensor] = None, events: Optional[List[BlockEvent]] = None,
+              scalars: Optional[dict] = None) -> FrameDelta:
+        """A delta over the proposal's window committing ``commit`` (and re-masking ``remask``, applied first) with
+        the proposal's tokens and confidences (or ``tokens``, ``confidence``), for the rows of the call. Unless
+        given, ``finished`` marks the rows that have no masked generated position left once the delta is applied
+        (and were not finished before). (:func:`dlm_engine.core.fast.counted_delta` tells the same rows from
+        commit counts, for a strategy that opted into the fast layer.)"""
+        if finished is None:       # ~left & ~finished, as one reduction and two in-place ops
+            finished = masked_after(canvas, proposal.start, commit, remask).any(dim=-1).logical_or_(
+                canvas.finished).logical_not_()
+        return frame(canvas, proposal, commit, finished, confidence=confidence, tokens=tokens, remask=remask,
+                     events=events, scalars=scalars)
 
 
-def host_finished(canvas: Canvas, committed: Sequence[int], masked_left: Sequence[int]):
-    """``(rows, tensor)``: the rows a step finishes, told on the host from its commits per row (``committed``, all
-    masked positions) and the masked positions each row had left (``masked_left``): a row not finished before
-    finishes when it commits all it had left. The tensor is ``[B]`` bool (:meth:`Canvas.no_rows`, no operation,
-    when none finishes)."""
-    fin = tuple(not f and n == m for n, m, f in zip(committed, masked_left, canvas.finished_host))
-    return fin, (host_tensor(fin, torch.bool, canvas.device) if any(fin) else canvas.no_rows())
+def frame(canvas: Canvas, proposal: Proposal, commit: torch.Tensor, finished: Optional[torch.Tensor], *,
+          confidence: Optional[torch.Tensor] = None, tokens: Optional[torch.Tensor] = None,
+          remask: Optional[torch.Tensor] = None, events: Optional[List[BlockEvent]] = None,
+          scalars: Optional[dict] = None) -> FrameDelta:
+    """The :class:`FrameDelta` of :meth:`Strategy.delta` with ``finished`` as given (None: left to the fast layer's
+    counts, ``FrameDelta.finished_counts``)."""
+    active = proposal.active if proposal.active is not None else ~canvas.finished
+    conf = proposal.confidence if confidence is None else confidence   # (float64 or float32: sinks cast)
+    return FrameDelta(
+        step=canvas.step + 1, nfe=1, start=proposal.start, commit=commit,
+        tokens=proposal.x0 if tokens is None else tokens, active=active, finished=finished, confidence=conf,
+        remask=remask, block_events=list(events or []), scalars=dict(scalars or {}))
 
 
 def evolve(state, **changes):
@@ -284,14 +259,17 @@ def block_range(canvas: Canvas, block: int, block_length: int) -> Tuple[int, int
 
 def candidates(canvas: Canvas, proposal: Proposal, end: int) -> torch.Tensor:
     """Masked positions of the window that lie before ``end`` (the end of the current block) and whose
-    logits the call computed (a cache may leave some columns out: ``Proposal.valid``)."""
+    logits the call computed (a cache may leave some columns out: ``Proposal.valid``). The proposal's own
+    ``masked`` (the loop's comparison for the sampler) is read, never written: callers must not write into the
+    result either."""
     s = proposal.start
     W = proposal.x0.shape[1]
-    cand = proposal.masked                           # the loop's comparison for the sampler, taken over ...
-    if cand is None:
-        cand = canvas.masked_cols(s, s + W)          # ... or canvas.masked() of the window, a fresh tensor
+    if proposal.masked is None:
+        cand = canvas.masked_cols(s, s + W)          # canvas.masked() of the window, a fresh tensor
+    elif end < s + W or proposal.valid is not None:
+        cand = proposal.masked.clone()               # (written to below)
     else:
-        proposal.masked = None                       # (written to below: not to be taken twice)
+        return proposal.masked
     if end < s + W:
         cand[:, max(0, end - s):] = False
     if proposal.valid is not None:
