@@ -134,3 +134,35 @@ def test_the_plain_delta_takes_six_keywords_and_plans_carry_typed_data():
         decode(ScriptedModel(random_script(), V), canvas, strategy, cache_class("none")())
     data = [d for d in seen if d is not None]
     assert data and all(dataclasses.is_dataclass(d) and type(d).__name__ == "TransferPlan" for d in data)
+
+
+def test_the_run_option_fast_false_reaches_the_loop_and_decodes_the_same(monkeypatch):
+    """``fast=false`` (``dlm``, the Python API, lm-eval, dlm-serve: a RunConfig key) runs the loop's plain path;
+    the rows are those of the default fast path, and the default keeps a sweep job's config digest."""
+    import dlm_engine
+    from dlm_engine.app import api
+    from dlm_engine.app.compose import compose
+    from dlm_engine.app.jobs import config_digest
+    from omegaconf import OmegaConf
+
+    seen, real = [], api.decode
+
+    def spy(*a, **k):
+        seen.append(k.get("fast", True))
+        return real(*a, **k)
+
+    monkeypatch.setattr(api, "decode", spy)
+    s = dlm_engine.Session(model="tiny", device="cpu")
+    P = ["347+085=", "901-256=", "name a fruit:"]
+    for strategy, cache in (("threshold", "dual"), ("d2c", "d2cache")):
+        seen.clear()
+        fast = s.generate(P, strategy=strategy, cache=cache, batch_size=3)
+        plain = s.generate(P, strategy=strategy, cache=cache, batch_size=3, fast=False)
+        assert seen == [True, False]
+        for a, b in zip(fast.rows, plain.rows):
+            assert (a.text, a.tokens, a.step_of, a.nfe) == (b.text, b.tokens, b.step_of, b.nfe)
+    default, off = compose([]), compose(["fast=false"])
+    assert default.fast is True and off.fast is False
+    without = OmegaConf.create(OmegaConf.to_container(default))
+    del without["fast"]
+    assert config_digest(default) == config_digest(without) != config_digest(off)

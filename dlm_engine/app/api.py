@@ -152,13 +152,14 @@ class RowResult:
 
 
 def decode_batch(lm: LoadedModel, prompt_ids: Sequence[Sequence[int]], strategy, cache=None,
-                 gen_length: int = 16, sinks: Iterable[Sink] = (), canvas_hook=None) -> Canvas:
-    """Decode one batch of token-id prompts (left-padded) and return the final canvas."""
+                 gen_length: int = 16, sinks: Iterable[Sink] = (), canvas_hook=None, fast: bool = True) -> Canvas:
+    """Decode one batch of token-id prompts (left-padded) and return the final canvas (``fast=False``: the
+    loop's plain path, :func:`dlm_engine.core.loop.decode`)."""
     canvas = Canvas.from_prompts(prompt_ids, gen_length, lm.mask_id, lm.pad_id, device=lm.device,
                                  eos_id=lm.eos_id, eot_id=lm.eot_id)
     if canvas_hook is not None:
         canvas_hook(canvas)
-    return decode(lm.model, canvas, strategy, cache=cache, sinks=sinks)
+    return decode(lm.model, canvas, strategy, cache=cache, sinks=sinks, fast=fast)
 
 
 def rows_from_canvas(lm: LoadedModel, canvas: Canvas, prompt_ids, prompts, first_index: int,
@@ -216,7 +217,7 @@ class RunStats:
 
 def run_prompts(lm: LoadedModel, prompt_ids: Sequence[Union[str, Sequence[int]]], make_strategy, make_cache,
                 gen_length: int, batch_size: int, sinks_for_batch=None, prompts: Optional[Sequence[str]] = None,
-                canvas_hook=None, warmup: bool = True, threads: Optional[int] = None) -> RunStats:
+                canvas_hook=None, warmup: bool = True, threads: Optional[int] = None, fast: bool = True) -> RunStats:
     """Decode all prompts in batches of ``batch_size`` (a strategy may cap it with ``max_batch``).
 
     ``prompt_ids``: token-id lists, or strings (encoded with ``lm.encode``; they are then also the rows'
@@ -226,10 +227,11 @@ def run_prompts(lm: LoadedModel, prompt_ids: Sequence[Union[str, Sequence[int]]]
     function that builds it, called once; ``make_cache()`` builds a fresh cache per batch; ``sinks_for_batch(i,
     rows)`` returns the sinks of batch ``i``. Wall time covers decoding only (device synchronised, after a warm-up call).
     ``threads``: torch's intra-op CPU threads while decoding (see :func:`torch_threads`; None leaves them).
+    ``fast=False``: the loop's plain path (no host-count shortcuts; the same deltas).
     """
     with torch_threads(threads):
         return _run_prompts(lm, prompt_ids, make_strategy, make_cache, gen_length, batch_size, sinks_for_batch,
-                            prompts, canvas_hook, warmup)
+                            prompts, canvas_hook, warmup, fast)
 
 
 @contextlib.contextmanager
@@ -252,7 +254,7 @@ def torch_threads(n: Optional[int]):
 
 
 def _run_prompts(lm, prompt_ids, make_strategy, make_cache, gen_length, batch_size, sinks_for_batch, prompts,
-                 canvas_hook, warmup) -> RunStats:
+                 canvas_hook, warmup, fast=True) -> RunStats:
     prompt_ids_given, prompt_ids = prompt_ids, as_token_ids(lm, prompt_ids, gen_length)
     if prompts is None and any(isinstance(p, str) for p in prompt_ids_given):
         prompts = [p if isinstance(p, str) else None for p in prompt_ids_given]
@@ -279,7 +281,7 @@ def _run_prompts(lm, prompt_ids, make_strategy, make_cache, gen_length, batch_si
         sinks = [log, *(sinks_for_batch(b, list(range(start, start + len(chunk)))) if sinks_for_batch else ())]
         sync(lm.device)
         t0 = time.perf_counter()
-        canvas = decode_batch(lm, chunk, strategy0, make_cache(), gen_length, sinks, canvas_hook)
+        canvas = decode_batch(lm, chunk, strategy0, make_cache(), gen_length, sinks, canvas_hook, fast)
         sync(lm.device)
         total_time += time.perf_counter() - t0
         calls += canvas.nfe

@@ -64,6 +64,8 @@ class RunConfig:
     dtype: str = "auto"
     batch_size: int = 8
     threads: Optional[int] = None            # torch's intra-op CPU threads while decoding; null = torch's default
+    fast: bool = True                        # the loop's host-count shortcuts (dlm_engine/core/fast); false: the
+                                             # plain path, same tokens and metrics (docs/architecture.md)
     progress: bool = True                    # a bar on a terminal; elsewhere a log line every progress_interval s
     progress_interval: float = 30.0          # seconds between progress log lines without a terminal
     print_outputs: Optional[bool] = None     # one line per prompt; null = yes for a single run, no in a multirun

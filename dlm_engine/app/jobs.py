@@ -36,7 +36,7 @@ NEUTRAL_KEYS = ("resume", "progress", "progress_interval", "print_outputs")
 DIRNAME_EXCLUDE = NEUTRAL_KEYS + ("sweep",)
 # top-level keys added after results were first written, with the value that decodes as before they existed: left
 # out of the digest while they hold it, so that an upgrade does not make every finished job of a sweep run again
-ADDED_KEYS = {"threads": None}
+ADDED_KEYS = {"threads": None, "fast": True}
 _UNSAFE = re.compile(r"[^A-Za-z0-9._,=+\-\[\]@:%]")
 _MAX_DIRNAME = 120
 MAX_PRINTED_ROWS = 40

@@ -83,7 +83,8 @@ def rerun(tr, device: Optional[str] = None, model_path: Optional[str] = None,
     with rec:
         try:
             run_prompts(lm, ids, make_strategy, make_cache, cfg.gen_length, cfg.batch_size,
-                        sinks_for_batch=lambda b, rows: [rec.sink(b, rows)], threads=cfg.threads)
+                        sinks_for_batch=lambda b, rows: [rec.sink(b, rows)], threads=cfg.threads,
+                        fast=bool(cfg.get("fast", True)))
         except RuntimeError as exc:   # e.g. a stalled decode under changed weights: still a divergence
             error = f"{type(exc).__name__}: {exc}"
     new = open_trace(rec.written_path)

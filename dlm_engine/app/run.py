@@ -198,7 +198,7 @@ def run(cfg: DictConfig, out_dir: Path) -> Dict[str, Any]:
     with recorder if recorder is not None else contextlib.nullcontext():  # closed (flushed) on errors and Ctrl-C too
         stats = run_prompts(lm, ids, prep.strategy, prep.make_cache, cfg.gen_length, cfg.batch_size,
                             sinks_for_batch=lambda b, rows: [progress] + ([recorder.sink(b, rows)] if recorder else []),
-                            prompts=prompts, threads=cfg.threads)
+                            prompts=prompts, threads=cfg.threads, fast=cfg.fast)
     progress.close()
 
     correct = None

@@ -194,7 +194,7 @@ class Session:
             stats = run_prompts(lm, ids, prep.strategy, prep.make_cache, int(cfg.gen_length),
                                 int(cfg.batch_size), prompts=[p.shown for p in items],
                                 sinks_for_batch=(lambda b, rows: [recorder.sink(b, rows)]) if recorder else None,
-                                threads=cfg.threads)
+                                threads=cfg.threads, fast=cfg.fast)
         for row, p in zip(stats.rows, items):
             if p.messages:
                 row.extra["messages"] = p.messages

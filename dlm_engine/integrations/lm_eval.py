@@ -241,7 +241,8 @@ class DLMEngineLM(LM):
         cfg = self.cfg
         torch.manual_seed(int(cfg.seed))
         stats = run_prompts(self.lm, ids, self.make_strategy, self.make_cache, int(cfg.gen_length),
-                            int(cfg.batch_size), prompts=contexts, warmup=False, threads=cfg.threads)
+                            int(cfg.batch_size), prompts=contexts, warmup=False, threads=cfg.threads,
+                            fast=cfg.fast)
         self.rows.extend(stats.rows)
         self.model_calls += stats.model_calls
         self.wall_time += stats.wall_time

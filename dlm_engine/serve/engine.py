@@ -345,7 +345,8 @@ class Engine:
             with torch_threads(cfg.threads), (recorder if recorder is not None else contextlib.nullcontext()):
                 torch.manual_seed(int(cfg.seed))
                 try:
-                    canvas = decode_batch(lm, ids, make_strategy(), make_cache(), int(cfg.gen_length), sinks)
+                    canvas = decode_batch(lm, ids, make_strategy(), make_cache(), int(cfg.gen_length), sinks,
+                                          fast=bool(cfg.fast))
                 except _BatchCancelled:
                     raise Cancelled() from None
                 sync(lm.device)
