@@ -48,7 +48,7 @@ class _Family:
     block_diffusion = True
 
     def __init__(self, model_type: str, block_size: int):
-        from dlm_engine.models.base import MODELS
+        from dlm_engine.models.families import MODELS
 
         self.block_size = block_size
         self.config = type("Config", (), {"model_type": model_type})()
