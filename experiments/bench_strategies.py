@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from dlm_engine.app import tasks  # noqa: E402
 from dlm_engine.errors import UserError  # noqa: E402
 from dlm_engine.app.api import decode_batch, load_model, rows_from_canvas, sync  # noqa: E402
-from dlm_engine.app.sinks import StepLog  # noqa: E402
+from dlm_engine.core.steps import BatchSteps  # noqa: E402
 from dlm_engine.core.registry import cache_class, load_plugins, strategy_class  # noqa: E402
 
 BASELINE = ("low_confidence", {}, "1 token/step (baseline)")
@@ -135,7 +135,7 @@ def run_once(lm, ids, make_strategy, make_cache, gen_length, batch_size):
     torch.manual_seed(0)
     for start in range(0, len(ids), batch_size):
         chunk = ids[start:start + batch_size]
-        log = StepLog()
+        log = BatchSteps()
         sync(lm.device)
         t0 = time.perf_counter()
         canvas = decode_batch(tlm, chunk, make_strategy(), make_cache(), gen_length, sinks=[log])

@@ -363,6 +363,7 @@ def bench_overhead(pairs, gen_length, configs=((1, 2), (8, 8)), overrides=()):
             def __init__(self, inner):
                 self.inner = inner
                 self.wants_logits, self.wants_recomputed = inner.wants_logits, inner.wants_recomputed
+                self.step_table = inner.step_table   # (the batch's one step table: the run's metrics read it)
 
             def on_start(self, canvas, info):
                 c = time.thread_time()

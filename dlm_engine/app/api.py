@@ -13,7 +13,7 @@ import torch
 
 from dlm_engine.core.canvas import Canvas
 from dlm_engine.errors import UserError
-from dlm_engine.app.sinks import StepLog
+from dlm_engine.core.steps import BatchSteps, batch_steps
 from dlm_engine.core.loop import Sink, decode
 from dlm_engine.metrics import (SequenceMetrics, Totals, generated_token_count,  # noqa: F401  (re-exported)
                                 tokens_per_forward, totals)
@@ -221,7 +221,8 @@ def run_prompts(lm: LoadedModel, prompt_ids: Sequence[Union[str, Sequence[int]]]
     """Decode all prompts in batches of ``batch_size`` (a strategy may cap it with ``max_batch``).
 
     ``prompt_ids``: token-id lists, or strings (encoded with ``lm.encode``; they are then also the rows'
-    ``prompt``). Per-sequence metrics come from a :class:`~dlm_engine.app.sinks.StepLog` of every batch.
+    ``prompt``). Per-sequence metrics come from the batch's one :class:`~dlm_engine.core.steps.BatchSteps` (a trace
+    recorder's sink owns it; otherwise one is added as a sink).
 
     ``make_strategy``: the strategy (one object serves every batch: its per-batch state is ``init_state``'s) or a
     function that builds it, called once; ``make_cache()`` builds a fresh cache per batch; ``sinks_for_batch(i,
@@ -277,8 +278,11 @@ def _run_prompts(lm, prompt_ids, make_strategy, make_cache, gen_length, batch_si
     total_time, calls = 0.0, 0
     for b, start in enumerate(range(0, len(prompt_ids), bs)):
         chunk = prompt_ids[start:start + bs]
-        log = StepLog()
-        sinks = [log, *(sinks_for_batch(b, list(range(start, start + len(chunk)))) if sinks_for_batch else ())]
+        sinks = list(sinks_for_batch(b, list(range(start, start + len(chunk)))) if sinks_for_batch else ())
+        log = batch_steps(sinks)            # the batch's one step table: a recorder sink's, else a sink of its own
+        if log is None:
+            log = BatchSteps()
+            sinks.insert(0, log)
         sync(lm.device)
         t0 = time.perf_counter()
         canvas = decode_batch(lm, chunk, strategy0, make_cache(), gen_length, sinks, canvas_hook, fast)

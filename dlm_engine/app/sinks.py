@@ -1,11 +1,11 @@
-"""Sinks of the FrameDelta stream that ship with the app: a progress bar, and a recorder of every delta."""
+"""Sinks of the FrameDelta stream that ship with the app: a progress bar, and a recorder of every delta. (The
+batch's per-step table, which the metrics and the trace recorder read, is :class:`dlm_engine.core.steps.BatchSteps`.)"""
 from __future__ import annotations
 
 import logging
 import sys
 import time
 
-import numpy as np
 from typing import Optional
 
 from dlm_engine.core.canvas import Canvas, FrameDelta
@@ -75,43 +75,6 @@ def format_seconds(s: float) -> str:
     return f"{int(s // 3600)} h {int(s % 3600 // 60):02d} min"
 
 
-class StepLog(Sink):
-    """Per-step records of one batch (step, NFE, wall time, active and finished rows), kept on the device
-    until the end: :meth:`metrics` turns them into per-sequence metrics (:mod:`dlm_engine.metrics`)."""
-
-    def __init__(self):
-        self.steps, self.nfe, self.wall, self.active, self.finished = [], [], [], [], []
-        self.edits, self.post_edit = [], []         # the strategy's per-step scalars (None: not recorded)
-
-    def on_delta(self, delta: FrameDelta, canvas: Canvas) -> None:
-        self.steps.append(int(delta.step))
-        self.nfe.append(int(delta.nfe))
-        self.wall.append(float(delta.wall_time))
-        self.active.append(delta.active)
-        self.finished.append(delta.finished)
-        sc = delta.scalars or {}
-        self.edits.append(sc.get("edits"))
-        self.post_edit.append(sc.get("post_edit"))
-
-    def metrics(self, canvas: Canvas, eos_id):
-        import torch
-
-        from dlm_engine.metrics import batch_metrics
-
-        g = canvas.gen_start
-        stack = (lambda xs: torch.stack(xs).bool().cpu().numpy()) if self.steps else (lambda xs: None)
-        B = canvas.batch_size
-        edits = post = None
-        if any(e is not None for e in self.edits):
-            edits = np.stack([np.broadcast_to(e, (B,)) if e.size in (1, B) else np.zeros(B, np.int64)
-                              for e in map(_np, self.edits)])
-        if any(p is not None for p in self.post_edit):
-            post = np.array([int(p or 0) for p in self.post_edit])
-        return batch_metrics(self.steps, self.nfe, stack(self.active), stack(self.finished), self.wall,
-                             canvas.step_of[:, g:].cpu().numpy(), canvas.tokens[:, g:].cpu().numpy(), eos_id,
-                             edits=edits, post_edit=post)
-
-
 class RecordingSink(Sink):
     """Keeps every delta (tests and notebooks)."""
 
@@ -122,12 +85,3 @@ class RecordingSink(Sink):
     def on_delta(self, delta: FrameDelta, canvas: Canvas) -> None:
         self.deltas.append(delta)
         self.states.append(canvas.tokens.clone())
-
-
-def _np(x):
-    """A step scalar as numpy (0 when the step has none)."""
-    if x is None:
-        return np.zeros(1, dtype=np.int64)
-    if hasattr(x, "detach"):
-        x = x.detach().cpu().numpy()
-    return np.asarray(x, dtype=np.int64).reshape(-1)

@@ -184,11 +184,12 @@ def own_steps(step_of: np.ndarray, active_steps) -> np.ndarray:
 
 
 def batch_own_steps(log, B: int) -> List[List[int]]:
-    """The batch steps each row took part in, from a :class:`~dlm_engine.app.sinks.StepLog`."""
-    if not log.steps:
+    """The batch steps each row took part in, from the batch's :class:`~dlm_engine.core.steps.BatchSteps`."""
+    n = len(log)
+    if not n:
         return [[] for _ in range(B)]
-    act = torch.stack(log.active).bool().cpu().numpy().reshape(-1, B)
-    steps = np.asarray(log.steps)
+    act = torch.stack(log.active[:n]).bool().cpu().numpy().reshape(-1, B)
+    steps = np.asarray(log.step[:n])
     return [steps[(steps > 0) & act[:, b]].tolist() for b in range(B)]
 
 
@@ -321,21 +322,21 @@ class Engine:
 
     def _decode(self, reqs: List[Request]) -> None:
         from dlm_engine.app.api import decode_batch, rows_from_canvas, sync, torch_threads
-        from dlm_engine.app.sinks import StepLog
+        from dlm_engine.core.steps import BatchSteps
 
         lm, cfg = self.lm, reqs[0].cfg
         make_strategy, make_cache = self._build(reqs[0])
         ids = [r.prompt_ids for r in reqs]
         b = next(self._batches)
         self.decoding = len(reqs)
-        log_ = StepLog()
+        log_ = BatchSteps()                  # the batch's one step table (metrics, own steps, and the trace)
         sink = ServeSink(self, reqs)
         sinks = [log_, sink]
         recorder = None
         trace_path = None
         if bool(cfg.trace.record):
             recorder, trace_path = self._open_recorder(cfg, reqs, ids, b)
-            sinks.append(recorder.sink(0, list(range(len(reqs)))))
+            sinks = [sink, recorder.sink(0, list(range(len(reqs))), table=log_)]   # (the recorder's sink fills it)
         t0 = time.perf_counter()
         for r in reqs:
             r.started = t0

@@ -5,7 +5,10 @@ after emitting it). On CUDA the hand-over also records an event; the writer thre
 and copies on a side stream, so recording adds no host-device synchronisation to the step loop. The
 writer thread keeps no copy of the canvas: it logs what the deltas wrote and, at a batch's end, builds one
 record per sequence from the final canvas (``step_of`` + tokens) plus what only the deltas know (the edits,
-the commit confidences, the top-k logits), compresses and appends. A full queue blocks the producer (backpressure, never a drop).
+the commit confidences, the top-k logits), compresses and appends. The per-step facts (step, NFE, wall time,
+active and finished rows, scalars) it reads from the batch's one :class:`~dlm_engine.core.steps.BatchSteps`, which
+the batch sink fills and the run's metrics read too; the writer adds only its own columns (window start and width,
+block events) and writes slices of the table as the file's step tables. A full queue blocks the producer (backpressure, never a drop).
 The file is written as ``NAME.partial`` and renamed to ``NAME`` after the end record and fsync; an
 interrupted or failed run leaves a flushed ``NAME.partial`` whose end record says why.
 """
@@ -24,6 +27,7 @@ import numpy as np
 import torch
 
 from dlm_engine.core.loop import Sink
+from dlm_engine.core.steps import BatchSteps
 from dlm_engine.fsutil import fsync_dir, os_error_message
 from . import format as fmt
 from . import records
@@ -123,47 +127,6 @@ def _np(t) -> Any:
     return t
 
 
-class _Steps:
-    """Per-step metadata of consecutive steps of a batch, by column: a run of held deltas is one of these rather
-    than one tuple a step (the writer's per-step Python was a third of its work at batch 1). ``scal`` holds the
-    per-step scalars by name (an array with a leading step axis, or a list of the steps' values) when every step
-    has the same names, else ``rows`` a dict a step."""
-
-    __slots__ = ("n", "step", "nfe", "wall", "start", "width", "active", "finished", "scal", "rows", "events")
-
-    def __init__(self, step, nfe, wall, start, width, active, finished, scal, rows, events):
-        self.n = len(step)
-        self.step, self.nfe, self.wall, self.start, self.width = step, nfe, wall, start, width   # lists
-        self.active, self.finished = active, finished         # [n, B] bool arrays
-        self.scal: Optional[Dict[str, Any]] = scal
-        self.rows: Optional[List[dict]] = rows
-        self.events: List[tuple] = events                     # (step index in this chunk, BlockEvent)
-
-    def part(self, a: int, b: int) -> "_Steps":
-        return _Steps(self.step[a:b], self.nfe[a:b], self.wall[a:b], self.start[a:b], self.width[a:b],
-                      self.active[a:b], self.finished[a:b],
-                      None if self.scal is None else {k: v[a:b] for k, v in self.scal.items()},
-                      None if self.rows is None else self.rows[a:b],
-                      [(i - a, e) for i, e in self.events if a <= i < b])
-
-    def names(self) -> List[str]:
-        if self.scal is not None:
-            return list(self.scal)
-        out: List[str] = []
-        for r in self.rows:
-            for k in r:
-                if k not in out:
-                    out.append(k)
-        return out
-
-    def values(self, name: str) -> List[Any]:
-        """The steps' values of a scalar (None where a step has none)."""
-        if self.scal is not None:
-            v = self.scal.get(name)
-            return [None] * self.n if v is None else list(v)
-        return [r.get(name) for r in self.rows]
-
-
 def _scalar_dtype(kinds) -> Optional[type]:
     """The dtype a step table stores a scalar of these numpy kinds in (None: not numeric, kept as JSON)."""
     if not kinds or not kinds <= {"b", "i", "u", "f"}:
@@ -171,25 +134,22 @@ def _scalar_dtype(kinds) -> Optional[type]:
     return np.bool_ if kinds == {"b"} else (np.float64 if "f" in kinds else np.int64)
 
 
-def _stacked_scalar(chunks: List[_Steps], name: str) -> Optional[np.ndarray]:
-    """A per-step scalar every step of ``chunks`` has, as one array, where that takes no per-step work: stacked
-    tensors, or plain Python ints / floats / bools (what the per-step path would make of them, the same dtype
-    rules); None otherwise (the caller's general path)."""
-    parts = []
-    for c in chunks:
-        if c.scal is None or name not in c.scal:
-            return None
-        parts.append(c.scal[name])
-    if all(isinstance(p, np.ndarray) for p in parts):
-        if len({p.shape[1:] for p in parts}) != 1:
-            return None
-        dt = _scalar_dtype({p.dtype.kind for p in parts})
-        if dt is None:
-            return None
-        return (np.concatenate(parts) if len(parts) > 1 else parts[0]).astype(dt)
-    if not all(isinstance(p, list) for p in parts):
-        return None
-    vals = [v for p in parts for v in p]
+def _step_names(scalars: List[Dict[str, Any]]) -> List[str]:
+    """The scalar names of these steps, in the order they first appear."""
+    first = tuple(scalars[0]) if scalars else ()
+    if all(tuple(d) == first for d in scalars):      # (the usual case: every step the same names)
+        return list(first)
+    out: List[str] = []
+    for d in scalars:
+        for k in d:
+            if k not in out:
+                out.append(k)
+    return out
+
+
+def _plain_scalar(vals: List[Any]) -> Optional[np.ndarray]:
+    """Plain Python ints / floats / bools of every step as one array, the dtype rules of the general path (None:
+    not all of one such type)."""
     types = {type(v) for v in vals}
     if types == {int} and -(1 << 63) <= min(vals) and max(vals) < (1 << 63):
         return np.array(vals, dtype=np.int64)
@@ -225,8 +185,9 @@ class _BatchState:
     confidences and the top-k logits of each commit."""
 
     def __init__(self, batch: int, rows: List[int], tokens: np.ndarray, step_of: np.ndarray, gen_start: int,
-                 mask_id: int, capture: str, topk: int):
+                 mask_id: int, capture: str, topk: int, table: BatchSteps):
         self.batch, self.rows = batch, rows
+        self.table = table                  # the batch's one step table (the sink appends, the writer reads)
         self.tok0 = tokens.astype(np.int64)       # the canvas the batch starts from (the given tokens)
         self.step0 = step_of.astype(np.int64)
         self.gen_start, self.mask_id = gen_start, mask_id
@@ -236,14 +197,33 @@ class _BatchState:
         self.topk_writes: List[tuple] = []  # (row, col, ids [n, k], logits [n, k]) per delta, in order
         self.finish_step = np.full(self.tok0.shape[0], -1, dtype=np.int64)
         self.wall_prev = 0                # decode time (us) after the last step written
-        self.pending: List[_Steps] = []   # per-step metadata not yet written
-        self.n_pending = 0                # steps in it
+        # the recorder's own per-step columns beside the table's (rows 0..n_steps-1 of it): the step's window
+        self.start: List[int] = []
+        self.width: List[int] = []
+        self.events: List[tuple] = []     # (table row, BlockEvent)
         self.held: List[Any] = []         # deltas of one window not taken yet (taken together)
-        self.first_pending = 0
+        self.first_pending = 0            # the first table row not yet written
         self.last_flush = 0.0             # decode wall time (s) of the last flushed step
-        self.n_steps = 0
+        self.n_steps = 0                  # table rows taken (their deltas' writes logged)
         self.nfe = 0
         self.wall = 0.0
+
+    @property
+    def n_pending(self) -> int:
+        return self.n_steps - self.first_pending
+
+    def take(self, deltas: List[Any], start: int, width: int) -> None:
+        """The recorder's columns of the next table rows (one per delta), and the running totals from the table."""
+        a, n, T = self.n_steps, len(deltas), self.table
+        if len(T) < a + n or T.step[a + n - 1] != int(deltas[-1].step):
+            raise TraceError(f"trace: batch {self.batch}: step {int(deltas[-1].step)} is not row {a + n - 1} of the "
+                             "batch's step table (a delta reached the writer without the sink's table)")
+        self.start += [start] * n
+        self.width += [width] * n
+        self.events += [(a + i, e) for i, d in enumerate(deltas) for e in d.block_events]
+        self.n_steps = a + n
+        self.nfe += sum(T.nfe[a:a + n])
+        self.wall = T.wall[a + n - 1]
 
     def log_remasks(self, rm: np.ndarray, s: int, t: int) -> None:
         r, c = np.nonzero(rm)
@@ -404,8 +384,10 @@ class TraceRecorder:
         self._closed = False
 
     # -- producer side (the step loop's thread) ------------------------------------------------------
-    def sink(self, batch: int, rows: Sequence[int]) -> "BatchSink":
-        return BatchSink(self, int(batch), [int(r) for r in rows])
+    def sink(self, batch: int, rows: Sequence[int], table: Optional[BatchSteps] = None) -> "BatchSink":
+        """The batch's sink; ``table``: the batch's step table when the caller keeps one already (the sink then
+        fills it: no sink of the batch may append to it besides)."""
+        return BatchSink(self, int(batch), [int(r) for r in rows], table)
 
     def _put(self, item, urgent: bool = False) -> None:
         if self._closed:
@@ -582,41 +564,14 @@ class TraceRecorder:
                 c = d.confidence
                 st.log_commits(C[i], _np(self._host(d.tokens)), None if c is None else _np(self._host(c)), s,
                                steps[i])
-        F = self._stack([d.finished for d in ds])
-        A = self._stack([d.active for d in ds])
-        newly = F.any(0) & (st.finish_step < 0)
-        if newly.any():
-            st.finish_step[newly] = steps[F.argmax(0)][newly]
-        stacked = {}
-        for k, v in ds[0].scalars.items():
-            vals = [d.scalars.get(k) for d in ds]
-            if isinstance(v, torch.Tensor) and all(isinstance(x, torch.Tensor) and x.shape == v.shape and x.dtype == v.dtype
-                                                   for x in vals):
-                stacked[k] = self._stack(vals)
-        keys = tuple(ds[0].scalars)
-
-        def value(v):
-            return _np(self._host(v)).copy() if isinstance(v, torch.Tensor) else v
-
-        scal = rows = None
-        if all(tuple(d.scalars) == keys for d in ds):
-            scal = {k: stacked[k] if k in stacked else [value(d.scalars[k]) for d in ds] for k in keys}
-        else:
-            rows = [{k: (stacked[k][i] if k in stacked else value(v)) for k, v in d.scalars.items()}
-                    for i, d in enumerate(ds)]
-        nfe = [int(d.nfe) for d in ds]
-        self._pend(st, _Steps(steps.tolist(), nfe, [float(d.wall_time) for d in ds], [s] * len(ds), [W] * len(ds), A, F,
-                              scal, rows, [(i, e) for i, d in enumerate(ds) for e in d.block_events]))
-        st.nfe += sum(nfe)
-        st.n_steps += len(ds)
-        st.wall = float(ds[-1].wall_time)
+        st.take(ds, s, W)        # (finished, active, scalars: the step table's, read when the steps are written)
         self._flush_full(st)
 
-    def _on_begin(self, batch, rows, tokens, step_of, attn, gen_start, mask_id, info, rng, event) -> None:
+    def _on_begin(self, batch, rows, tokens, step_of, attn, gen_start, mask_id, info, rng, table, event) -> None:
         self._waited(event)
         tokens, step_of, attn = (_np(self._host(t)) for t in (tokens, step_of, attn))
         self._check_shape(batch, tokens.shape[0], gen_start, tokens.shape[1])
-        st = _BatchState(batch, rows, tokens, step_of, gen_start, mask_id, self.capture, self.topk)
+        st = _BatchState(batch, rows, tokens, step_of, gen_start, mask_id, self.capture, self.topk, table)
         self._batches[batch] = st
         P = gen_start
         meta = {"batch": batch, "rows": rows, "gen_start": P, "length": int(tokens.shape[1]), "mask_id": mask_id,
@@ -649,18 +604,7 @@ class TraceRecorder:
         logits = getattr(delta, "logits", None)
         if logits is not None and st.topk:
             self._capture_logits(st, delta, logits, commit, s, W)
-        fin = _np(self._host(delta.finished))
-        newly = fin & (st.finish_step < 0)
-        if newly.any():
-            st.finish_step[newly] = t
-        # small per-step values are copied: a strategy might reuse a state tensor as a scalar
-        scal = {k: [_np(self._host(v)).copy() if isinstance(v, torch.Tensor) else v] for k, v in delta.scalars.items()}
-        self._pend(st, _Steps([t], [int(delta.nfe)], [float(delta.wall_time)], [s], [W],
-                              _np(self._host(delta.active)).copy()[None], fin.copy()[None], scal, None,
-                              [(0, e) for e in delta.block_events]))
-        st.n_steps += 1
-        st.nfe += int(delta.nfe)
-        st.wall = float(delta.wall_time)
+        st.take([delta], s, W)
         self._flush_full(st)
 
     def _capture_logits(self, st: _BatchState, delta, logits, commit, s: int, W: int) -> None:
@@ -686,59 +630,39 @@ class TraceRecorder:
         if st.n_pending and st.wall - st.last_flush >= FLUSH_SECONDS:
             self._flush_steps(st)
 
-    @staticmethod
-    def _pend(st: _BatchState, chunk: _Steps) -> None:
-        st.pending.append(chunk)
-        st.n_pending += chunk.n
-
     def _flush_steps(self, st: _BatchState, final: bool = False, limit: Optional[int] = None) -> Optional[bytes]:
         """Write the pending steps (the first ``limit``) as a steps record, or (``final``) return their table for
-        the batch-end record."""
+        the batch-end record: rows of the batch's step table (read here, host copies made for the record) beside
+        the recorder's own columns."""
         if not st.n_pending:
             return None
         n = st.n_pending if limit is None else min(limit, st.n_pending)
-        chunks: List[_Steps] = []
-        taken = 0
-        while taken < n:
-            c = st.pending[0]
-            if taken + c.n <= n:
-                chunks.append(st.pending.pop(0))
-                taken += c.n
-            else:
-                chunks.append(c.part(0, n - taken))
-                st.pending[0] = c.part(n - taken, c.n)
-                taken = n
-        st.n_pending -= n
-
-        def joined(attr: str) -> List[Any]:
-            return [x for c in chunks for x in getattr(c, attr)]
-
-        def stacked(attr: str) -> np.ndarray:
-            return np.concatenate([getattr(c, attr) for c in chunks]) if len(chunks) > 1 else getattr(chunks[0], attr)
-
-        steps = np.array(joined("step"), dtype=np.int64)
+        a, b, T = st.first_pending, st.first_pending + n, st.table
+        steps = np.array(T.step[a:b], dtype=np.int64)
+        F = self._stack(T.finished[a:b])
+        newly = F.any(0) & (st.finish_step < 0)
+        if newly.any():
+            st.finish_step[newly] = steps[F.argmax(0)][newly]
         arrays = {
             # wall time (seconds since decode start) in microseconds; quantised by records.encode_table
-            "wall_us": np.rint(np.array(joined("wall"), dtype=np.float64) * 1e6).astype(np.int64),
+            "wall_us": np.rint(np.array(T.wall[a:b], dtype=np.float64) * 1e6).astype(np.int64),
             "step": steps,
-            "nfe": np.array(joined("nfe"), dtype=np.int32),
-            "start": np.array(joined("start"), dtype=np.int32),
-            "width": np.array(joined("width"), dtype=np.int32),
-            "active": stacked("active").astype(np.bool_),
-            "finished": stacked("finished").astype(np.bool_),
+            "nfe": np.array(T.nfe[a:b], dtype=np.int32),
+            "start": np.array(st.start[a:b], dtype=np.int32),
+            "width": np.array(st.width[a:b], dtype=np.int32),
+            "active": self._stack(T.active[a:b]).astype(np.bool_),
+            "finished": F.astype(np.bool_),
         }
-        names: List[str] = []
-        for c in chunks:
-            for k in c.names():
-                if k not in names:
-                    names.append(k)
         json_scalars = {}
-        for k in names:
-            arr = _stacked_scalar(chunks, k)
+        scal = T.scalars[a:b]
+        for k in _step_names(scal):
+            vals = [d.get(k) for d in scal]
+            arr = self._uniform_scalar(vals)
             if arr is not None:
                 arrays["s:" + k] = arr
                 continue
-            vals = [v for c in chunks for v in c.values(k)]
+            # (copies: a strategy might reuse a state tensor as a scalar)
+            vals = [_np(self._host(v)).copy() if isinstance(v, torch.Tensor) else v for v in vals]
             present = np.array([v is not None for v in vals])
             got = [np.asarray(v) for v in vals if v is not None]
             shapes = {g.shape for g in got}
@@ -751,10 +675,8 @@ class TraceRecorder:
                     arrays["p:" + k] = present
             else:
                 json_scalars[k] = [None if v is None else (np.asarray(v).tolist()) for v in vals]
-        events, off = [], 0
-        for c in chunks:
-            events += [[off + i, e.kind, int(e.block), int(e.start), int(e.end), int(e.row)] for i, e in c.events]
-            off += c.n
+        events = [[i - a, e.kind, int(e.block), int(e.start), int(e.end), int(e.row)] for i, e in st.events if i < b]
+        st.events = [x for x in st.events if x[0] >= b] if events else st.events
         meta = {"first": st.first_pending, "events": events, "json_scalars": json_scalars}
         table = records.encode_table(meta, arrays, st.wall_prev, self.level)
         st.wall_prev = max(st.wall_prev, int(arrays["wall_us"].max()))
@@ -767,6 +689,20 @@ class TraceRecorder:
         self._write(fmt.STEPS, bytes(head) + table)
         self._f.flush()              # a mid-batch table reaches the OS now, not at the batch's end
         return None
+
+    def _uniform_scalar(self, vals: List[Any]) -> Optional[np.ndarray]:
+        """A scalar every step has as one array where that takes no per-step work: same-shaped numeric tensors (one
+        stack), or plain Python ints / floats / bools (the general path's dtype rules); None otherwise."""
+        if any(v is None for v in vals):
+            return None
+        v0 = vals[0]
+        if isinstance(v0, torch.Tensor):
+            if not all(isinstance(x, torch.Tensor) and x.shape == v0.shape and x.dtype == v0.dtype for x in vals):
+                return None
+            arr = self._stack(vals)
+            dt = _scalar_dtype({arr.dtype.kind})
+            return None if dt is None else arr.astype(dt)
+        return _plain_scalar(vals)
 
     def _on_end(self, batch, tokens, step_of, row_nfe, event) -> None:
         self._waited(event)
@@ -851,10 +787,14 @@ def _open_exclusive(path: str):
 
 
 class BatchSink(Sink):
-    """The sink of one batch; hands tensors over without copying or synchronising."""
+    """The sink of one batch; hands tensors over without copying or synchronising. It owns the batch's
+    :class:`~dlm_engine.core.steps.BatchSteps` (``step_table``; given, or a new one): each delta's row goes into it
+    before the delta goes to the writer, which writes the step records from it; the run's metrics read the same
+    table (:func:`dlm_engine.core.steps.batch_steps`)."""
 
-    def __init__(self, rec: TraceRecorder, batch: int, rows: List[int]):
+    def __init__(self, rec: TraceRecorder, batch: int, rows: List[int], table: Optional[BatchSteps] = None):
         self.rec, self.batch, self.rows = rec, batch, rows
+        self.step_table = table if table is not None else BatchSteps()
         self.wants_logits = rec.wants_logits
         self.wants_recomputed = rec.recomputed
         self._cuda = False
@@ -886,9 +826,11 @@ class BatchSink(Sink):
         if self._cuda:
             rng.append(torch.cuda.get_rng_state(canvas.device))
         self.rec._put(("begin", self.batch, self.rows, canvas.tokens.clone(), canvas.step_of.clone(),
-                       canvas.attention_mask.clone(), canvas.gen_start, canvas.mask_id, dict(info), rng, self._event()))
+                       canvas.attention_mask.clone(), canvas.gen_start, canvas.mask_id, dict(info), rng, self.step_table,
+                       self._event()))
 
     def on_delta(self, delta, canvas) -> None:
+        self.step_table.append(delta)
         self.rec._put(("delta", self.batch, delta, self._event()))
 
     def on_end(self, canvas) -> None:
