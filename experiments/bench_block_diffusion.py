@@ -1,17 +1,26 @@
 #!/usr/bin/env python3
-"""Block-diffusion decoding with and without the block store (``cache=block_kv`` vs ``cache=none``).
+"""Block-diffusion decoding: dlm_engine against a reference-shaped loop of each family, and the block store.
 
-    python experiments/bench_block_diffusion.py                 # both families, default sizes (~1 min on 2 cores)
-    python experiments/bench_block_diffusion.py --family sdar --prompt 256 --gen 256 --reps 3
+    python experiments/bench_block_diffusion.py                 # fdv2, sdar, llada2, default sizes (~20 s a round)
+    python experiments/bench_block_diffusion.py --family sdar --prompt 256 --gen 256 --reps 5
+    python experiments/bench_block_diffusion.py --family fdv2,sdar --store-table   # + cache=none vs block_kv
 
-A random d256-class model of each family (hidden 256, 4 layers, 4 heads / 2 KV heads, vocabulary 2048; the
-output head scaled so that confidences spread out and the thresholds commit several tokens on some steps) decodes
-one prompt with its family's strategy (Fast-dLLM v2: ``fdv2`` blocks of 32, sub-blocks of 8, threshold 0.9;
-SDAR: ``sdar`` eval sampler, blocks of 4, 4 denoising steps, top_k 1), once with every forward recomputing the
-whole canvas (``none``) and once with the block store (``block_kv``). Configurations run interleaved (``--reps``
-rounds after a warm-up). Reported per configuration: NFE, process CPU time and wall time of the decode (median
-over the rounds), forward tokens per step (positions fed through the layers per forward, all layers alike) and
-whether the two runs gave the same tokens (the block store is exact: they must).
+A random d256-class model of each family decodes one prompt with its family's parity settings (the settings
+``experiments/parity.py`` uses against the bdparity fixtures): Fast-dLLM v2 ``fdv2`` (blocks of 32, sub-blocks of
+8, threshold 0.9; cache ``block_kv``), SDAR ``sdar`` (eval sampler, blocks of 4, 4 denoising steps, top_k 1,
+threshold 0.9; cache ``block_kv``), LLaDA2.0 ``llada2`` (blocks of 32, 32 steps, threshold 0.9; cache ``none``, as
+the reference recomputes everything, and also ``block_store``). The Qwen models are hidden 256, 4 layers, 4 heads /
+2 KV heads, vocabulary 2048; the LLaDA2 model is experiments/bench_moe.py's MoE config (hidden 256, 4 layers, 64
+experts, top-8) on the same vocabulary. The output head is scaled (6/sqrt(d)); the mask and EOS rows are zeroed.
+
+The **reference-shaped loop** of a family (``ref_fdv2``, ``ref_sdar``, ``ref_llada2``) is written here from the
+SPEC of tests/fixtures/bdparity/README.md, in the shape of the reference's own decode loop: its own forwards over
+the model's weights (a per-layer ``past_key_values`` list grown by concatenation for Fast-dLLM v2 and SDAR, a full
+recompute of the window with an additive block mask for LLaDA2.0), its own per-step selection in plain torch. It
+is not the references' code (not available here) and uses nothing of dlm_engine's loop, strategies or caches. Both
+sides run interleaved (``--reps`` rounds after a warm-up); reported per dlm_engine cache: median process CPU and
+wall time of each side, their ratio (reference / dlm_engine: above 1 means dlm_engine is faster), NFE of both and
+whether the answers (the sequence each reference returns) and NFE are the same.
 """
 from __future__ import annotations
 
@@ -95,12 +104,17 @@ def run(model, family: str, cache_name: str, prompt, gen: int):
 # its leaf modules (Linear, RMSNorm, the SwiGLU experts), so the weights are identical.
 # ------------------------------------------------------------------------------------------------------------------
 
-def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float, dim: int) -> torch.Tensor:
-    """RoPE (rotate-half) on the first ``dim`` channels of ``x`` [B, H, q, hd] at positions ``pos`` [q]."""
+def _rope_tables(pos: torch.Tensor, theta: float, dim: int, dtype) -> tuple:
+    """cos / sin [q, dim] of the positions ``pos`` [q] (computed once per forward, as the model's rotary module)."""
     inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
     f = pos.to(torch.float)[:, None] * inv
     emb = torch.cat((f, f), dim=-1)
-    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE (rotate-half) on the first ``cos.shape[-1]`` channels of ``x`` [B, H, q, hd]; the rest pass."""
+    dim = cos.shape[-1]
     r = x[..., :dim]
     half = dim // 2
     r = r * cos + torch.cat((-r[..., half:], r[..., :half]), dim=-1) * sin
@@ -122,8 +136,8 @@ def qwen_forward(model, ids: torch.Tensor, pos0: int, past: list, store: bool, m
     m, cfg = model.model, model.config
     B, q = ids.shape
     H, KV, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    pos = torch.arange(pos0, pos0 + q)
     h = m.embed_tokens(ids)
+    cos, sin = _rope_tables(torch.arange(pos0, pos0 + q), cfg.rope_theta, hd, h.dtype)
     for i, layer in enumerate(m.layers):
         a = layer.self_attn
         x = layer.input_layernorm(h)
@@ -131,7 +145,7 @@ def qwen_forward(model, ids: torch.Tensor, pos0: int, past: list, store: bool, m
         if model.qk_norm:
             qs, ks = a.q_norm(qs), a.k_norm(ks)
         qs, ks, vs = qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2)
-        qs, ks = _rope(qs, pos, cfg.rope_theta, hd), _rope(ks, pos, cfg.rope_theta, hd)
+        qs, ks = _rope(qs, cos, sin), _rope(ks, cos, sin)
         if past[i] is not None:
             ks, vs = torch.cat((past[i][0], ks), dim=2), torch.cat((past[i][1], vs), dim=2)
         if store:
@@ -281,8 +295,8 @@ def llada2_forward(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
     m, cfg = model.model, model.config
     B, W = ids.shape
     H, KV, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    pos = torch.arange(W)
     h = m.word_embeddings(ids)
+    cos, sin = _rope_tables(torch.arange(W), cfg.rope_theta, cfg.rope_dim, h.dtype)
     for i, layer in enumerate(m.layers):
         a = layer.attention
         x = layer.input_layernorm(h)
@@ -290,7 +304,7 @@ def llada2_forward(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
         qs, ks, vs = qkv[:, :, :H], qkv[:, :, H:H + KV], qkv[:, :, H + KV:]
         qs, ks = a.query_layernorm(qs), a.key_layernorm(ks)
         qs, ks, vs = qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2)
-        qs, ks = _rope(qs, pos, cfg.rope_theta, cfg.rope_dim), _rope(ks, pos, cfg.rope_theta, cfg.rope_dim)
+        qs, ks = _rope(qs, cos, sin), _rope(ks, cos, sin)
         o = _attend(qs, ks, vs, mask)
         h = h + a.dense(o.transpose(1, 2).reshape(B, W, H * hd))
         x = layer.post_attention_layernorm(h)
