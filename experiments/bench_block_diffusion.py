@@ -7,8 +7,8 @@
 
 A random d256-class model of each family decodes one prompt with its family's parity settings (the settings
 ``experiments/parity.py`` uses against the bdparity fixtures): Fast-dLLM v2 ``fdv2`` (blocks of 32, sub-blocks of
-8, threshold 0.9; cache ``block_kv``), SDAR ``sdar`` (eval sampler, blocks of 4, 4 denoising steps, top_k 1,
-threshold 0.9; cache ``block_kv``), LLaDA2.0 ``llada2`` (blocks of 32, 32 steps, threshold 0.9; cache ``none``, as
+8, threshold 0.9; cache ``block_kv``; again with ``use_block_cache``, the reference's stale block cache), SDAR
+``sdar`` (eval sampler, blocks of 4, 4 denoising steps, top_k 1, threshold 0.9; cache ``block_kv``), LLaDA2.0 ``llada2`` (blocks of 32, 32 steps, threshold 0.9; cache ``none``, as
 the reference recomputes everything, and also ``block_store``). The Qwen models are hidden 256, 4 layers, 4 heads /
 2 KV heads, vocabulary 2048; the LLaDA2 model is experiments/bench_moe.py's MoE config (hidden 256, 4 layers, 64
 experts, top-8) on the same vocabulary. The output head is scaled (6/sqrt(d)); the mask and EOS rows are zeroed.
@@ -129,10 +129,15 @@ def _attend(q, k, v, mask):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-def qwen_forward(model, ids: torch.Tensor, pos0: int, past: list, store: bool, mask: Optional[torch.Tensor]):
+def qwen_forward(model, ids: torch.Tensor, pos0: int, past: list, store: bool, mask: Optional[torch.Tensor],
+                 block_cache: Optional[list] = None, sub: Optional[int] = None):
     """One forward of a Fast-dLLM v2 / SDAR model: ``ids`` [B, q] at positions ``pos0..``, attending to ``past``
     (per layer ``(k, v)`` [B, KV, C, hd] or None) plus its own keys; ``store`` appends them to ``past``. ``mask``:
-    boolean [q, C + q] (True = visible) or None (every key visible). Returns the raw logits [B, q, V]."""
+    boolean [q, C + q] (True = visible) or None (every key visible). Returns the raw logits [B, q, V].
+
+    Fast-dLLM v2's block cache: with ``block_cache`` (a per-layer list) and ``sub`` None, the forward's own keys and
+    values become the layer's block cache; with ``sub = r`` they overwrite its slots ``r..r+q-1`` in place and the
+    queries attend to ``past`` plus every block-cache slot (stale ones included)."""
     m, cfg = model.model, model.config
     B, q = ids.shape
     H, KV, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -146,6 +151,13 @@ def qwen_forward(model, ids: torch.Tensor, pos0: int, past: list, store: bool, m
             qs, ks = a.q_norm(qs), a.k_norm(ks)
         qs, ks, vs = qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2)
         qs, ks = _rope(qs, cos, sin), _rope(ks, cos, sin)
+        if block_cache is not None:
+            if sub is None:
+                block_cache[i] = (ks, vs)
+            else:
+                block_cache[i][0][:, :, sub:sub + q] = ks
+                block_cache[i][1][:, :, sub:sub + q] = vs
+                ks, vs = block_cache[i]
         if past[i] is not None:
             ks, vs = torch.cat((past[i][0], ks), dim=2), torch.cat((past[i][1], vs), dim=2)
         if store:
@@ -165,8 +177,9 @@ def _block_causal(q0: int, q: int, k: int, block: int) -> torch.Tensor:
 
 
 def ref_fdv2(model, prompt: List[int], max_new_tokens: int, mask_id: int, stop_token: int, block_size: int = 32,
-             small_block_size: int = 8, threshold: float = 0.9, decode_mask_block: int = 32):
-    """Fast-dLLM v2's ``generate`` (SPEC §3-§4, greedy, no block cache): ``(returned row, NFE)``."""
+             small_block_size: int = 8, threshold: float = 0.9, decode_mask_block: int = 32,
+             use_block_cache: bool = False):
+    """Fast-dLLM v2's ``generate`` (SPEC §3-§4, greedy): ``(returned row, NFE)``."""
     bs, sbs, stop = block_size, small_block_size, stop_token
     x = torch.tensor([prompt])
     P = x.shape[1]
@@ -190,12 +203,19 @@ def ref_fdv2(model, prompt: List[int], max_new_tokens: int, mask_id: int, stop_t
         x = torch.cat((x, torch.full((1, bs - start % bs), mask_id)), dim=1)
         S = x.shape[1] - bs
         C = 0 if past[0] is None else past[0][0].shape[2]
+        block_cache = [None] * len(past) if use_block_cache else None
         for j in range(bs // sbs):
             lo, hi = S + j * sbs, S + (j + 1) * sbs
             while bool((x[0, lo:hi] == mask_id).any()) and not settled(start):
-                logits = qwen_forward(model, x[:, S:], C, past, False, _block_causal(C, bs, C + bs, decode_mask_block))
-                nfe += 1
-                logits = torch.cat((logits[:, :1], logits[:, :-1]), dim=1)[:, j * sbs:(j + 1) * sbs]
+                if use_block_cache and block_cache[0] is not None and not bool((x[:, lo] == mask_id).any()):
+                    logits = qwen_forward(model, x[:, lo:hi], C + j * sbs, past, False, None, block_cache, j * sbs)
+                    nfe += 1
+                    logits = torch.cat((logits[:, :1], logits[:, :-1]), dim=1)
+                else:
+                    logits = qwen_forward(model, x[:, S:], C, past, False,
+                                          _block_causal(C, bs, C + bs, decode_mask_block), block_cache)
+                    nfe += 1
+                    logits = torch.cat((logits[:, :1], logits[:, :-1]), dim=1)[:, j * sbs:(j + 1) * sbs]
                 p = torch.softmax(logits.float(), dim=-1)
                 conf, tok = p.max(dim=-1)
                 masked = x[:, lo:hi] == mask_id
@@ -402,9 +422,13 @@ def _timed(fn):
     return out, time.process_time() - c0, time.perf_counter() - w0
 
 
-def run_reference(model, family: str, prompt: List[int], gen: int) -> dict:
-    """The reference-shaped loop of a family: its returned sequence, NFE and times."""
-    kw = dict(SETTINGS[family][3])
+VARIANTS = {"fdv2": [dict(use_block_cache=True)]}   # further settings timed by default (Fast-dLLM v2's block cache)
+
+
+def run_reference(model, family: str, prompt: List[int], gen: int, kw: Optional[dict] = None) -> dict:
+    """The reference-shaped loop of a family: its returned sequence, NFE and times (``kw``: the strategy settings,
+    default the family's)."""
+    kw = dict(SETTINGS[family][3] if kw is None else kw)
     if family == "fdv2":
         fn = lambda: ref_fdv2(model, prompt, gen, MASK, **kw)                                    # noqa: E731
     elif family == "sdar":
@@ -416,12 +440,13 @@ def run_reference(model, family: str, prompt: List[int], gen: int) -> dict:
     return dict(tokens=tokens, nfe=nfe, cpu=cpu, wall=wall)
 
 
-def run_engine(model, family: str, cache_name: str, prompt: List[int], gen: int) -> dict:
+def run_engine(model, family: str, cache_name: str, prompt: List[int], gen: int, kw: Optional[dict] = None) -> dict:
     """dlm_engine's decode of the same call, its answer cut as the reference returns it."""
     from dlm_engine.strategies.fdv2 import fdv2_gen_length, fdv2_output
     from dlm_engine.strategies.sdar import sdar_gen_length
 
-    sname, _, _, kw = SETTINGS[family]
+    sname, _, _, base = SETTINGS[family]
+    kw = base if kw is None else kw
     P = len(prompt)
     S, C = strategy_class(sname), cache_class(cache_name)
     if family == "fdv2":
@@ -444,20 +469,20 @@ def run_engine(model, family: str, cache_name: str, prompt: List[int], gen: int)
     return dict(tokens=tokens, nfe=canvas.nfe, cpu=cpu, wall=wall)
 
 
-def compare(family: str, prompt: List[int], gen: int, reps: int, model=None) -> List[dict]:
+def compare(family: str, prompt: List[int], gen: int, reps: int, model=None, kw: Optional[dict] = None) -> List[dict]:
     """Interleaved rounds of the reference-shaped loop and dlm_engine's decode (after one warm-up of each):
     one row per dlm_engine cache, with medians of process CPU and wall time."""
     model = build_model(family) if model is None else model
     _, cache, store, _ = SETTINGS[family]
     caches = [cache] + ([store] if store else [])
-    run_reference(model, family, prompt[:40], 40)                  # warm-up (one block of 32 at least)
+    run_reference(model, family, prompt[:40], 40, kw)              # warm-up (one block of 32 at least)
     for c in caches:
-        run_engine(model, family, c, prompt[:40], 40)
+        run_engine(model, family, c, prompt[:40], 40, kw)
     ref, eng = [], {c: [] for c in caches}
     for _ in range(reps):
-        ref.append(run_reference(model, family, prompt, gen))
+        ref.append(run_reference(model, family, prompt, gen, kw))
         for c in caches:
-            eng[c].append(run_engine(model, family, c, prompt, gen))
+            eng[c].append(run_engine(model, family, c, prompt, gen, kw))
     med = lambda rs, k: statistics.median(r[k] for r in rs)                                     # noqa: E731
     rows = []
     for c in caches:
@@ -467,8 +492,14 @@ def compare(family: str, prompt: List[int], gen: int, reps: int, model=None) -> 
     return rows
 
 
-def setting_name(family: str) -> str:
-    return ",".join(f"{k}={v}" for k, v in SETTINGS[family][3].items() if k not in ("stop_ids", "stop_token"))
+def settings(family: str) -> List[dict]:
+    """The strategy settings timed for a family: its parity setting, then its variants."""
+    base = SETTINGS[family][3]
+    return [base] + [dict(base, **v) for v in VARIANTS.get(family, [])]
+
+
+def setting_name(kw: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in kw.items() if k not in ("stop_ids", "stop_token"))
 
 
 def main(argv=None) -> int:
@@ -495,9 +526,9 @@ def main(argv=None) -> int:
     print(f"{'family':6} {'setting':58} {'cache':11} {'ref CPU':>8} {'ref wall':>8} {'eng CPU':>8} {'eng wall':>8} "
           f"{'CPU x':>6} {'wall x':>6} {'NFE':>9} same")
     with torch.inference_mode():
-        for family in families:
-            for r in compare(family, prompt, args.gen, args.reps):
-                print(f"{family:6} {setting_name(family):58} {r['cache']:11} {r['ref_cpu']:8.3f} {r['ref_wall']:8.3f} "
+        for family, kw in ((f, kw) for f in families for kw in settings(f)):
+            for r in compare(family, prompt, args.gen, args.reps, kw=kw):
+                print(f"{family:6} {setting_name(kw):58} {r['cache']:11} {r['ref_cpu']:8.3f} {r['ref_wall']:8.3f} "
                       f"{r['cpu']:8.3f} {r['wall']:8.3f} {r['ref_cpu'] / r['cpu']:6.2f} "
                       f"{r['ref_wall'] / r['wall']:6.2f} {r['ref_nfe']:>4}/{r['nfe']:<4} "
                       f"{'yes' if r['same'] and r['ref_nfe'] == r['nfe'] else 'NO'}")

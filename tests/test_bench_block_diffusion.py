@@ -38,36 +38,41 @@ def _with_eos(bench, model, family, prompt, gen):
 
 def test_reference_shaped_loops_give_the_engines_tokens():
     """The speed comparison is only meaningful at identical tokens: each family's reference-shaped loop (plain torch,
-    written from the bdparity SPEC) returns exactly what dlm_engine's decode returns with the family's parity
-    settings, with the same NFE, for prompts below / at / above a block, with several tokens committed on some steps
-    and (Fast-dLLM v2, LLaDA2.0) a stop on EOS."""
+    written from the bdparity SPEC) returns exactly what dlm_engine's decode returns with each timed setting (the
+    family's parity setting; Fast-dLLM v2 also with its block cache), with the same NFE, for prompts below / at /
+    above a block, with several tokens committed on some steps and (Fast-dLLM v2, LLaDA2.0) a stop on EOS."""
     bench = load_experiment("bench_block_diffusion")
     from dlm_engine.core.registry import load_plugins
 
     load_plugins()
-    multi = {}
+    multi, answers = {}, {}
     with torch.inference_mode():
         for family in ("fdv2", "sdar", "llada2"):
             _, cache, store, _ = bench.SETTINGS[family]
             caches = [cache] + ([store] if store else [])
             model = bench.build_model(family, hidden=64, layers=2, experts=8, head_scale=12.0)
             cases = [(list(range(100, 100 + P)), G) for P, G in ((40, 64), (32, 64), (11, 40))]
-            for prompt, gen in cases:
-                ref = bench.run_reference(model, family, prompt, gen)
-                for c in caches:
-                    got = bench.run_engine(model, family, c, prompt, gen)
-                    assert (got["tokens"], got["nfe"]) == (ref["tokens"], ref["nfe"]), (family, len(prompt), gen, c)
-                written = len(ref["tokens"]) - (len(prompt) if family != "llada2" else 0)
-                multi[family] = multi.get(family, False) or ref["nfe"] < written
+            for i, kw in enumerate(bench.settings(family)):
+                for prompt, gen in cases:
+                    ref = bench.run_reference(model, family, prompt, gen, kw)
+                    for c in caches:
+                        got = bench.run_engine(model, family, c, prompt, gen, kw)
+                        assert (got["tokens"], got["nfe"]) == (ref["tokens"], ref["nfe"]), (family, kw, len(prompt), c)
+                    written = len(ref["tokens"]) - (len(prompt) if family != "llada2" else 0)
+                    multi[family] = multi.get(family, False) or ref["nfe"] < written
+                    answers.setdefault((family, i), []).append(ref["tokens"])
             if family != "sdar":                                  # (the sdar setting has no stop ids)
                 prompt, gen = cases[0]
                 model = _with_eos(bench, model, family, prompt, gen)
-                ref = bench.run_reference(model, family, prompt, gen)
-                assert bench.EOS in ref["tokens"] and ref["tokens"][-1] == bench.EOS
-                for c in caches:
-                    got = bench.run_engine(model, family, c, prompt, gen)
-                    assert (got["tokens"], got["nfe"]) == (ref["tokens"], ref["nfe"]), (family, "eos", c)
+                for kw in bench.settings(family):
+                    ref = bench.run_reference(model, family, prompt, gen, kw)
+                    assert bench.EOS in ref["tokens"] and ref["tokens"][-1] == bench.EOS
+                    for c in caches:
+                        got = bench.run_engine(model, family, c, prompt, gen, kw)
+                        assert (got["tokens"], got["nfe"]) == (ref["tokens"], ref["nfe"]), (family, kw, "eos", c)
     assert multi == {"fdv2": True, "sdar": True, "llada2": True}     # several tokens per step on some steps
+    # Fast-dLLM v2's block cache attends stale keys of the other sub-blocks: its tokens differ (its path is used)
+    assert answers[("fdv2", 0)] != answers[("fdv2", 1)]
 
 
 def test_comparison_rows_and_table(capsys):
