@@ -8,10 +8,11 @@
 A random d256-class model of each family decodes one prompt with its family's parity settings (the settings
 ``experiments/parity.py`` uses against the bdparity fixtures): Fast-dLLM v2 ``fdv2`` (blocks of 32, sub-blocks of
 8, threshold 0.9; cache ``block_kv``; again with ``use_block_cache``, the reference's stale block cache), SDAR
-``sdar`` (eval sampler, blocks of 4, 4 denoising steps, top_k 1, threshold 0.9; cache ``block_kv``), LLaDA2.0 ``llada2`` (blocks of 32, 32 steps, threshold 0.9; cache ``none``, as
-the reference recomputes everything, and also ``block_store``). The Qwen models are hidden 256, 4 layers, 4 heads /
-2 KV heads, vocabulary 2048; the LLaDA2 model is experiments/bench_moe.py's MoE config (hidden 256, 4 layers, 64
-experts, top-8) on the same vocabulary. The output head is scaled (6/sqrt(d)); the mask and EOS rows are zeroed.
+``sdar`` (eval sampler, blocks of 4, 4 denoising steps, top_k 1, threshold 0.9; cache ``block_kv``), LLaDA2.0
+``llada2`` (blocks of 32, 32 steps, threshold 0.9; cache ``none``, as the reference recomputes everything, and also
+``block_store``). The Qwen models are hidden 256, 4 layers, 4 heads / 2 KV heads, vocabulary 2048; the LLaDA2
+model is experiments/bench_moe.py's MoE config (hidden 256, 4 layers, 64 experts, top-8) on the same vocabulary.
+The output head is scaled (6/sqrt(d)); the mask and EOS rows are zeroed.
 
 The **reference-shaped loop** of a family (``ref_fdv2``, ``ref_sdar``, ``ref_llada2``) is written here from the
 SPEC of tests/fixtures/bdparity/README.md, in the shape of the reference's own decode loop: its own forwards over
