@@ -524,12 +524,12 @@ def main(argv=None) -> int:
     print(f"prompt {args.prompt}, generation {args.gen}, {args.reps} rounds, {args.threads} thread(s); "
           f"load average {os.getloadavg()[0]:.2f}")
     print("reference-shaped loop (written from the bdparity SPEC) vs dlm_engine, median process CPU / wall seconds")
-    print(f"{'family':6} {'setting':58} {'cache':11} {'ref CPU':>8} {'ref wall':>8} {'eng CPU':>8} {'eng wall':>8} "
+    print(f"{'family':6} {'setting':72} {'cache':11} {'ref CPU':>8} {'ref wall':>8} {'eng CPU':>8} {'eng wall':>8} "
           f"{'CPU x':>6} {'wall x':>6} {'NFE':>9} same")
     with torch.inference_mode():
         for family, kw in ((f, kw) for f in families for kw in settings(f)):
             for r in compare(family, prompt, args.gen, args.reps, kw=kw):
-                print(f"{family:6} {setting_name(kw):58} {r['cache']:11} {r['ref_cpu']:8.3f} {r['ref_wall']:8.3f} "
+                print(f"{family:6} {setting_name(kw):72} {r['cache']:11} {r['ref_cpu']:8.3f} {r['ref_wall']:8.3f} "
                       f"{r['cpu']:8.3f} {r['wall']:8.3f} {r['ref_cpu'] / r['cpu']:6.2f} "
                       f"{r['ref_wall'] / r['wall']:6.2f} {r['ref_nfe']:>4}/{r['nfe']:<4} "
                       f"{'yes' if r['same'] and r['ref_nfe'] == r['nfe'] else 'NO'}")
