@@ -210,7 +210,7 @@ def _steps(model, canvas: Canvas, strategy: Strategy, cache, sinks, state, limit
                 if rows is not None and plan.sample:
                     proposal = expand_proposal(proposal, rows, canvas)
             proposal.active, proposal.pads, proposal.all_confidences = active.mask, canvas.pads, all_conf
-            proposal.finished_host = host.finished
+            proposal.finished_host = mirror.finished     # (with rows a sink finished: Canvas.finished_host)
             delta, state = strategy.select(canvas, plan, proposal, state)
             if not fast and delta.counted:     # the plain path: finished rows from the canvas, not from counts
                 plain_finished(canvas, delta)
