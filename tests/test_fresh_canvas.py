@@ -1,7 +1,7 @@
-"""A fresh canvas (made by ``Canvas.from_prompts`` and not changed since: ``core/fast/mirror.py: is_fresh``) has every generated position masked and
-no row finished, so the host read before the first step can be made on the host (``Strategy.fresh_values``).
-The values equal what the device read returns, for every strategy and setting that offers them; the decode
-reads one time fewer and is otherwise the same, bit for bit."""
+"""A fresh canvas (made by ``Canvas.from_prompts`` and not changed since: ``core/fast/mirror.py: is_fresh``) has
+every generated position masked and no row finished, so the host read before the first step can be made on the host
+(``Strategy.fresh_values``). The values equal what the device read returns, for every strategy and setting that
+offers them; the decode reads one time fewer and is otherwise the same, bit for bit."""
 import pytest
 import torch
 
