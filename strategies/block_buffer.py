@@ -33,7 +33,7 @@ from dlm_engine.core.registry import register_strategy
 from dlm_engine.core.selection import column_indices, f32, masked_conf
 from dlm_engine.core.confidence import Remasking, ranking
 from dlm_engine.core.strategy import CacheDirective, StepPlan, Strategy, evolve
-from dlm_engine.core.fast import pending_delta
+from dlm_engine.core.fast import finished_before, pending_delta
 from dlm_engine.errors import ConfigError
 
 
@@ -216,7 +216,8 @@ class BlockBuffer(Strategy):
             # = the canvas' once the delta is applied: the sync request, which also tells the finished rows (none
             # masked left) on the host (rows finished before never again: they have none left either)
             counts = block_counts(canvas, bl, masked_gen)
-            delta = pending_delta(canvas, proposal, commit, (counts, [-1 if f else 0 for f in canvas.finished_host]),
+            before = finished_before(proposal, canvas.batch_size)
+            delta = pending_delta(canvas, proposal, commit, (counts, [-1 if f else 0 for f in before]),
                                   confidence=conf_w)
         events = list(st.events)
         for s0, e0 in (plan.cache.stored if plan.cache is not None else []):   # honoured by the cache

@@ -227,7 +227,7 @@ class CadLLM(Strategy):
         """Row 0's generated ``step_of`` (masked: < 0), then after a step: the block's tokens (repetition detection:
         the committed ones are the columns masked before the step and not after it), the flags, mean and gap. Views
         where possible: ``cat`` promotes to int64, or to float64 when a float part is read (exact for these ints)."""
-        parts = [canvas.cols(canvas.gen_start, canvas.length)[1][0]]     # (cached window views: one op each)
+        parts = [canvas.cols(canvas.gen_start, canvas.length)[1][0]]     # (window views)
         if st.pending is not None:
             flags, mean, gap = st.pending
             if self.cfg.repetition_detection:

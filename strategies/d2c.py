@@ -38,7 +38,7 @@ from dlm_engine.core.rows import full_batch
 from dlm_engine.core import sampler
 from dlm_engine.core.sampler import ALGS, Sampled, placed, sample_tokens
 from dlm_engine.core.selection import d2c_commit, first_true, masked_order
-from dlm_engine.core.fast import host_finished
+from dlm_engine.core.fast import finished_before, host_finished
 from dlm_engine.core.strategy import CacheDirective, StepPlan, Strategy, evolve, masked_after
 from dlm_engine.errors import ConfigError
 
@@ -384,7 +384,8 @@ class D2C(Strategy):
                 st = evolve(st, ranked_scores=scores)
         commit_a, st = self.pick(scores, cand, block_cand, sampled, st, rows, counts)
         delta, committed, only_commits, n_host = self.frame(canvas, rows, commit_a, sampled.x0, conf, masked_all, st,
-                                                            n_call=self.host_commits(counts), run=plan.rows)
+                                                            n_call=self.host_commits(counts), run=plan.rows,
+                                                            before=finished_before(proposal, canvas.batch_size))
         delta.scalars.update(block=st.block, committed=committed)
         # the block ends in synced, on the host read; ``only_commits`` (the fast path) says the commits were all
         # that changed the eligible positions (``n_host``: and the host knows how many: nothing to read)
@@ -393,7 +394,8 @@ class D2C(Strategy):
                              committed_step=delta.step, ranked_scores=None)
 
     def frame(self, canvas, rows, commit_a, x0_a, conf_a, masked: Optional[torch.Tensor] = None,
-              st: Optional[BlockState] = None, n_call: Optional[Tuple[int, ...]] = None, run=None):
+              st: Optional[BlockState] = None, n_call: Optional[Tuple[int, ...]] = None, run=None,
+              before: Optional[Tuple[bool, ...]] = None):
         """``(delta, committed, only_commits, n_host)``: the full-batch delta over the generation from the call rows'
         commits, tokens and confidences (``rows`` None: the call ran every row), its commits per row, and whether
         they were all that changed the eligible positions (``masked``: the generation's masked positions before
@@ -401,12 +403,13 @@ class D2C(Strategy):
         row and block then) can tell the finished rows without a reduction; ``n_call``: the commits per call row known
         on the host (:meth:`host_commits`), ``run`` the plan's host flags of the rows that ran (None: every row):
         the fast path then counts and finishes on the host (``delta.finished_host``) and ``n_host`` is those counts
-        over the full batch, None otherwise)."""
+        over the full batch, None otherwise; ``before``: the rows finished before the step, ``Proposal.finished_host``
+        -- None: unknown, no fast path)."""
         g, B, dev = canvas.gen_start, canvas.batch_size, canvas.device
         conf_a = conf_a if conf_a.dtype == torch.float32 else conf_a.float()
         if rows is None:
             commit, active = commit_a, canvas.every_row()
-            gen = canvas.cols(g, canvas.length)[0]       # (the canvas' cached view of the generation's tokens)
+            gen = canvas.cols(g, canvas.length)[0]       # (a view of the generation's tokens)
             tokens, conf = torch.where(commit_a, x0_a, gen), conf_a
         else:
             commit = full_batch(commit_a, rows, B, False)
@@ -417,7 +420,7 @@ class D2C(Strategy):
         delta = FrameDelta(step=canvas.step + 1, nfe=1, start=g, commit=commit, tokens=tokens, active=active,
                            finished=None, confidence=conf)
         c = self.cfg
-        if masked is None or c.eos_fill or c.stop_until_eos or any(canvas.finished_host):
+        if masked is None or c.eos_fill or c.stop_until_eos or before is None or any(before):
             delta.finished = torch.zeros(B, dtype=torch.bool, device=dev)
             delta = self.finish(canvas, delta)
             return delta, delta.commit.sum(-1), False, None
@@ -431,7 +434,7 @@ class D2C(Strategy):
             else:
                 it = iter(n_call)
                 n_host = tuple(next(it) if f else 0 for f in run)
-            delta.finished_host, delta.finished = host_finished(canvas, n_host, left)
+            delta.finished_host, delta.finished = host_finished(canvas, n_host, left, before)
             delta.counted = True
             return delta, host_constant(n_host, torch.long, dev), True, n_host
         committed = commit.sum(-1)

@@ -33,6 +33,7 @@ import torch
 
 from dlm_engine.core.canvas import BlockEvent
 from dlm_engine.core.capabilities import Cap, caps
+from dlm_engine.core.fast import finished_before
 from dlm_engine.core.registry import register_strategy
 from dlm_engine.core.strategy import CacheDirective, StepPlan, evolve
 from dlm_engine.errors import ConfigError
@@ -493,7 +494,7 @@ class Fdv2Batch(Fdv2):
         final = b + 1 >= self._geo(canvas)[5]          # the last block: every live row is done after its store
         leaving = tuple((bool(f) or final) and lv for f, lv in zip(st.finished, live))
         delta.finished = torch.tensor(leaving, device=canvas.device) | canvas.finished
-        delta.finished_host = tuple(a or bb for a, bb in zip(canvas.finished_host, leaving))
+        delta.finished_host = tuple(a or bb for a, bb in zip(finished_before(proposal, B), leaving))
         delta.block_events = [BlockEvent("completed", b, S, E), BlockEvent("stored", b, S, E)]
         ends = tuple(E + 1 if lv else e for e, lv in zip(st.ends, leaving))
         delta.scalars["row_ends"] = ends

@@ -168,7 +168,9 @@ class LowConfidence(Strategy):
             counts = host_rows(values, canvas.batch_size)
         else:
             counts = counts_after(st.counts, st.committed_block, values)
-        st = evolve(st, counts=counts, all_finished=all(canvas.finished_host), committed=None, committed_host=None)
+        # every row finished = no masked generated position left in any row (a row finished at an EOS has the rest
+        # of its generation filled with EOS)
+        st = evolve(st, counts=counts, all_finished=not any(map(any, counts)), committed=None, committed_host=None)
         cur = st.cursor
         if (delta is not None and self.cfg.loop == Loop.fastdllm and cur.block < self.num_blocks
                 and not any(row[cur.block] for row in counts)):

@@ -33,6 +33,7 @@ from dlm_engine.core.protocol import AuxColumns
 from dlm_engine.core.registry import register_strategy
 from dlm_engine.core.sampler import ALGS, sample_tokens
 from dlm_engine.core.devices import host_tensor
+from dlm_engine.core.fast import finished_before
 from dlm_engine.core.selection import capped_threshold, f32, masked_conf, topk_rows
 from dlm_engine.core.strategy import StepPlan, Strategy, evolve, masked_after
 from dlm_engine.errors import ConfigError, UserError
@@ -231,11 +232,14 @@ class Wino(Strategy):
         ranked = torch.where(masked_w, float("inf"), conf)
         low = ranked < c.narrow_out_thres
         out = topk_rows(ranked, k, largest=False) & low
-        return self.frame(canvas, rows, (g + bs, g + be), wide, out, s.x0, conf, st, current, n_wide)
+        return self.frame(canvas, rows, (g + bs, g + be), wide, out, s.x0, conf, st, current, n_wide,
+                          finished_before(proposal, canvas.batch_size))
 
-    def frame(self, canvas, rows, window, wide_a, out_a, x0_a, conf_a, st: WinoState, current=None, n_wide=None):
+    def frame(self, canvas, rows, window, wide_a, out_a, x0_a, conf_a, st: WinoState, current=None, n_wide=None,
+              before=None):
         """The delta (``current``: the window's tokens of the call rows, ``n_wide``: ``wide_a.sum(-1)``, when the
-        caller has them) and the state holding the masks left after it."""
+        caller has them; ``before``: the rows finished before the step, ``Proposal.finished_host``, None: unknown)
+        and the state holding the masks left after it."""
         s, e = window
         B, W = canvas.batch_size, e - s
         if rows is None:                                   # every row took part: the call's tensors are the delta's
@@ -258,7 +262,7 @@ class Wino(Strategy):
         lo = st.block * self.block_len
         if st.block_mask is None:                          # ~(masks left in the block or after it) & ~finished
             finished = left[:, lo:].any(-1)
-            if any(canvas.finished_host):                  # (the loop's host copy of canvas.finished)
+            if before is None or any(before):              # (the loop's host copy of canvas.finished)
                 finished.logical_or_(canvas.finished)
             finished.logical_not_()
         else:                                              # the reference: only what its block mask still holds

@@ -1,11 +1,12 @@
-"""A fresh canvas (made by ``Canvas.from_prompts`` and not changed since) has every generated position masked and
-no row finished, so the host read before the first step can be made on the host (``Strategy.fresh_values``).
-The values equal what the device read returns, for every strategy and setting that offers them; the decode
-reads one time fewer and is otherwise the same, bit for bit."""
+"""A fresh canvas (made by ``Canvas.from_prompts`` and not changed since: ``core/fast/mirror.py: is_fresh``) has
+every generated position masked and no row finished, so the host read before the first step can be made on the host
+(``Strategy.fresh_values``). The values equal what the device read returns, for every strategy and setting that
+offers them; the decode reads one time fewer and is otherwise the same, bit for bit."""
 import pytest
 import torch
 
 from dlm_engine.core.canvas import Canvas, FrameDelta
+from dlm_engine.core.fast.mirror import HostMirror, is_fresh
 from dlm_engine.core.loop import decode, sync_round
 from dlm_engine.core.registry import STRATEGIES, cache_class, load_plugins, strategy_class
 
@@ -51,17 +52,17 @@ def build(name, kw, gen):
 def test_fresh_values_are_what_the_device_read_returns(name, kw, gen):
     strategy, prompts = build(name, kw, gen)
     canvas = Canvas.from_prompts(prompts, gen, MASK, PAD, eos_id=1002)
-    assert canvas.is_fresh()
+    assert is_fresh(canvas)
     setup = strategy.prepare(canvas)
     if setup is not None:
         canvas.apply(setup)
-        assert not canvas.is_fresh()
+        assert not is_fresh(canvas)
     state = strategy.init_state(canvas)
-    values = strategy.fresh_values(canvas, state) if canvas.is_fresh() else None
+    values = strategy.fresh_values(canvas, state) if is_fresh(canvas) else None
     if values is None:
         assert setup is not None or name not in OFFER, f"{name} {kw}: no host values on a fresh canvas"
         return
-    host, _ = sync_round(canvas, strategy, state, None)
+    host, _ = sync_round(canvas, HostMirror(canvas.batch_size), strategy, state, None)
     assert host.finished == (False,) * canvas.batch_size
     assert len(values) == len(host.values) and all(a == b and type(a) is type(b) for a, b in zip(values, host.values))
 
@@ -70,21 +71,21 @@ def test_is_fresh_until_anything_changes_the_canvas():
     def fresh():
         return Canvas.from_prompts(PROMPTS, 8, MASK, PAD)
 
-    assert fresh().is_fresh()
+    assert is_fresh(fresh())
     for edit in (lambda c: c.step_of[0, -1].fill_(3), lambda c: c.tokens[:, -2:].fill_(7),
                  lambda c: c.finished.fill_(True), lambda c: setattr(c, "step_of", c.step_of.clone()),
                  lambda c: c.step_of.add_(0)):
         c = fresh()
         edit(c)
-        assert not c.is_fresh()
+        assert not is_fresh(c)
     c = fresh()
     B, W = c.batch_size, c.gen_length
     c.apply(FrameDelta(step=0, nfe=0, start=c.gen_start, commit=torch.zeros(B, W, dtype=torch.bool),
                        tokens=torch.zeros(B, W, dtype=torch.long), active=torch.ones(B, dtype=torch.bool),
                        finished=torch.zeros(B, dtype=torch.bool)))
-    assert not c.is_fresh()                     # an empty set-up delta too: the canvas tensors were written
+    assert not is_fresh(c)                     # an empty set-up delta too: the canvas tensors were written
     with torch.inference_mode():                # inference tensors keep no version counter: never fresh
-        assert not fresh().is_fresh()
+        assert not is_fresh(fresh())
 
 
 @pytest.mark.parametrize("name, kw", [("low_confidence", {}), ("threshold", dict(block_length=8)),

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dlm_engine.core.canvas import Canvas
+from dlm_engine.core.fast.mirror import HostMirror
 from dlm_engine.core.sampler import ALGS, sample_tokens
 from dlm_engine.core.selection import NEG_INF, column_range, top1, topk_commit, topk_rows
 
@@ -40,23 +41,24 @@ class Asks:
         return self.after
 
 
-def test_canvas_cols_are_cached_views_renewed_when_a_tensor_is_replaced():
+def test_canvas_cols_are_views_of_the_current_tensors():
     c = Canvas.from_prompts([[5, 6], [7]], 6, 3, 0)
     tok, so = c.cols(2, 5)
-    assert c.cols(2, 5)[0] is tok and c.cols(2, 5)[1] is so          # made once per range
     assert torch.equal(tok, c.tokens[:, 2:5]) and torch.equal(so, c.step_of[:, 2:5])
     c.step_of[0, 3] = 7                                                # a view: sees writes to the canvas
     assert int(so[0, 1]) == 7
+    so[1, 0] = 9                                                       # and writes through it change the canvas
+    assert int(c.step_of[1, 2]) == 9
     m = c.masked_cols(2, 5)
     assert torch.equal(m, c.masked()[:, 2:5]) and torch.equal(c.masked_cols(2), c.masked()[:, 2:])
     m[:] = False                                                       # a fresh tensor, not a view of the canvas
     assert torch.equal(c.masked_cols(2, 5), c.masked()[:, 2:5]) and bool(c.masked_cols(2, 5).any())
-    c.tokens = c.tokens.clone()                                        # replaced: new views
-    assert c.cols(2, 5)[0] is not tok and c.cols(2, 5)[0]._base is c.tokens
-    with torch.inference_mode():                                       # kept apart from views made outside
-        inside = c.cols(2, 5)[1]
-        assert c.cols(2, 5)[1] is inside
-    assert c.cols(2, 5)[1] is not inside
+    c.tokens = c.tokens.clone()                                        # replaced: views of the new tensor
+    assert c.cols(2, 5)[0]._base is c.tokens
+    with torch.inference_mode():                                       # a write through a view made inside
+        c.cols(2, 5)[1].fill_(4)                                       # inference mode, then one outside it
+    c.cols(2, 5)[1].fill_(5)                                           # (a view made there: no error)
+    assert bool((c.step_of[:, 2:5] == 5).all())
 
 
 def test_every_row_is_shared_by_canvases_of_one_batch_size():
@@ -206,8 +208,8 @@ def test_a_sync_request_given_as_parts_is_read_in_order_in_one_cat():
     seen, ops = {}, []
     parts = Asks([torch.tensor([[1, 2], [3, 4]]), torch.tensor(True), torch.tensor([False, True])], seen, "next")
     with op_recorder(ops):
-        host, state = sync_round(canvas, parts, None, None)
-    assert host.finished == (False, True) and state == "next"
+        host, state = sync_round(canvas, mirror := HostMirror(2), parts, None, None)
+    assert host.finished == (False, True) == mirror.finished and state == "next"
     assert seen["values"] == [1, 2, 3, 4, 1, 0, 1] and all(type(v) is int for v in seen["values"])
     assert sum("cat" in op for op in ops) == 1
 
@@ -309,8 +311,9 @@ def test_finished_told_from_the_commit_counts_on_the_host():
     def make():
         c = Canvas.from_prompts([[5, 6], [7], [8]], 3, 99, 0)
         c.finished[2] = True
-        c.finished_host = (False, False, True)
-        return c
+        m = HostMirror(3)
+        m.finished = (False, False, True)      # the loop's host copy of c.finished
+        return c, m
 
     commit = torch.tensor([[True, True, True], [True, False, False], [False, False, False]])
     n = commit.sum(-1)
@@ -322,26 +325,26 @@ def test_finished_told_from_the_commit_counts_on_the_host():
 
     seen, ops = {}, []
     for parts, values in ((None, []), (n, [3, 1, 0]), ([torch.tensor([7]), n], [7, 3, 1, 0])):
-        c, ops[:] = make(), []
+        (c, m), ops[:] = make(), []
         d = delta(c)
         with op_recorder(ops):
             c.apply(d, settle=False)
             assert c.finished.tolist() == [False, False, True] and d.finished is None
-            host, _ = sync_round(c, Asks(parts, seen), None, d)
-        assert host.finished == (True, False, True) and c.finished_host == (True, False, True)
+            host, _ = sync_round(c, m, Asks(parts, seen), None, d)
+        assert host.finished == (True, False, True) and m.finished == (True, False, True)
         assert c.finished.tolist() == [True, False, True] and d.finished.tolist() == [True, False, False]
         assert seen["values"] == values and all(type(v) is int for v in values)
         assert not any(".eq." in op for op in ops)        # told on the host: no comparison on the device
         assert sum("cat" in op for op in ops) == (1 if isinstance(parts, list) else 0)
     # nothing finishes: the shared no-rows tensor, and no `finished |=`
-    c = make()
+    c, m = make()
     d = FrameDelta(step=1, nfe=1, start=c.gen_start, commit=commit, tokens=torch.full((3, 3), 4),
                    active=c.every_row(), finished=None, finished_counts=(n, (4, 3, -1)))
     c.apply(d, settle=False)
-    host, _ = sync_round(c, Asks(None, seen), None, d)
+    host, _ = sync_round(c, m, Asks(None, seen), None, d)
     assert d.finished is c.no_rows() and host.finished == (False, False, True)
     # applied outside the loop: compared on the device, the same rows
-    c = make()
+    c, _ = make()
     d = delta(c)
     c.apply(d)
     assert d.finished.tolist() == [True, False, False] and c.finished.tolist() == [True, False, True]
@@ -358,10 +361,10 @@ def test_the_health_values_read_with_counts_keep_them_exact_integers(dtype):
     seen = {}
     asks = Asks(torch.tensor([1025, 300, 2 ** 24 + 1]), seen)
     logits = torch.randn(2, 3, 7).to(dtype)
-    host, _ = sync_round(canvas, asks, None, None, all_finite(logits))
+    host, _ = sync_round(canvas, HostMirror(2), asks, None, None, all_finite(logits))
     assert not host.bad and seen["values"] == [1025, 300, 2 ** 24 + 1] and all(type(v) is int for v in seen["values"])
     logits[1, 2, 0] = float("nan")
-    host, _ = sync_round(canvas, asks, None, None, all_finite(logits))
+    host, _ = sync_round(canvas, HostMirror(2), asks, None, None, all_finite(logits))
     assert host.bad and seen["values"] == [1025, 300, 2 ** 24 + 1]
 
 
@@ -388,10 +391,10 @@ def test_the_step_counts_read_with_the_health_values_come_back_exact(dtype):
         finite = None if nan is None else all_finite(logits)
         ops[:] = []
         with op_recorder(ops):
-            host, _ = sync_round(c, Asks(n, seen), None, d, finite)
+            host, _ = sync_round(c, m := HostMirror(2), Asks(n, seen), None, d, finite)
         assert seen["values"] == [big, 2] and all(type(v) is int for v in seen["values"])
         assert host.values == [big, 2] and host.bad is bool(nan)
-        assert host.finished == (True, False) and c.finished_host == (True, False)
+        assert host.finished == (True, False) and m.finished == (True, False)
         assert c.finished.tolist() == [True, False] and d.finished.tolist() == [True, False]
         assert sum("cat" in op for op in ops) == (0 if nan is None else 1)
 

@@ -11,7 +11,8 @@ import torch
 from dlm_engine.core.canvas import Canvas, ModelInfo
 from dlm_engine.core.capabilities import incompatibility
 from dlm_engine.core.instrument import ModelTimer, SyncCounter
-from dlm_engine.core.loop import decode
+from dlm_engine.core.fast.mirror import live_mirror
+from dlm_engine.core.loop import Sink, decode
 from dlm_engine.app.sinks import RecordingSink
 from dlm_engine.core.registry import strategy_class
 
@@ -504,11 +505,16 @@ def test_low_confidence_reads_back_nothing_after_its_first_step(tiny_llada, kw, 
             delta.finished_host = None
             return delta, st
 
+    class Mirrored(Sink):      # the loop's host copy of the finished rows (its HostMirror) against the device's
+        def on_delta(self, delta, canvas):
+            assert live_mirror(canvas).finished == tuple(canvas.finished.tolist())
+            self.seen = getattr(self, "seen", 0) + 1
+
     tokens = []
     for strategy in (cls(cfg, GEN), Reads(cfg, GEN)):
         canvas = Canvas.from_prompts(PROMPTS[batch], GEN, int(tiny_llada.config.mask_token_id), 0)
         torch.manual_seed(0)
-        decode(tiny_llada, canvas, strategy)
-        assert torch.equal(canvas.finished, torch.tensor(canvas.finished_host))
+        decode(tiny_llada, canvas, strategy, sinks=[sink := Mirrored()])
+        assert sink.seen == canvas.step and bool(canvas.finished.all())
         tokens.append((canvas.tokens.clone(), canvas.step, canvas.nfe))
     assert torch.equal(tokens[0][0], tokens[1][0]) and tokens[0][1:] == tokens[1][1:]

@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import functools
-import operator
 import weakref
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from dlm_engine.core.devices import host_constant, host_tensor
+from dlm_engine.core.devices import host_tensor
 
 Scalar = Union[int, float, bool, torch.Tensor]
 
@@ -150,17 +149,11 @@ class Canvas:
         self._nfe_every_row = 0
         self._every_row: Optional[torch.Tensor] = None
         self._no_rows: Optional[torch.Tensor] = None
-        self._views: Dict[tuple, tuple] = {}      # see cols
-        # ``finished`` as the step loop last read it on the host (set by the loop once per step). Fast paths rely
-        # on it (dlm_engine.core.fast.counted_delta, d2c's frame): code that changes ``finished`` outside the loop
-        # must update it too
-        self.finished_host: Tuple[bool, ...] = (False,) * tokens.shape[0]
         self.position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
         # left padding per row, on the host (read once here: rows are ranked as in a batch of one)
         self.pads = tuple(int(n) for n in (~attention_mask.bool()).sum(-1).tolist())
         self.is_padded = any(self.pads)
         self.model_info = NO_MODEL_INFO
-        self._fresh: Optional[tuple] = None      # see is_fresh
 
     @classmethod
     def from_prompts(cls, prompts: Sequence[Sequence[int]], gen_length: int, mask_id: int, pad_id: int,
@@ -180,28 +173,26 @@ class Canvas:
         step_of = torch.zeros((B, L), dtype=torch.int32)
         step_of[:, P:] = -1
         canvas = cls(tokens.to(device), step_of.to(device), attn.to(device), P, mask_id, eos_id=eos_id, eot_id=eot_id)
-        canvas._fresh = canvas._tensor_versions()
+        from dlm_engine.core.fast.mirror import note_fresh      # (the fast layer imports this module)
+        note_fresh(canvas)          # the loop may then make its first read on the host (fast.mirror.is_fresh)
         return canvas
 
-    def _tensor_versions(self) -> Optional[tuple]:
-        # (the tensors, their in-place version counters); inference tensors keep no counter: then None
-        ts = (self.tokens, self.step_of, self.finished)
-        try:
-            return ts + tuple(t._version for t in ts)
-        except RuntimeError:
-            return None
+    @property
+    def finished_host(self) -> Tuple[bool, ...]:
+        """``finished`` as the running decode's loop knows it on the host (its :class:`HostMirror
+        <dlm_engine.core.fast.mirror.HostMirror>`), for code outside the loop that finishes rows between steps (a
+        sink that frees rows): it sets ``finished`` on the device and this to match. Outside a decode: read from
+        the device. The canvas keeps no host state of its own."""
+        from dlm_engine.core.fast.mirror import live_mirror
+        m = live_mirror(self)
+        return tuple(bool(v) for v in self.finished.tolist()) if m is None else m.finished
 
-    def is_fresh(self) -> bool:
-        """True while nothing has changed the canvas :meth:`from_prompts` made (no step, no set-up delta, no
-        in-place edit or replaced tensor, tracked by torch's version counters): its masked positions are then
-        exactly the generation of every row and no row is finished, which the host knows without a read. Writes
-        that bypass torch's counters (through ``.data``, ``.numpy()`` or DLPack views) are not seen: change a
-        canvas with torch operations (``canvas_hook`` of ``decode_batch`` included)."""
-        f = self._fresh
-        if f is None or self.step or self.nfe:
-            return False
-        now = self._tensor_versions()
-        return now is not None and all(a is b for a, b in zip(now[:3], f[:3])) and now[3:] == f[3:]
+    @finished_host.setter
+    def finished_host(self, rows: Sequence[bool]) -> None:
+        from dlm_engine.core.fast.mirror import live_mirror
+        m = live_mirror(self)
+        if m is not None:
+            m.finished = tuple(bool(v) for v in rows)
 
     # -- views -------------------------------------------------------------------------------------
     @property
@@ -251,42 +242,18 @@ class Canvas:
         return self._no_rows
 
     def cols(self, start: int, end: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``(tokens[:, start:end], step_of[:, start:end])``, views made once per column range (a slice is a
-        dispatched operation; the loop and the strategies take the same window's views several times a step).
-        Views made in inference mode are kept apart from others (an in-place write outside inference mode to a
-        view made inside it is an error); a canvas whose ``tokens`` or ``step_of`` was replaced gets new views."""
-        key = (start, end, torch.is_inference_mode_enabled())
-        v = self._views.get(key)
-        if v is None or v[2] is not self.tokens or v[3] is not self.step_of:
-            if len(self._views) >= 64:          # (windows that keep moving: keep the dictionary small)
-                self._views.clear()
-            v = self._views[key] = (self.tokens[:, start:end], self.step_of[:, start:end], self.tokens, self.step_of)
-        return v[0], v[1]
+        """``(tokens[:, start:end], step_of[:, start:end])``: views (a write through them changes the canvas)."""
+        return self.tokens[:, start:end], self.step_of[:, start:end]
 
     def masked_cols(self, start: int, end: Optional[int] = None) -> torch.Tensor:
-        """``masked()[:, start:end]`` as a fresh tensor, made from the cached view (one operation; ``end`` None: the
-        canvas' end)."""
+        """``masked()[:, start:end]`` as a fresh tensor (``end`` None: the canvas' end)."""
         return self.cols(start, self.length if end is None else end)[1] < 0
 
     # -- update ------------------------------------------------------------------------------------
-    def finish_rows(self, delta: FrameDelta, counts: Sequence) -> Tuple[bool, ...]:
-        """Tell an applied delta's ``finished`` from its ``finished_counts`` with the counts read on the host
-        (``counts``, row-major), apply it (nothing on the device when no row finishes) and return the rows finished
-        after it (``finished_host`` is the caller's to set)."""
-        target = delta.finished_counts[1]
-        k = len(counts) // len(target)
-        sums = counts if k == 1 else [sum(counts[i:i + k]) for i in range(0, len(counts), k)]
-        fin = tuple(m >= 0 and v == m for v, m in zip(sums, target))
-        if any(fin):
-            delta.finished = host_constant(fin, torch.bool, self.device)
-            self.finished |= delta.finished
-            return tuple(map(operator.or_, self.finished_host, fin))
-        delta.finished = self.no_rows()
-        return self.finished_host
-
     def apply(self, delta: FrameDelta, settle: bool = True) -> None:
         """Apply ``delta``. ``settle=False`` (the step loop): a ``finished`` left to the commit counts
-        (``FrameDelta.finished_counts``) is left for the loop to tell on the host and apply (:meth:`finish_rows`)."""
+        (``FrameDelta.finished_counts``) is left for the loop to tell on the host and apply
+        (:meth:`HostMirror.finish_rows <dlm_engine.core.fast.mirror.HostMirror.finish_rows>`)."""
         s = delta.start
         tok, so = self.cols(s, s + delta.width)
         if delta.remask is not None:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import operator
 import time
 from typing import Iterable, Optional, Tuple
 
@@ -16,6 +15,7 @@ from dlm_engine.core.registry import cache_class
 from dlm_engine.core.rows import ActiveRows, call_rows, expand_proposal, full_batch, idle_proposal, recomputed_rows
 from dlm_engine.core import sampler
 from dlm_engine.core.fast import plain_finished, scored_window
+from dlm_engine.core.fast.mirror import HostMirror, is_fresh
 from dlm_engine.core.sampler import Proposal, propose
 from dlm_engine.core.strategy import StepPlan, Strategy
 from dlm_engine.errors import ConfigError, check_finite_logits
@@ -162,7 +162,23 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
     state = strategy.init_state(canvas)
     limit = max_steps if max_steps is not None else strategy.max_steps(canvas)
     active = ActiveRows(canvas, compact)
-    host, state = first_sync(canvas, strategy, state, fast)
+    mirror = HostMirror(canvas.batch_size)      # the loop's host copy of the finished rows (core/fast/mirror.py)
+    mirror.attach(canvas)
+    try:
+        _steps(model, canvas, strategy, cache, sinks, state, limit, active, mirror, want_logits, want_recomputed,
+               all_conf, fast)
+    finally:
+        mirror.detach(canvas)
+    cache.end(canvas)
+    for s in sinks:
+        s.on_end(canvas)
+    return canvas
+
+
+def _steps(model, canvas: Canvas, strategy: Strategy, cache, sinks, state, limit, active: ActiveRows,
+           mirror: HostMirror, want_logits: bool, want_recomputed: bool, all_conf: bool, fast: bool) -> None:
+    """The steps of :func:`decode`, from its first host read to the plan that ends it."""
+    host, state = first_sync(canvas, mirror, strategy, state, fast)
     t0 = time.perf_counter()
     # (a caller already in inference mode -- decode_batch, the benchmarks -- costs no second enter and exit a decode)
     with contextlib.nullcontext() if torch.is_inference_mode_enabled() else torch.inference_mode():
@@ -194,6 +210,7 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
                 if rows is not None and plan.sample:
                     proposal = expand_proposal(proposal, rows, canvas)
             proposal.active, proposal.pads, proposal.all_confidences = active.mask, canvas.pads, all_conf
+            proposal.finished_host = mirror.finished     # (with rows a sink finished: Canvas.finished_host)
             delta, state = strategy.select(canvas, plan, proposal, state)
             if not fast and delta.counted:     # the plain path: finished rows from the canvas, not from counts
                 plain_finished(canvas, delta)
@@ -204,15 +221,11 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
             if want_recomputed:
                 delta.scalars["recomputed"] = recomputed_rows(canvas, call, rows)
             canvas.apply(delta, settle=False)     # (finished_counts: told in sync_round)
-            host, state = sync_round(canvas, strategy, state, delta, finite, fast)
+            host, state = sync_round(canvas, mirror, strategy, state, delta, finite, fast)
             if host.bad:
                 check_finite_logits(logits)             # describes the problem and raises
             for s in sinks:
                 s.on_delta(delta, canvas)
-    cache.end(canvas)
-    for s in sinks:
-        s.on_end(canvas)
-    return canvas
 
 
 class HostView:
@@ -225,10 +238,11 @@ class HostView:
         self.finished, self.values, self.bad = finished, values, bad
 
 
-def sync_round(canvas: Canvas, strategy: Strategy, state, delta: Optional[FrameDelta],
+def sync_round(canvas: Canvas, mirror: HostMirror, strategy: Strategy, state, delta: Optional[FrameDelta],
                finite: Optional[torch.Tensor] = None, fast: bool = True):
     """The one host read of a step: finished rows, the first forward's health (``finite``, see
-    :func:`all_finite`) and the strategy's request; returns ``(HostView, state after Strategy.synced)``. A step
+    :func:`all_finite`) and the strategy's request; returns ``(HostView, state after Strategy.synced)`` and keeps
+    the finished rows in ``mirror``. A step
     whose delta says on the host which rows it finished (``FrameDelta.finished_host``), with nothing else to read,
     reads nothing (``fast=False``: it reads them)."""
     req = strategy.sync_request(canvas, state)
@@ -236,8 +250,7 @@ def sync_round(canvas: Canvas, strategy: Strategy, state, delta: Optional[FrameD
     if delta is not None:
         known = delta.finished_host
         if fast and known is not None and finite is None and req is None:    # nothing to read: the host knows it all
-            fin = tuple(map(operator.or_, canvas.finished_host, known))
-            canvas.finished_host = fin
+            fin = mirror.add(known)
             return HostView(fin, [], False), strategy.synced(canvas, state, [], delta)
         # the finished rows: read, or told on the host from the step's commit counts (FrameDelta.finished_counts)
         if delta.finished is None:
@@ -251,8 +264,7 @@ def sync_round(canvas: Canvas, strategy: Strategy, state, delta: Optional[FrameD
                     flat = torch.cat((counts, finite)).tolist()
                     B = counts.shape[0]
                     values, bad = [int(v) for v in flat[:B]], not healthy(flat[B:])
-                fin = canvas.finish_rows(delta, values)
-                canvas.finished_host = fin
+                fin = mirror.finish_rows(canvas, delta, values)
                 return HostView(fin, values, bad), strategy.synced(canvas, state, values, delta)
     parts = [canvas.finished if counts is None else counts if counts.dim() == 1 else counts.reshape(-1)]
     if finite is not None:
@@ -269,7 +281,7 @@ def sync_round(canvas: Canvas, strategy: Strategy, state, delta: Optional[FrameD
     if counts is None:
         fin = tuple(bool(v) for v in flat[:B])
     else:
-        fin = canvas.finish_rows(delta, flat[:head])
+        fin = mirror.finish_rows(canvas, delta, flat[:head])
         if any(t is counts for t in asked):         # the strategy's values, its counts where it asked for them
             values, i = [], 0
             for t in asked:
@@ -283,18 +295,19 @@ def sync_round(canvas: Canvas, strategy: Strategy, state, delta: Optional[FrameD
     if finite is not None and not any(p.is_floating_point() for p in parts if p is not finite):
         rest = [int(v) for v in rest]       # (the health values made the cat float: the rest were integers)
     host = HostView(fin, rest, finite is not None and not healthy(flat[head:head + n_flag]))
-    canvas.finished_host = fin
+    mirror.finished = fin
     return host, strategy.synced(canvas, state, host.values, delta)
 
 
-def first_sync(canvas: Canvas, strategy: Strategy, state, fast: bool = True):
-    """The host read before the first step, made on the host when the canvas is fresh and the strategy knows
-    what a fresh canvas' read returns (:meth:`Strategy.fresh_values`; not with ``fast=False``)."""
-    values = strategy.fresh_values(canvas, state) if fast and canvas.is_fresh() else None
+def first_sync(canvas: Canvas, mirror: HostMirror, strategy: Strategy, state, fast: bool = True):
+    """The host read before the first step, made on the host when the canvas is fresh (:func:`is_fresh
+    <dlm_engine.core.fast.mirror.is_fresh>`) and the strategy knows what a fresh canvas' read returns
+    (:meth:`Strategy.fresh_values`; not with ``fast=False``)."""
+    values = strategy.fresh_values(canvas, state) if fast and is_fresh(canvas) else None
     if values is None:
-        return sync_round(canvas, strategy, state, None)
+        return sync_round(canvas, mirror, strategy, state, None)
     host = HostView((False,) * canvas.batch_size, values, False)
-    canvas.finished_host = host.finished
+    mirror.finished = host.finished
     return host, strategy.synced(canvas, state, values, None)
 
 

@@ -135,10 +135,10 @@ class Strategy:
         return None
 
     def fresh_values(self, canvas: Canvas, state: Any) -> Optional[list]:
-        """The values :meth:`sync_request` would read before the first step from a canvas that
-        :meth:`Canvas.is_fresh` (every generated position masked, no row finished), made on the host: the loop
-        then skips that read (its tensor ops and, on a GPU, its synchronisation). Called once, with the state
-        :meth:`init_state` returned. None = read them."""
+        """The values :meth:`sync_request` would read before the first step from a fresh canvas
+        (:func:`dlm_engine.core.fast.mirror.is_fresh`: every generated position masked, no row finished), made on the
+        host: the loop then skips that read (its tensor ops and, on a GPU, its synchronisation). Called once, with the
+        state :meth:`init_state` returned. None = read them."""
         return None
 
     def synced(self, canvas: Canvas, state: Any, values: List[float], delta: Optional[FrameDelta]) -> Any:

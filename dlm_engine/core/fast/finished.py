@@ -7,6 +7,7 @@ import torch
 
 from dlm_engine.core.canvas import Canvas, FrameDelta
 from dlm_engine.core.devices import host_tensor
+from dlm_engine.core.fast.mirror import finished_before
 from dlm_engine.core.sampler import Proposal
 from dlm_engine.core.strategy import frame, masked_after
 
@@ -23,17 +24,18 @@ def counted_delta(canvas: Canvas, proposal: Proposal, commit: torch.Tensor, mask
     ``committed_host``: the commits per row known exactly on the host: the finished rows are decided there
     (``FrameDelta.finished_host``; no operation when none finishes). Else ``committed`` (``commit.sum(-1)`` if not
     given) is left for the loop to read in its one sync (``FrameDelta.finished_counts``; a strategy that asks for
-    the same tensor reads it once). Rows finished before are told by ``canvas.finished_host``, which the step loop
-    keeps current (a caller outside :func:`dlm_engine.core.loop.decode` must set it). A caller that changes
-    ``finished`` afterwards (an EOS stop) builds a new delta."""
+    the same tensor reads it once). Rows finished before are told by ``proposal.finished_host``, which the step loop
+    sets from its host mirror (a caller outside :func:`dlm_engine.core.loop.decode` sets it where rows are finished).
+    A caller that changes ``finished`` afterwards (an EOS stop) builds a new delta."""
+    before = finished_before(proposal, canvas.batch_size)
     if committed_host is not None:
-        fin, finished = host_finished(canvas, committed_host, masked_left)
+        fin, finished = host_finished(canvas, committed_host, masked_left, before)
         delta = frame(canvas, proposal, commit, finished, **plain)
         delta.finished_host = fin
     else:
         n = commit.sum(-1) if committed is None else committed
         delta = frame(canvas, proposal, commit, None, **plain)
-        delta.finished_counts = (n, tuple(-1 if f else m for m, f in zip(masked_left, canvas.finished_host)))
+        delta.finished_counts = (n, tuple(-1 if f else m for m, f in zip(masked_left, before)))
     delta.counted = True
     return delta
 
@@ -49,12 +51,13 @@ def pending_delta(canvas: Canvas, proposal: Proposal, commit: torch.Tensor,
     return delta
 
 
-def host_finished(canvas: Canvas, committed: Sequence[int], masked_left: Sequence[int]):
+def host_finished(canvas: Canvas, committed: Sequence[int], masked_left: Sequence[int], before: Sequence[bool]):
     """``(rows, tensor)``: the rows a step finishes, told on the host from its commits per row (``committed``, all
     masked positions) and the masked positions each row had left (``masked_left``): a row not finished before
-    finishes when it commits all it had left. The tensor is ``[B]`` bool (:meth:`Canvas.no_rows`, no operation,
+    (``before``: ``Proposal.finished_host``, see :func:`dlm_engine.core.fast.mirror.finished_before`) finishes when it
+    commits all it had left. The tensor is ``[B]`` bool (:meth:`Canvas.no_rows`, no operation,
     when none finishes)."""
-    fin = tuple(not f and n == m for n, m, f in zip(committed, masked_left, canvas.finished_host))
+    fin = tuple(not f and n == m for n, m, f in zip(committed, masked_left, before))
     return fin, (host_tensor(fin, torch.bool, canvas.device) if any(fin) else canvas.no_rows())
 
 
