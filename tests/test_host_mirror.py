@@ -1,7 +1,7 @@
 """The host mirror of a canvas belongs to the step loop (``core/fast/mirror.py: HostMirror``), not to ``Canvas``:
 the loop makes one per decode, hands its finished rows to ``select`` (``Proposal.finished_host``) and detaches it at
-the end; code outside the loop that finishes rows between steps (the server freeing a cancelled request) does so
-through ``Canvas.finished_host``, which reads and writes the running decode's mirror."""
+the end; code outside the loop that finishes rows between steps (the server freeing a cancelled request) sets
+``canvas.finished`` and tells the running decode's mirror (``live_mirror(canvas).add``)."""
 import pytest
 import torch
 
@@ -35,11 +35,12 @@ def run(model, free_after=None, fail_at=None, made=None):
             self.active = []
 
         def on_delta(self, delta, canvas):
-            assert live_mirror(canvas) is not None and canvas.finished_host == live_mirror(canvas).finished
+            mirror = live_mirror(canvas)
+            assert mirror is not None and mirror.finished == tuple(canvas.finished.tolist())
             self.active.append(delta.active.tolist())
-            if delta.step == free_after:
+            if delta.step == free_after:                   # as dlm_engine/serve/engine.py frees a cancelled row
                 canvas.finished[1] = True
-                canvas.finished_host = (canvas.finished_host[0], True, canvas.finished_host[2])
+                mirror.add([False, True, False])
 
     canvas = Canvas.from_prompts(PROMPTS, GEN, int(model.config.mask_token_id), 0)
     sink = Frees()
@@ -64,7 +65,7 @@ def test_select_gets_the_loops_finished_rows_and_a_freed_row_sits_out(tiny_llada
 def test_the_canvas_keeps_no_host_state(tiny_llada):
     canvas, _, _ = run(tiny_llada)
     assert live_mirror(canvas) is None                     # detached after the decode ...
-    assert canvas.finished_host == tuple(canvas.finished.tolist()) == (True,) * 3    # ... read from the device
+    assert not hasattr(canvas, "finished_host") and canvas.finished.tolist() == [True] * 3   # ... the device's rows
     assert not any(isinstance(v, (dict, tuple)) and v and all(isinstance(x, bool) for x in v)
                    for v in vars(canvas).values())
     assert not any(isinstance(v, dict) for v in vars(canvas).values())    # (no view cache)
@@ -72,6 +73,4 @@ def test_the_canvas_keeps_no_host_state(tiny_llada):
     with pytest.raises(RuntimeError, match="stop"):
         run(tiny_llada, fail_at=3, made=made)
     assert live_mirror(made[0]) is None                    # detached when a decode fails too
-    c = Canvas.from_prompts(PROMPTS, GEN, 99, 0)
-    c.finished_host = (True, True, True)                  # outside a decode: nothing to keep, the device decides
-    assert c.finished_host == (False,) * 3
+    assert live_mirror(Canvas.from_prompts(PROMPTS, GEN, 99, 0)) is None      # outside a decode: no mirror

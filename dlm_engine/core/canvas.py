@@ -177,23 +177,6 @@ class Canvas:
         note_fresh(canvas)          # the loop may then make its first read on the host (fast.mirror.is_fresh)
         return canvas
 
-    @property
-    def finished_host(self) -> Tuple[bool, ...]:
-        """``finished`` as the running decode's loop knows it on the host (its :class:`HostMirror
-        <dlm_engine.core.fast.mirror.HostMirror>`), for code outside the loop that finishes rows between steps (a
-        sink that frees rows): it sets ``finished`` on the device and this to match. Outside a decode: read from
-        the device. The canvas keeps no host state of its own."""
-        from dlm_engine.core.fast.mirror import live_mirror
-        m = live_mirror(self)
-        return tuple(bool(v) for v in self.finished.tolist()) if m is None else m.finished
-
-    @finished_host.setter
-    def finished_host(self, rows: Sequence[bool]) -> None:
-        from dlm_engine.core.fast.mirror import live_mirror
-        m = live_mirror(self)
-        if m is not None:
-            m.finished = tuple(bool(v) for v in rows)
-
     # -- views -------------------------------------------------------------------------------------
     @property
     def batch_size(self) -> int:

@@ -27,6 +27,7 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 import torch
 
+from dlm_engine.core.fast.mirror import live_mirror
 from dlm_engine.core.loop import Sink
 
 log = logging.getLogger("dlm_engine.serve")
@@ -167,10 +168,9 @@ class ServeSink(Sink):
             raise _BatchCancelled()
         # the rows count as finished from here: the step loop leaves them out of the next forwards
         canvas.finished[torch.as_tensor(new, device=canvas.device)] = True
-        fin = list(canvas.finished_host)
-        for i in new:
-            fin[i] = True
-        canvas.finished_host = tuple(fin)
+        mirror = live_mirror(canvas)            # the loop's host copy of the finished rows: told the same
+        if mirror is not None:
+            mirror.add([i in self.freed for i in range(len(self.requests))])
         self.engine.metrics.freed_rows(len(new))
 
 

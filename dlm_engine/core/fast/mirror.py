@@ -22,7 +22,7 @@ if TYPE_CHECKING:   # (canvas.py calls note_fresh: no import of it at module lev
     from dlm_engine.core.canvas import Canvas, FrameDelta
 
 # canvas -> (its tensors, their version counters) when from_prompts made it; canvas -> the mirror of the decode
-# running on it (for code outside the loop that finishes rows: ``Canvas.finished_host``)
+# running on it (for code outside the loop that finishes rows between steps: :func:`live_mirror`)
 _BORN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _LIVE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -57,7 +57,7 @@ class HostMirror:
         return self.finished
 
     def attach(self, canvas: "Canvas") -> None:
-        """Make this the mirror ``Canvas.finished_host`` reads and writes while the loop decodes ``canvas``."""
+        """Make this the mirror :func:`live_mirror` returns while the loop decodes ``canvas``."""
         _LIVE[canvas] = self
 
     def detach(self, canvas: "Canvas") -> None:
