@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 
 from dlm_engine.core.capabilities import Cap, caps
+from dlm_engine.core.loop import Sink
 from dlm_engine.core.protocol import NullHooks, soft_embed
 from dlm_engine.models.layers import (AttentionSpec, attention_block, call_columns, ffn_block, new_call, rope_native,
                                      rope_tables, window_logits)
@@ -15,25 +16,17 @@ V, MASK, EOS, EOT = 10, 9, 8, 7
 P = 2  # prompt length
 
 
-class CommittedDeltas:
+class CommittedDeltas(Sink):
     """A sink keeping what every delta committed: ``(commit, tokens there, confidences there)`` (the rest of a
     delta's tokens and confidences is nobody's business: sinks record the committed positions only)."""
 
-    wants_logits = wants_recomputed = False
-
     def __init__(self):
         self.seen = []
-
-    def on_start(self, canvas, info):
-        pass
 
     def on_delta(self, delta, canvas):
         c = delta.confidence
         self.seen.append((delta.commit.tolist(), torch.where(delta.commit, delta.tokens, 0).tolist(),
                           None if c is None else torch.where(delta.commit, c, torch.zeros_like(c)).tolist()))
-
-    def on_end(self, canvas):
-        pass
 
 
 HOST_COUNT_PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [13, 14, 15, 16]]

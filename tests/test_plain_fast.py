@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dlm_engine.core.canvas import Canvas
-from dlm_engine.core.loop import decode
+from dlm_engine.core.loop import Sink, decode
 from dlm_engine.core.registry import CACHES, cache_class, load_plugins
 
 from fakes import ScriptedModel, random_script
@@ -17,16 +17,11 @@ from test_scripted_model import GEN, KNOWN, PROMPTS, V, make, pairs
 load_plugins()
 
 
-class Deltas:
+class Deltas(Sink):
     """Every delta's observable content, as host values (a delta's tokens count where it commits only)."""
-
-    wants_logits = wants_recomputed = False
 
     def __init__(self):
         self.seen = []
-
-    def on_start(self, canvas, info):
-        pass
 
     def on_delta(self, delta, canvas):
         rm = delta.remask
@@ -36,9 +31,6 @@ class Deltas:
             remask=None if rm is None or not bool(rm.any()) else rm.tolist(),
             finished=None if delta.finished is None else delta.finished.tolist(),
             active=delta.active.tolist(), events=list(delta.block_events)))
-
-    def on_end(self, canvas):
-        pass
 
 
 def decoded(name, cache, shift, fast):
