@@ -102,12 +102,6 @@ class DMax(AbsoluteBlocks):
     def init_state(self, canvas):
         return DMaxState(first=self.first_block(canvas))
 
-    def sync_request(self, canvas, st: DMaxState):
-        parts = self.block_facts(canvas)
-        if st.pending is not None:
-            parts.append(st.pending)
-        return parts
-
     def synced(self, canvas, st: DMaxState, values, delta):
         st, rest = self.with_facts(canvas, st, values)
         st = evolve(st, pending=None)

@@ -96,12 +96,6 @@ class Edit(AbsoluteBlocks):
     def init_state(self, canvas):
         return EditState(first=self.first_block(canvas))
 
-    def sync_request(self, canvas, st: EditState):
-        parts = self.block_facts(canvas)
-        if st.pending is not None:
-            parts.append(st.pending)
-        return parts
-
     def synced(self, canvas, st: EditState, values, delta):
         st, rest = self.with_facts(canvas, st, values)
         st = evolve(st, pending=None)

@@ -148,6 +148,13 @@ class AbsoluteBlocks(Strategy):
     def first_block(self, canvas) -> int:
         return canvas.gen_start // self.bl
 
+    def sync_request(self, canvas, st):
+        """The block facts, then what the last step left to read on the host (``st.pending``), if anything."""
+        parts = self.block_facts(canvas)
+        if st.pending is not None:
+            parts.append(st.pending)
+        return parts
+
     def with_facts(self, canvas, st, values):
         nb = self.n_blocks(canvas)
         counts, eos = tuple(int(v) for v in values[:nb]), tuple(int(v) for v in values[nb:2 * nb])
@@ -195,12 +202,6 @@ class LLaDA2(AbsoluteBlocks):
 
     def init_state(self, canvas):
         return LLaDA2State(first=self.first_block(canvas))
-
-    def sync_request(self, canvas, st: LLaDA2State):
-        parts = self.block_facts(canvas)
-        if st.pending is not None:
-            parts.append(st.pending)
-        return parts
 
     def synced(self, canvas, st: LLaDA2State, values, delta):
         st, rest = self.with_facts(canvas, st, values)
