@@ -253,6 +253,7 @@ def test_cli_runs_the_adaptive_caches_with_the_trace_option(tmp_path):
     assert proc.returncode != 0 and "cache.kp=0" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow   # ~2 s: in-process but seconds long: kept out of the quick tier (CI runs it)
 def test_every_strategy_decodes_a_llada_batch_with_the_adaptive_caches(models):
     """Every registered strategy that pairs with dllm / d2cache decodes a left-padded LLaDA batch to the end (CFG's
     doubled batch included; in batches of the strategy's ``max_batch``, as the API feeds it); dllm with rou=0 reuses every cached output between refreshes (layers with no query)."""

@@ -39,6 +39,7 @@ STRATEGIES = (("threshold", dict(threshold=0.9)), ("low_confidence", dict(steps=
               ("d2c", dict()))
 
 
+@pytest.mark.slow   # 16 cases, ~10 s (the MoE families): in-process but seconds long: kept out of the quick tier (CI runs it)
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("name,kw", STRATEGIES, ids=[s for s, _ in STRATEGIES])
 def test_block_by_block_strategies_run_with_the_model_block_size(family, name, kw):

@@ -32,6 +32,7 @@ def session(family):
     return dlm_engine.Session(model="local", device="cpu", dtype="float32", **{"model.path": str(BD / family)})
 
 
+@pytest.mark.slow   # 7 cases, ~8 s (record, replay, verify --rerun, diff, html each): in-process but kept out of the quick tier (CI runs it)
 @pytest.mark.parametrize("family,strategy,cache,opts", RUNS, ids=[f"{f}-{s}" for f, s, _, _ in RUNS])
 def test_trace_records_replays_verifies_diffs_and_renders(family, strategy, cache, opts, tmp_path, capsys):
     path = tmp_path / "run.dlmt"

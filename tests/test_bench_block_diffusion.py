@@ -1,5 +1,6 @@
 """experiments/bench_block_diffusion.py: the block store decodes the same tokens with the same NFE while each
 forward covers only the working block (small sizes; no timing is checked)."""
+import pytest
 import torch
 
 from conftest import load_experiment
@@ -36,6 +37,7 @@ def _with_eos(bench, model, family, prompt, gen):
     return model
 
 
+@pytest.mark.slow   # ~3 s: in-process but seconds long: kept out of the quick tier (CI runs it)
 def test_reference_shaped_loops_give_the_engines_tokens():
     """The speed comparison is only meaningful at identical tokens: each family's reference-shaped loop (plain torch,
     written from the bdparity SPEC) returns exactly what dlm_engine's decode returns with each timed setting (the
@@ -75,6 +77,7 @@ def test_reference_shaped_loops_give_the_engines_tokens():
     assert answers[("fdv2", 0)] != answers[("fdv2", 1)]
 
 
+@pytest.mark.slow   # in-process but seconds long: kept out of the quick tier (CI runs it)
 def test_comparison_rows_and_table(capsys):
     """``compare`` times both sides and reports one row per dlm_engine cache (LLaDA2.0: its parity cache ``none``
     and the block store); the printed table says the tokens are the same."""

@@ -128,6 +128,7 @@ def test_the_plain_delta_takes_six_keywords_and_plans_carry_typed_data():
     assert data and all(dataclasses.is_dataclass(d) and type(d).__name__ == "TransferPlan" for d in data)
 
 
+@pytest.mark.slow   # ~2 s (two models' decodes through the API): in-process but seconds long: kept out of the quick tier (CI runs it)
 def test_the_run_option_fast_false_reaches_the_loop_and_decodes_the_same(monkeypatch):
     """``fast=false`` (``dlm``, the Python API, lm-eval, dlm-serve: a RunConfig key) runs the loop's plain path;
     the rows are those of the default fast path, and the default keeps a sweep job's config digest."""

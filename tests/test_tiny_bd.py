@@ -57,6 +57,7 @@ def test_loads_as_a_block_causal_sdar_model(lm):
     assert lm.mask_id == 3 and lm.eos_id == 2 and lm.encode("12+34=")
 
 
+@pytest.mark.slow   # 200 decodes, ~8 s: in-process but seconds long: kept out of the quick tier (CI runs it)
 def test_default_strategy_decodes_held_out_prompts_with_at_least_90_percent_accuracy(lm):
     examples = tasks.held_out(N_HELD_OUT)
     stats = _decode(lm, examples, "block_kv")
@@ -68,6 +69,7 @@ def test_default_strategy_decodes_held_out_prompts_with_at_least_90_percent_accu
     assert all(sum(v) / len(v) >= 0.75 for v in by_task.values()), {k: sum(v) / len(v) for k, v in by_task.items()}
 
 
+@pytest.mark.slow   # ~3 s a case: in-process but seconds long: kept out of the quick tier (CI runs it)
 @pytest.mark.parametrize("options", [{}, {"top_k": 1}], ids=["default", "greedy"])
 def test_block_kv_cache_decodes_the_same_tokens_as_no_cache(lm, options):
     examples = tasks.held_out(40)
