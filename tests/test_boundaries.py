@@ -11,10 +11,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def imported_modules(path: Path):
-    """Absolute names of every module a file imports (relative imports resolved)."""
+def imported_modules(path: Path, pkg: str = None):
+    """Absolute names of every module a file imports (relative imports resolved against ``pkg``, by default the
+    file's folder)."""
     tree = ast.parse(path.read_text())
-    pkg = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    if pkg is None:
+        pkg = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for a in node.names:
@@ -120,22 +122,10 @@ def import_graph(files=None):
     for mod, f in files.items():
         pkg = mod if f.name == "__init__.py" else mod.rpartition(".")[0]
         out = set()
-        for node in ast.walk(ast.parse(f.read_text())):
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
-                    m = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    m = node.module or ""
-                names = [m] + [f"{m}.{a.name}" for a in node.names]
-            else:
-                continue
-            for n in names:
-                r = resolve(n) if n.startswith("dlm_engine") else ""
-                if r and r not in ("dlm_engine", mod):
-                    out.add(r)
+        for n in imported_modules(f, pkg):
+            r = resolve(n) if n.startswith("dlm_engine") else ""
+            if r and r not in ("dlm_engine", mod):
+                out.add(r)
         graph[mod] = out
     return graph
 
