@@ -91,7 +91,6 @@ def two_stream_mask(key_mask: torch.Tensor, L: int, ws: int, block: int) -> torc
     keys a block-KV cache stores); a noisy query of block k sees clean keys of blocks < k and the noisy keys of
     block k (bidirectional inside the block: exactly what a decode call of block k sees). Padding keys are
     hidden; every query sees itself (no empty softmax row on a padding query)."""
-    B = key_mask.shape[0]
     cols = torch.cat([torch.arange(L), torch.arange(ws, L)])
     blk = cols // block
     noisy = torch.arange(cols.numel()) >= L

@@ -15,7 +15,7 @@ import torch
 from conftest import FIXTURES
 from dlm_engine.app.sinks import RecordingSink
 from dlm_engine.core.canvas import Canvas
-from dlm_engine.core.capabilities import Cap, caps, incompatibility, model_incompatibility
+from dlm_engine.core.capabilities import Cap, incompatibility, model_incompatibility
 from dlm_engine.core.loop import decode
 from dlm_engine.core.protocol import CallRequest, SoftInputs, soft_embed
 from dlm_engine.core.registry import CACHES, cache_class, load_plugins, strategy_class
@@ -194,7 +194,7 @@ PROMPTS = json.loads((BD / "llada21.json").read_text())["prompts"]
 
 def check_rule(canvas, rec, threshold=0.5, stop=0.9, block=8, cap=None):
     """The spec's properties, step by step, from the recorded deltas."""
-    mask, g = canvas.mask_id, canvas.gen_start
+    mask = canvas.mask_id
     cap = cap or block
     steps_in_block, last_of_block = {}, {}
     n_redecoded = n_m2t = 0

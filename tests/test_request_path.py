@@ -5,7 +5,6 @@ the prompts take -- and the layers ``app``, ``sweeps``, ``trace`` and ``models``
 import builtins
 import io
 import json
-from pathlib import Path
 
 import pytest
 

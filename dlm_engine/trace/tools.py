@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 from .format import TraceError
-from .reader import Sequence, Trace, open_trace
+from .reader import Sequence, Trace
 
 
 # --------------------------------------------------------------------------------------------------
