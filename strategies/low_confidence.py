@@ -19,17 +19,14 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Optional, Sequence, Tuple
 
-import torch
 
 from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.eos import EosOptions, check_eos_options, eos_confidence, eos_stop, eos_suppress
 from dlm_engine.core.registry import register_strategy
-from dlm_engine.core.blockwise import block_counts, counts_after, fresh_block_counts, host_rows
+from dlm_engine.core.blockwise import block_counts, host_rows
 from dlm_engine.core.canvas import BlockEvent
 from dlm_engine.core.confidence import Confidence, Remasking, check_kind, ranking
-from dlm_engine.core.devices import host_constant
 from dlm_engine.core.selection import host_schedule, topk_commit
-from dlm_engine.core.fast import counted_delta
 from dlm_engine.core.strategy import (BlockCursor, CacheDirective, StepPlan, Strategy, block_range,
                                       candidates, evolve)
 
@@ -59,12 +56,6 @@ class Schedule:
     schedule: Tuple[Tuple[int, ...], ...] = ()
     counts: Tuple[Tuple[int, ...], ...] = ()
     all_finished: bool = False
-    # the last step's commits per row ([B], device), all masked positions of block ``committed_block``: the next
-    # host read takes them and updates ``counts`` (None: recount the canvas)
-    committed: Optional[object] = None
-    committed_block: int = -1
-    # or those commits known on the host (a tuple of ints): the host read then needs nothing from the strategy
-    committed_host: Optional[Tuple[int, ...]] = None
 
 
 @dataclass(frozen=True)
@@ -121,56 +112,23 @@ class LowConfidence(Strategy):
         cur, c = st.cursor, self.cfg
         cand = candidates(canvas, proposal, e)
         conf = eos_confidence(c, canvas, plan, proposal)
-        k = plan.data.k
-        # LLaDA runs every scheduled step; Fast-dLLM's loop ends the block when it is full (decided on the host)
+        commit = topk_commit(conf, cand, plan.data.k, proposal.row_span)     # ranked in the reference's row
+        # LLaDA runs every scheduled step; Fast-dLLM's loop ends the block when it is full (decided in settle)
         done = c.loop == Loop.llada and cur.step + 1 >= self.steps_per_block
         nxt, events = cur.advance((s, e), done)
-        masked_left = [sum(row) for row in st.counts]
-        scalars = {"block": cur.block}
-        if proposal.valid is None and not c.confidence_eos_eot_inf and not c.stop_at_eos:
-            # The candidates are the block's masked positions (the host counts ``left``) and none scores -inf (a
-            # probability, margin, entropy or uniform draw; only the EOS ranking quirk and columns a cache left out
-            # give -inf), so topk commits exactly min(k, left) of them in each row: the commit counts, the rows
-            # that finish and the next host counts are known here (no sum, no compare, nothing to read back).
-            left = [row[cur.block] for row in st.counts]
-            n_host = tuple(min(kb, lb) for kb, lb in zip(k, left))
-            # (confidences made at the window's masked positions only are -inf elsewhere, and the candidates are
-            # exactly those positions: they need no masking)
-            commit = topk_commit(conf, cand, k, proposal.row_span,       # ranked in the reference's row
-                                 candidates_only=all(kb <= lb for kb, lb in zip(k, left)),
-                                 masked=not (proposal.masked_confidence and conf is proposal.confidence))
-            scalars["committed"] = host_constant(n_host, torch.long, canvas.device)
-            delta = counted_delta(canvas, proposal, commit, masked_left, committed_host=n_host, events=events,
-                                  confidence=conf, scalars=scalars)
-            return delta, evolve(st, cursor=nxt, committed_host=n_host, committed_block=cur.block)
-        commit = topk_commit(conf, cand, k, proposal.row_span)
-        n = commit.sum(-1)
-        scalars["committed"] = n
-        delta = counted_delta(canvas, proposal, commit, masked_left, committed=n, events=events, confidence=conf,
-                              scalars=scalars)
-        # commits are masked positions of the block and nothing else changes the canvas unless an EOS stop
-        # widens the delta: then the canvas is recounted
-        done_n = None if c.stop_at_eos else n
-        return eos_stop(c, canvas, delta), evolve(st, cursor=nxt, committed=done_n, committed_block=cur.block)
+        delta = self.delta(canvas, proposal, commit, confidence=conf, events=events,
+                           scalars={"block": cur.block, "committed": commit.sum(-1)})
+        return eos_stop(c, canvas, delta), evolve(st, cursor=nxt)
 
-    def sync_request(self, canvas, st: Schedule):
-        if st.committed_host is not None:
-            return None
-        return block_counts(canvas, self.block_length) if st.committed is None else st.committed
+    # -- what the next plan must know: masked positions per row and block --------------------------------------
+    def reads(self, canvas, st: Schedule):
+        return block_counts(canvas, self.block_length)
 
-    def fresh_values(self, canvas, st: Schedule):
-        return fresh_block_counts(canvas, self.block_length)
-
-    def synced(self, canvas, st: Schedule, values, delta):
-        if st.committed_host is not None:
-            counts = counts_after(st.counts, st.committed_block, st.committed_host)
-        elif st.committed is None:
-            counts = host_rows(values, canvas.batch_size)
-        else:
-            counts = counts_after(st.counts, st.committed_block, values)
+    def settle(self, canvas, st: Schedule, values, delta):
+        counts = host_rows(values, canvas.batch_size)
         # every row finished = no masked generated position left in any row (a row finished at an EOS has the rest
         # of its generation filled with EOS)
-        st = evolve(st, counts=counts, all_finished=not any(map(any, counts)), committed=None, committed_host=None)
+        st = evolve(st, counts=counts, all_finished=not any(map(any, counts)))
         cur = st.cursor
         if (delta is not None and self.cfg.loop == Loop.fastdllm and cur.block < self.num_blocks
                 and not any(row[cur.block] for row in counts)):

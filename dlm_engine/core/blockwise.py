@@ -19,7 +19,6 @@ from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.eos import (EosOptions, check_eos_options, eos_confidence, eos_stop, eos_suppress,
                                  no_candidate_scores_neg_inf)
 from dlm_engine.core.confidence import Remasking, ranking
-from dlm_engine.core.fast import counted_delta
 from dlm_engine.core.strategy import (BlockCursor, CacheDirective, StepPlan, Strategy, block_range,
                                       candidates)
 
@@ -30,9 +29,6 @@ class BlockState:
 
     cursor: BlockCursor = BlockCursor()
     counts: Tuple[Tuple[int, ...], ...] = ()
-    # the last step's commits per row ([B], device), all masked positions of the cursor's block: the next host
-    # read takes them and updates ``counts`` (None: recount the canvas)
-    committed: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True)
@@ -63,10 +59,7 @@ def fresh_block_counts(canvas, block_length: int) -> list:
     return [min(block_length, G - b) for b in range(0, G, block_length)] * canvas.batch_size
 
 
-def counts_after(counts: Tuple[Tuple[int, ...], ...], block: int, committed) -> Tuple[Tuple[int, ...], ...]:
-    """The host counts (masked positions per row and block) once row ``r`` committed ``committed[r]`` masked
-    positions of ``block`` and nothing else changed: the step's host read can be the commit counts a strategy
-    has already summed instead of a recount over the canvas (four tensor ops fewer a step)."""
+def counts_after(counts, block: int, committed):   # (transition: removed once no strategy keeps commit counts)
     return tuple(row[:block] + (row[block] - int(n),) + row[block + 1:] for row, n in zip(counts, committed))
 
 
@@ -154,28 +147,18 @@ class FillBlocks(Strategy):
         if not self.rule_within_candidates:
             commit = commit & cand
         n = commit.sum(-1)
-        delta = eos_stop(self.cfg, canvas, counted_delta(canvas, proposal, commit, [sum(row) for row in st.counts],
-                                                         committed=n, confidence=conf))
+        delta = eos_stop(self.cfg, canvas, self.delta(canvas, proposal, commit, confidence=conf))
         delta.block_events = [BlockEvent("opened", cur.block, s, e)] if cur.step == 0 else []
         delta.scalars.update({"block": cur.block, "committed": n})
         delta.scalars.update(self.step_scalars(proposal, cand, commit))
-        # commits are masked positions of the block and nothing else changes the canvas unless an EOS stop
-        # widens the delta: then the canvas is recounted
-        return delta, BlockState(BlockCursor(cur.block, cur.step + 1), st.counts,
-                                 None if self.cfg.stop_at_eos else n)
+        return delta, BlockState(BlockCursor(cur.block, cur.step + 1), st.counts)
 
-    # -- the step's host read: masked positions per row and block -------------------------------------------
-    def sync_request(self, canvas, st: "BlockState"):
-        return block_counts(canvas, self.block_length) if st.committed is None else st.committed
+    # -- what the next plan must know: masked positions per row and block --------------------------------------
+    def reads(self, canvas, st: "BlockState"):
+        return block_counts(canvas, self.block_length)
 
-    def fresh_values(self, canvas, st: "BlockState"):
-        return fresh_block_counts(canvas, self.block_length)
-
-    def synced(self, canvas, st: "BlockState", values, delta):
-        if st.committed is None:
-            counts = host_rows(values, canvas.batch_size)
-        else:
-            counts = counts_after(st.counts, st.cursor.block, values)
+    def settle(self, canvas, st: "BlockState", values, delta):
+        counts = host_rows(values, canvas.batch_size)
         cur = st.cursor
         if delta is not None and cur.block < self.num_blocks and not any(row[cur.block] for row in counts):
             s, e = block_range(canvas, cur.block, self.block_length)   # the step just filled the block

@@ -15,6 +15,7 @@ from dlm_engine.core.registry import cache_class
 from dlm_engine.core.rows import ActiveRows, call_rows, expand_proposal, full_batch, idle_proposal, recomputed_rows
 from dlm_engine.core import sampler
 from dlm_engine.core.fast import plain_finished, scored_window
+from dlm_engine.core.fast.layer import plain_policy, uses_fast_layer
 from dlm_engine.core.fast.mirror import HostMirror, is_fresh
 from dlm_engine.core.sampler import Proposal, propose
 from dlm_engine.core.strategy import StepPlan, Strategy
@@ -137,6 +138,8 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
     plain rule, and finished rows read from the device rather than taken from ``FrameDelta.finished_host``. It
     makes the same deltas (tests/test_plain_fast.py), with more work on the device and more host reads.
     """
+    if not fast:
+        strategy = plain_policy(strategy)
     if strategy.max_batch is not None and canvas.batch_size > strategy.max_batch:
         raise ValueError(f"strategy '{strategy.name}' decodes at most {strategy.max_batch} row(s) at a time "
                          f"(max_batch); this canvas has {canvas.batch_size}: split the batch (decode_batch does)")
@@ -245,13 +248,13 @@ def sync_round(canvas: Canvas, mirror: HostMirror, strategy: Strategy, state, de
     the finished rows in ``mirror``. A step
     whose delta says on the host which rows it finished (``FrameDelta.finished_host``), with nothing else to read,
     reads nothing (``fast=False``: it reads them)."""
-    req = strategy.sync_request(canvas, state)
+    req = strategy.reads(canvas, state)
     counts = None
     if delta is not None:
         known = delta.finished_host
         if fast and known is not None and finite is None and req is None:    # nothing to read: the host knows it all
             fin = mirror.add(known)
-            return HostView(fin, [], False), strategy.synced(canvas, state, [], delta)
+            return HostView(fin, [], False), strategy.settle(canvas, state, [], delta)
         # the finished rows: read, or told on the host from the step's commit counts (FrameDelta.finished_counts)
         if delta.finished is None:
             counts = delta.finished_counts[0]
@@ -265,7 +268,7 @@ def sync_round(canvas: Canvas, mirror: HostMirror, strategy: Strategy, state, de
                     B = counts.shape[0]
                     values, bad = [int(v) for v in flat[:B]], not healthy(flat[B:])
                 fin = mirror.finish_rows(canvas, delta, values)
-                return HostView(fin, values, bad), strategy.synced(canvas, state, values, delta)
+                return HostView(fin, values, bad), strategy.settle(canvas, state, values, delta)
     parts = [canvas.finished if counts is None else counts if counts.dim() == 1 else counts.reshape(-1)]
     if finite is not None:
         parts.append(finite)
@@ -296,19 +299,19 @@ def sync_round(canvas: Canvas, mirror: HostMirror, strategy: Strategy, state, de
         rest = [int(v) for v in rest]       # (the health values made the cat float: the rest were integers)
     host = HostView(fin, rest, finite is not None and not healthy(flat[head:head + n_flag]))
     mirror.finished = fin
-    return host, strategy.synced(canvas, state, host.values, delta)
+    return host, strategy.settle(canvas, state, host.values, delta)
 
 
 def first_sync(canvas: Canvas, mirror: HostMirror, strategy: Strategy, state, fast: bool = True):
     """The host read before the first step, made on the host when the canvas is fresh (:func:`is_fresh
     <dlm_engine.core.fast.mirror.is_fresh>`) and the strategy knows what a fresh canvas' read returns
     (:meth:`Strategy.fresh_values`; not with ``fast=False``)."""
-    values = strategy.fresh_values(canvas, state) if fast and is_fresh(canvas) else None
+    values = strategy.fresh_values(canvas, state) if uses_fast_layer(strategy) and is_fresh(canvas) else None
     if values is None:
         return sync_round(canvas, mirror, strategy, state, None)
     host = HostView((False,) * canvas.batch_size, values, False)
     mirror.finished = host.finished
-    return host, strategy.synced(canvas, state, values, None)
+    return host, strategy.settle(canvas, state, values, None)
 
 
 def delta_logits(proposal: Proposal, delta: FrameDelta, rows: Optional[torch.Tensor],

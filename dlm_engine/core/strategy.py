@@ -122,29 +122,25 @@ class Strategy:
         """The step's delta and the new state."""
         raise NotImplementedError
 
-    def sync_request(self, canvas: Canvas, state: Any) -> Union[None, torch.Tensor, Sequence[torch.Tensor]]:
-        """A small tensor of what the next plan must know on the host (mask counts, flags, ...), or a list of
-        them (flattened and read in order: the loop concatenates them with its own parts in one op, where a
-        strategy's own ``cat`` would be a second). The loop reads it together with the finished rows in its one
-        host synchronisation per step (after the delta is applied) and passes the values to :meth:`synced`
-        (``cat`` promotes: with an int part, flags read as 0/1; with a float part, every value is a float; on the
-        first forward's step the loop's health values are float, and it hands back ints for a request that had no
-        float part). When the step's delta left ``finished`` to its counts (``FrameDelta.finished_counts``),
-        ``canvas.finished`` on the device does not hold this step's finished rows yet when this is called (they
-        are told from the read, before :meth:`synced`): a request must not depend on them. None = nothing."""
+    def reads(self, canvas: Canvas, state: Any) -> Union[None, torch.Tensor, Sequence[torch.Tensor]]:
+        """What the next plan must know on the host, counted on the canvas once the step's delta is applied (and
+        before the first step): a small tensor (masked positions per block, flags, ...) or a list of them, flattened
+        and read in order. The step loop reads it together with the finished rows in its one host transfer of the
+        step and hands the numbers to :meth:`settle` (``cat`` promotes: with an int part, flags read as 0/1; with a
+        float part, every value is a float; on the first forward's step the loop's health values are float, and it
+        hands back ints for a request that had no float part). None = nothing to read."""
+        return self.sync_request(canvas, state)     # (transition: the old protocol's name)
+
+    def settle(self, canvas: Canvas, state: Any, values: List[float], delta: Optional[FrameDelta]) -> Any:
+        """The state once the host knows ``values`` (what :meth:`reads` asked for, flattened). ``delta`` is the
+        step's delta before the sinks see it (None for the read before the first step): a strategy may add block
+        events it decides here (a block the step filled)."""
+        return self.synced(canvas, state, values, delta)     # (transition: the old protocol's name)
+
+    def sync_request(self, canvas, state):   # (transition)
         return None
 
-    def fresh_values(self, canvas: Canvas, state: Any) -> Optional[list]:
-        """The values :meth:`sync_request` would read before the first step from a fresh canvas
-        (:func:`dlm_engine.core.fast.mirror.is_fresh`: every generated position masked, no row finished), made on the
-        host: the loop then skips that read (its tensor ops and, on a GPU, its synchronisation). Called once, with the
-        state :meth:`init_state` returned. None = read them."""
-        return None
-
-    def synced(self, canvas: Canvas, state: Any, values: List[float], delta: Optional[FrameDelta]) -> Any:
-        """The state once the host knows ``values`` (the request's numbers, flattened). ``delta`` is the step's
-        delta before the sinks see it (None for the read before the first step): a strategy may add block
-        events it could only decide with the host values."""
+    def synced(self, canvas, state, values, delta):   # (transition)
         return state
 
     def max_steps(self, canvas: Canvas) -> int:

@@ -1,0 +1,42 @@
+"""The base of the fast layer's mixins, and the switch that turns them off (see :mod:`dlm_engine.core.fast`).
+
+A strategy module holds its plain rule: ``plan`` / ``select``, what the next plan must know on the host
+(``reads`` / ``settle``: counted on the canvas after every step) and deltas made with :meth:`Strategy.delta
+<dlm_engine.core.strategy.Strategy.delta>`. A strategy opts into shortcuts by listing a :class:`FastLayer` mixin
+before its policy class (``class D2C(ScoredBlock, D2CRule)``). A mixin overrides the policy's seams only: each of its
+methods first asks :attr:`FastLayer.fast_on`, and :func:`plain_policy` hands the step loop a copy with it off
+(``decode(..., fast=False)``), which then runs the policy's own methods. ``tests/test_plain_fast.py`` decodes every
+strategy both ways and compares the deltas.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Optional
+
+
+class FastLayer:
+    """Base of the fast layer's mixins. ``fast_on``: the mixin's overrides are in force (False on the copy
+    :func:`plain_policy` makes)."""
+
+    fast_on: bool = True
+
+    def fresh_values(self, canvas, state: Any) -> Optional[list]:
+        """The values ``reads`` would return before the first step from a fresh canvas
+        (:func:`dlm_engine.core.fast.mirror.is_fresh`: every generated position masked, no row finished), made on the
+        host: the loop then skips that read. Called once, with the state ``init_state`` returned. None = read them."""
+        return None
+
+
+def uses_fast_layer(strategy) -> bool:
+    """Whether ``strategy`` has a fast mixin in force."""
+    return isinstance(strategy, FastLayer) and strategy.fast_on
+
+
+def plain_policy(strategy):
+    """``strategy`` with its fast mixins turned off (a shallow copy; the strategy itself when it has none): the
+    plain rule of its module, what ``decode(..., fast=False)`` runs."""
+    if not uses_fast_layer(strategy):
+        return strategy
+    plain = copy.copy(strategy)
+    plain.fast_on = False
+    return plain
