@@ -33,10 +33,10 @@ class Asks:
     def __init__(self, parts, seen: dict, after=None):
         self.parts, self.seen, self.after = parts, seen, after
 
-    def sync_request(self, canvas, state):
+    def reads(self, canvas, state):
         return self.parts
 
-    def synced(self, canvas, state, values, delta):
+    def settle(self, canvas, state, values, delta):
         self.seen["values"] = values
         return self.after
 
@@ -198,8 +198,8 @@ def test_rules_that_skip_the_candidate_intersection_keep_to_the_candidates(name)
             assert not bool((commit & ~cand).any()), (trial, c)
 
 
-def test_a_sync_request_given_as_parts_is_read_in_order_in_one_cat():
-    """``Strategy.sync_request`` may return a list: its parts (any shape) are flattened and read after the loop's
+def test_reads_given_as_parts_are_read_in_order_in_one_cat():
+    """``Strategy.reads`` may return a list: its parts (any shape) are flattened and read after the loop's
     own (finished rows), promoted together, in one host read."""
     from dlm_engine.core.loop import sync_round
 

@@ -97,27 +97,3 @@ def test_block_events_and_scalars(tiny_llada):
     assert kinds == [("opened", 0), ("completed", 0), ("opened", 1), ("completed", 1)]
     assert [int(d.scalars["committed"][0]) for d in rec.deltas] == [2, 2, 2, 2]
     assert [bool(d.finished[0]) for d in rec.deltas] == [False, False, False, True]
-
-
-@pytest.mark.parametrize("kw", [dict(), dict(loop="fastdllm"), dict(remasking="random", temperature=0.7),
-                                dict(steps=24, confidence_eos_eot_inf=True), dict(stop_at_eos=True, steps=8)])
-@pytest.mark.parametrize("cache", ["none", "dual"])
-def test_host_counts_follow_the_canvas(tiny_llada, kw, cache):
-    """The counts kept on the host equal the canvas' masked positions per block after every step -- batch with
-    padding, rows finishing at different steps, both loops, random remasking. They come from commit counts known
-    on the host (min(k, left): nothing read back) unless a candidate may score -inf (the EOS ranking quirk): then
-    from the counts the select summed (the step's host read); with ``stop_at_eos`` the canvas is recounted."""
-    from dlm_engine.core.blockwise import block_counts
-    from fakes import host_counts_checked
-
-    cls = strategy_class("low_confidence")
-    torch.manual_seed(0)
-    checked = host_counts_checked(tiny_llada, cls, cls.Config(block_length=4, **dict(dict(steps=16), **kw)), cache,
-                                  lambda s, canvas: block_counts(canvas, s.block_length),
-                                  lambda s, canvas, st: ("host" if st.committed_host is not None else
-                                                         "read" if st.committed is not None else None))
-    assert checked and all(ok for _, ok in checked)
-    used = {u for u, _ in checked if u is not None}
-    want = (set() if kw.get("stop_at_eos") else {"read"} if kw.get("confidence_eos_eot_inf")
-            else {"host"})
-    assert used == want

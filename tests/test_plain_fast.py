@@ -68,37 +68,38 @@ def test_every_cache_is_paired_with_some_strategy():
 
 
 def test_the_plain_path_takes_none_of_the_shortcuts():
-    """``fast=False`` is not the fast path under another name: with a strategy that opts into counted finished rows
-    (``threshold``: :func:`dlm_engine.core.fast.counted_delta`), the plain decode's deltas carry no counted fields
-    and its sampler computes confidences at every position of the window (no ``-inf`` outside the masked ones)."""
+    """``fast=False`` is not the fast path under another name: the loop's sampler computes confidences at every
+    position of the window (no ``-inf`` outside the masked ones, where the fast path scores the masked positions
+    only), and a strategy's fast mixins are off: the policy's own methods run."""
+    from dlm_engine.core.fast.layer import FastLayer
+
     seen = {}
 
-    class Probe:
-        wants_logits = wants_recomputed = False
+    class Marked(FastLayer, type(make("threshold"))):     # a fast mixin that marks the deltas it made
+        def select(self, canvas, plan, proposal, st):
+            delta, st = super().select(canvas, plan, proposal, st)
+            if self.fast_on:
+                delta.scalars["fast"] = 1
+            return delta, st
 
+    class Probe(Sink):
         def __init__(self, key):
             self.key = key
             seen[key] = []
 
-        def on_start(self, canvas, info):
-            pass
-
         def on_delta(self, delta, canvas):
             if delta.nfe:
-                seen[self.key].append((delta.counted, delta.finished_counts, delta.finished_host,
-                                       bool(torch.isinf(delta.confidence).any())))
-
-        def on_end(self, canvas):
-            pass
+                seen[self.key].append(("fast" in delta.scalars, bool(torch.isinf(delta.confidence).any())))
 
     for fast in (True, False):
-        strategy = make("threshold")
+        strategy = Marked(make("threshold").cfg, GEN)
         canvas = Canvas.from_prompts(PROMPTS, GEN, V - 1, 0, eos_id=V - 2)
         with torch.inference_mode():
             decode(ScriptedModel(random_script(seed=5), V), canvas, strategy, cache_class("none")(),
                    sinks=[Probe(fast)], fast=fast)
-    assert all(not c and n is None and h is None and not inf for c, n, h, inf in seen[False])
-    assert any(c for c, *_ in seen[True]) and any(inf for *_, inf in seen[True])
+        assert strategy.fast_on          # (the plain decode ran a copy)
+    assert seen[False] and all(not marked and not inf for marked, inf in seen[False])
+    assert all(marked for marked, _ in seen[True]) and any(inf for _, inf in seen[True])
 
 
 def test_the_plain_delta_takes_six_keywords_and_plans_carry_typed_data():

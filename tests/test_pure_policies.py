@@ -73,19 +73,16 @@ class Checked(Strategy):
     def max_steps(self, canvas):
         return self.inner.max_steps(canvas)
 
-    def sync_request(self, canvas, state):
+    def reads(self, canvas, state):
         st0 = snapshot(state)
-        req = self.inner.sync_request(canvas, state)
-        assert same(snapshot(state), st0), f"{self.name}: sync_request mutated the state"
+        req = self.inner.reads(canvas, state)
+        assert same(snapshot(state), st0), f"{self.name}: reads mutated the state"
         return req
 
-    def fresh_values(self, canvas, state):
-        return self.inner.fresh_values(canvas, state)
-
-    def synced(self, canvas, state, values, delta):
+    def settle(self, canvas, state, values, delta):
         st0 = snapshot(state)
-        new = self.inner.synced(canvas, state, values, delta)
-        assert same(snapshot(state), st0), f"{self.name}: synced mutated the state passed in"
+        new = self.inner.settle(canvas, state, values, delta)
+        assert same(snapshot(state), st0), f"{self.name}: settle mutated the state passed in"
         return new
 
     def _canvas(self, canvas):

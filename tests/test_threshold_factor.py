@@ -131,21 +131,3 @@ def test_defaults_are_the_reference_defaults():
     t = strategy_class("threshold").Config()
     assert (t.threshold, t.block_length, t.steps, t.temperature, t.remasking) == (0.9, None, None, 0.0, "low_confidence")
     assert strategy_class("factor").Config().factor == 1.0
-
-
-@pytest.mark.parametrize("name, kw", [("threshold", dict(threshold=0.5)), ("threshold", dict(threshold=0.99)),
-                                      ("factor", dict(factor=1.0)), ("threshold", dict(threshold=0.5, stop_at_eos=True))])
-@pytest.mark.parametrize("cache", ["none", "dual"])
-def test_host_counts_follow_the_canvas(tiny_llada, name, kw, cache):
-    """The step's host read is the commit counts the select summed (not a recount of the canvas): the counts kept
-    on the host from them equal the canvas' masked positions per block after every step, for a padded batch whose
-    rows fill their blocks at different steps (and sit steps out); with ``stop_at_eos`` the canvas is recounted."""
-    from dlm_engine.core.blockwise import block_counts
-    from fakes import host_counts_checked
-
-    cls = strategy_class(name)
-    checked = host_counts_checked(tiny_llada, cls, cls.Config(block_length=4, **kw), cache,
-                                  lambda s, canvas: block_counts(canvas, s.block_length),
-                                  lambda s, canvas, st: st.committed is not None)
-    assert checked and all(ok for _, ok in checked)
-    assert any(used for used, _ in checked) != bool(kw.get("stop_at_eos"))   # the commit counts were the read

@@ -173,8 +173,6 @@ class Canvas:
         step_of = torch.zeros((B, L), dtype=torch.int32)
         step_of[:, P:] = -1
         canvas = cls(tokens.to(device), step_of.to(device), attn.to(device), P, mask_id, eos_id=eos_id, eot_id=eot_id)
-        from dlm_engine.core.fast.mirror import note_fresh      # (the fast layer imports this module)
-        note_fresh(canvas)          # the loop may then make its first read on the host (fast.mirror.is_fresh)
         return canvas
 
     # -- views -------------------------------------------------------------------------------------

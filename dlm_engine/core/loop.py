@@ -15,8 +15,8 @@ from dlm_engine.core.registry import cache_class
 from dlm_engine.core.rows import ActiveRows, call_rows, expand_proposal, full_batch, idle_proposal, recomputed_rows
 from dlm_engine.core import sampler
 from dlm_engine.core.fast import plain_finished, scored_window
-from dlm_engine.core.fast.layer import plain_policy, uses_fast_layer
-from dlm_engine.core.fast.mirror import HostMirror, is_fresh
+from dlm_engine.core.fast.layer import plain_policy
+from dlm_engine.core.fast.mirror import HostMirror
 from dlm_engine.core.sampler import Proposal, propose
 from dlm_engine.core.strategy import StepPlan, Strategy
 from dlm_engine.errors import ConfigError, check_finite_logits
@@ -181,7 +181,7 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
 def _steps(model, canvas: Canvas, strategy: Strategy, cache, sinks, state, limit, active: ActiveRows,
            mirror: HostMirror, want_logits: bool, want_recomputed: bool, all_conf: bool, fast: bool) -> None:
     """The steps of :func:`decode`, from its first host read to the plan that ends it."""
-    host, state = first_sync(canvas, mirror, strategy, state, fast)
+    host, state = sync_round(canvas, mirror, strategy, state, None)     # what the first plan reads
     t0 = time.perf_counter()
     # (a caller already in inference mode -- decode_batch, the benchmarks -- costs no second enter and exit a decode)
     with contextlib.nullcontext() if torch.is_inference_mode_enabled() else torch.inference_mode():
@@ -300,18 +300,6 @@ def sync_round(canvas: Canvas, mirror: HostMirror, strategy: Strategy, state, de
     host = HostView(fin, rest, finite is not None and not healthy(flat[head:head + n_flag]))
     mirror.finished = fin
     return host, strategy.settle(canvas, state, host.values, delta)
-
-
-def first_sync(canvas: Canvas, mirror: HostMirror, strategy: Strategy, state, fast: bool = True):
-    """The host read before the first step, made on the host when the canvas is fresh (:func:`is_fresh
-    <dlm_engine.core.fast.mirror.is_fresh>`) and the strategy knows what a fresh canvas' read returns
-    (:meth:`Strategy.fresh_values`; not with ``fast=False``)."""
-    values = strategy.fresh_values(canvas, state) if uses_fast_layer(strategy) and is_fresh(canvas) else None
-    if values is None:
-        return sync_round(canvas, mirror, strategy, state, None)
-    host = HostView((False,) * canvas.batch_size, values, False)
-    mirror.finished = host.finished
-    return host, strategy.settle(canvas, state, values, None)
 
 
 def delta_logits(proposal: Proposal, delta: FrameDelta, rows: Optional[torch.Tensor],

@@ -12,9 +12,9 @@ strategy that does not call these gets the plain behaviour of :meth:`dlm_engine.
 ``fast=False`` the loop recomputes such a delta's finished rows with the plain rule (:func:`plain_finished`), so any
 disagreement shows as a different delta.
 """
-from dlm_engine.core.fast.mirror import HostMirror, finished_before, is_fresh
+from dlm_engine.core.fast.mirror import HostMirror, finished_before
 from dlm_engine.core.fast.finished import counted_delta, host_finished, pending_delta, plain_finished
 from dlm_engine.core.fast.scored import scored_window
 
-__all__ = ["HostMirror", "counted_delta", "finished_before", "host_finished", "is_fresh", "pending_delta",
+__all__ = ["HostMirror", "counted_delta", "finished_before", "host_finished", "pending_delta",
            "plain_finished", "scored_window"]

@@ -11,7 +11,6 @@ strategy both ways and compares the deltas.
 from __future__ import annotations
 
 import copy
-from typing import Any, Optional
 
 
 class FastLayer:
@@ -19,12 +18,6 @@ class FastLayer:
     :func:`plain_policy` makes)."""
 
     fast_on: bool = True
-
-    def fresh_values(self, canvas, state: Any) -> Optional[list]:
-        """The values ``reads`` would return before the first step from a fresh canvas
-        (:func:`dlm_engine.core.fast.mirror.is_fresh`: every generated position masked, no row finished), made on the
-        host: the loop then skips that read. Called once, with the state ``init_state`` returned. None = read them."""
-        return None
 
 
 def uses_fast_layer(strategy) -> bool:

@@ -2,10 +2,7 @@
 
 :class:`HostMirror` is what :func:`dlm_engine.core.loop.decode` knows about a canvas on the host without a read: the
 finished rows as of the step's one synchronisation. The loop makes one per decode and hands its rows to the strategies
-where it already hands them host values (``Proposal.finished_host`` in ``select``). :func:`is_fresh` tells whether a
-canvas is still the one :meth:`Canvas.from_prompts <dlm_engine.core.canvas.Canvas.from_prompts>` made, from torch's
-version counters noted at its birth (:func:`note_fresh`), so that the loop may make its first read on the host
-(:meth:`Strategy.fresh_values <dlm_engine.core.strategy.Strategy.fresh_values>`). ``Canvas`` itself keeps none of
+where it already hands them host values (``Proposal.finished_host`` in ``select``). ``Canvas`` itself keeps none of
 this.
 """
 from __future__ import annotations
@@ -18,12 +15,11 @@ import torch
 
 from dlm_engine.core.devices import host_constant
 
-if TYPE_CHECKING:   # (canvas.py calls note_fresh: no import of it at module level)
+if TYPE_CHECKING:
     from dlm_engine.core.canvas import Canvas, FrameDelta
 
-# canvas -> (its tensors, their version counters) when from_prompts made it; canvas -> the mirror of the decode
-# running on it (for code outside the loop that finishes rows between steps: :func:`live_mirror`)
-_BORN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# canvas -> the mirror of the decode running on it (for code outside the loop that finishes rows between steps:
+# :func:`live_mirror`)
 _LIVE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -75,33 +71,3 @@ def finished_before(proposal, batch: int) -> Tuple[bool, ...]:
     outside the loop, with none: no row)."""
     fin = getattr(proposal, "finished_host", None)
     return (False,) * batch if fin is None else fin
-
-
-def _versions(canvas: "Canvas") -> Optional[tuple]:
-    # (the tensors, their in-place version counters); inference tensors keep no counter: then None
-    ts = (canvas.tokens, canvas.step_of, canvas.finished)
-    try:
-        return ts + tuple(t._version for t in ts)
-    except RuntimeError:
-        return None
-
-
-def note_fresh(canvas: "Canvas") -> None:
-    """Remember ``canvas`` as fresh (called by ``Canvas.from_prompts``: its masked positions are exactly the
-    generation of every row and no row is finished)."""
-    v = _versions(canvas)
-    if v is not None:
-        _BORN[canvas] = v
-
-
-def is_fresh(canvas: "Canvas") -> bool:
-    """True while nothing has changed the canvas :meth:`Canvas.from_prompts` made (no step, no set-up delta, no
-    in-place edit or replaced tensor, tracked by torch's version counters): the host then knows its masked positions
-    and that no row is finished without a read. Writes that bypass torch's counters (through ``.data``,
-    ``.numpy()`` or DLPack views) are not seen: change a canvas with torch operations (``canvas_hook`` of
-    ``decode_batch`` included)."""
-    f = _BORN.get(canvas)
-    if f is None or canvas.step or canvas.nfe:
-        return False
-    now = _versions(canvas)
-    return now is not None and all(a is b for a, b in zip(now[:3], f[:3])) and now[3:] == f[3:]
