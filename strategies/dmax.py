@@ -74,7 +74,7 @@ class DMaxState:
     eos_blocks: Tuple[int, ...] = ()
     active: Optional[torch.Tensor] = None    # [W] bool: the block's positions masked at its start
     soft: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None   # (where [W], tokens [W,K], probs [W,K])
-    pending: Optional[torch.Tensor] = None   # [1]: the step ended the block, read in the next sync
+    ended: Optional[torch.Tensor] = None     # [1] (device): the step ended the block (told by its confidences)
     done: bool = False
 
 
@@ -102,9 +102,14 @@ class DMax(AbsoluteBlocks):
     def init_state(self, canvas):
         return DMaxState(first=self.first_block(canvas))
 
-    def synced(self, canvas, st: DMaxState, values, delta):
+    def step_facts(self, canvas, st: DMaxState) -> list:
+        """Whether the step ended the block: its rule reads the step's confidences, which the canvas does not hold,
+        so ``select`` leaves the flag on the device (``st.ended``) and it is read with the block facts."""
+        return [] if st.ended is None else [st.ended]
+
+    def settle(self, canvas, st: DMaxState, values, delta):
         st, rest = self.with_facts(canvas, st, values)
-        st = evolve(st, pending=None)
+        st = evolve(st, ended=None)
         if delta is None:
             return evolve(st, block=st.first, step=0)
         if rest and rest[0]:
@@ -207,7 +212,7 @@ class DMax(AbsoluteBlocks):
                            remask=remask[None], events=events, finished=(block_end & stop)[None],
                            scalars={"block": st.block, "committed": m2t.sum()[None], "edits": (edits | remask).sum()[None],
                                     "redecoded": redo.sum()[None]})
-        return delta, evolve(st, active=active, soft=soft, pending=block_end.long()[None])
+        return delta, evolve(st, active=active, soft=soft, ended=block_end.long()[None])
 
 
 __all__ = ["DMaxConfig", "DMax"]

@@ -68,7 +68,6 @@ class EditState:
     unmasked_step: bool = False          # the step in flight started with no mask in its block
     counts: Tuple[int, ...] = ()
     eos_blocks: Tuple[int, ...] = ()
-    pending: Optional[torch.Tensor] = None   # the step's edit count, read in the next sync
     done: bool = False
 
 
@@ -96,13 +95,15 @@ class Edit(AbsoluteBlocks):
     def init_state(self, canvas):
         return EditState(first=self.first_block(canvas))
 
-    def synced(self, canvas, st: EditState, values, delta):
-        st, rest = self.with_facts(canvas, st, values)
-        st = evolve(st, pending=None)
+    def step_facts(self, canvas, st: EditState) -> list:
+        """The positions the step wrote (a post-edit step writes its edits only)."""
+        return [(canvas.step_of[0] == canvas.step).sum()[None]]
+
+    def settle(self, canvas, st: EditState, values, delta):
+        st, (written,) = self.with_facts(canvas, st, values)
         if delta is None:
             return evolve(st, block=st.first, step=0, post=0)
-        edits = rest[0] if rest else 0
-        if st.unmasked_step and edits == 0:           # a post-edit step that changed nothing ends the block
+        if st.unmasked_step and written == 0:         # a post-edit step that changed nothing ends the block
             return self.end_block(canvas, st, delta)
         return evolve(st, step=st.step + 1)
 
@@ -170,7 +171,7 @@ class Edit(AbsoluteBlocks):
                            finished=(block_end & stop)[None],
                            scalars={"block": st.block, "committed": commit.sum(-1), "edits": n_edit[None],
                                     "post_edit": int(st.unmasked_step)})
-        return delta, evolve(st, pending=n_edit[None])
+        return delta, st
 
 
 def repetition_penalty(logits: torch.Tensor, block: torch.Tensor, lam: float) -> torch.Tensor:

@@ -33,7 +33,6 @@ import torch
 
 from dlm_engine.core.canvas import BlockEvent
 from dlm_engine.core.capabilities import Cap, caps
-from dlm_engine.core.fast import finished_before
 from dlm_engine.core.registry import register_strategy
 from dlm_engine.core.strategy import CacheDirective, StepPlan, evolve
 from dlm_engine.errors import ConfigError
@@ -132,15 +131,15 @@ class Fdv2(BlockDiffusionStrategy):
                               "for batches): decode one row at a time")
         return Fdv2State(phase="prefill" if self._geometry(canvas)[3] else "block")
 
-    # -- host reads -----------------------------------------------------------------------------------------
-    def sync_request(self, canvas, st: Fdv2State):
+    # -- what the next plan must know: the block's columns and the next one (row 0) ---------------------------
+    def reads(self, canvas, st: Fdv2State):
         if st.phase == "done":
             return None
         bs, _, S0, _, _ = self._geometry(canvas)
         S = S0 + st.block * bs
         return canvas.tokens[0, S:min(S + bs + 1, canvas.length)]
 
-    def synced(self, canvas, st: Fdv2State, values, delta):
+    def settle(self, canvas, st: Fdv2State, values, delta):
         if st.phase == "done":
             return st
         toks = tuple(int(v) for v in values)
@@ -345,14 +344,14 @@ class Fdv2Batch(Fdv2):
         # no stop id known: no row ever finishes (-1 matches no token)
         return (-1 if stop is None else int(stop)), (-1 if pad is None else int(pad))
 
-    # -- host reads -----------------------------------------------------------------------------------------
-    def sync_request(self, canvas, st):
+    # -- what the next plan must know: the block's columns, every row ---------------------------------------------
+    def reads(self, canvas, st):
         if st.phase == "done":
             return None
         S = st.block * int(self.cfg.block_size)
         return canvas.tokens[:, S:min(S + int(self.cfg.block_size), canvas.length)]
 
-    def synced(self, canvas, st, values, delta):
+    def settle(self, canvas, st, values, delta):
         if st.phase == "done":
             return st
         n = len(values) // canvas.batch_size
@@ -494,7 +493,6 @@ class Fdv2Batch(Fdv2):
         final = b + 1 >= self._geo(canvas)[5]          # the last block: every live row is done after its store
         leaving = tuple((bool(f) or final) and lv for f, lv in zip(st.finished, live))
         delta.finished = torch.tensor(leaving, device=canvas.device) | canvas.finished
-        delta.finished_host = tuple(a or bb for a, bb in zip(finished_before(proposal, B), leaving))
         delta.block_events = [BlockEvent("completed", b, S, E), BlockEvent("stored", b, S, E)]
         ends = tuple(E + 1 if lv else e for e, lv in zip(st.ends, leaving))
         delta.scalars["row_ends"] = ends

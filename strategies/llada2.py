@@ -61,7 +61,6 @@ class LLaDA2State:
     eos_blocks: Tuple[int, ...] = ()     # per absolute block: an EOS is written at a generated position (host)
     done: bool = False
     empty: bool = False                  # stopped by an EOS inside the prompt (the reference returns nothing)
-    pending: Optional[torch.Tensor] = None   # the step's EOS facts, read in the next sync
     stop_reason: str = ""
 
 
@@ -148,14 +147,16 @@ class AbsoluteBlocks(Strategy):
     def first_block(self, canvas) -> int:
         return canvas.gen_start // self.bl
 
-    def sync_request(self, canvas, st):
-        """The block facts, then what the last step left to read on the host (``st.pending``), if anything."""
-        parts = self.block_facts(canvas)
-        if st.pending is not None:
-            parts.append(st.pending)
-        return parts
+    # -- what the next plan must know: the block facts, then what the rule reads of the last step ----------------
+    def reads(self, canvas, st):
+        return self.block_facts(canvas) + self.step_facts(canvas, st)
+
+    def step_facts(self, canvas, st) -> list:
+        """What the rule reads of the step just taken, after the block facts (tensors; none by default)."""
+        return []
 
     def with_facts(self, canvas, st, values):
+        """The state with the block facts of ``values``, and the values of :meth:`step_facts`."""
         nb = self.n_blocks(canvas)
         counts, eos = tuple(int(v) for v in values[:nb]), tuple(int(v) for v in values[nb:2 * nb])
         return evolve(st, counts=counts, eos_blocks=eos), [int(v) for v in values[2 * nb:]]
@@ -203,13 +204,21 @@ class LLaDA2(AbsoluteBlocks):
     def init_state(self, canvas):
         return LLaDA2State(first=self.first_block(canvas))
 
-    def synced(self, canvas, st: LLaDA2State, values, delta):
+    def step_facts(self, canvas, st: LLaDA2State) -> list:
+        """With ``eos_early_stop``: the EOS facts of the canvas (:meth:`eos_facts`), after the step's writes."""
+        if not self.early_stop(canvas) or st.block < 0:
+            return []
+        s, e = self.bounds(canvas, st.block)
+        written = canvas.step_of[0, s:e] == canvas.step          # the positions the step committed
+        hit = (written & (canvas.tokens[0, s:e] == canvas.eos_id)).any()
+        return [self.eos_facts(canvas, hit, canvas.tokens[0, :e], canvas.step_of[0, :e] < 0)]
+
+    def settle(self, canvas, st: LLaDA2State, values, delta):
         st, rest = self.with_facts(canvas, st, values)
-        st = evolve(st, pending=None)
         if delta is None:                                    # before the first step
             return evolve(st, block=st.first, step=0)
-        hit, first, before = rest[:3]
-        if self.cfg.eos_early_stop and hit and first >= 0 and before == 0:
+        hit, first, before = rest if rest else (0, -1, 0)
+        if hit and first >= 0 and before == 0:
             reason = "eos_prompt" if first < canvas.gen_start else "eos_early_stop"
             delta.scalars["stop"] = reason               # (eos_prompt: the reference returns an empty answer)
             return evolve(st, done=True, empty=first < canvas.gen_start, stop_reason=reason)
@@ -255,40 +264,39 @@ class LLaDA2(AbsoluteBlocks):
             top[torch.topk(conf_m, k).indices] = True
         commit = torch.where(n_high >= nk, high, top)
         events = [BlockEvent("opened", st.block - st.first, max(s, canvas.gen_start), e)] if st.step == 0 else []
-        pending = self.pending_eos(canvas, commit, x0, s, e)
-        # the row is finished when this step ends the decode (as ``synced`` will tell on the host): an early EOS stop,
+        # the row is finished when this step ends the decode (as ``settle`` will tell on the host): an early EOS stop,
         # or the block's end with an EOS written in the generation or no block after it
         block_end = ~(masked & ~commit).any() if st.step + 1 < self.steps else torch.ones((), dtype=torch.bool,
                                                                                            device=canvas.device)
         last = st.block + 1 >= self.n_blocks(canvas)
         end = block_end & (self.eos_written(canvas, commit, x0, s, e) | last)
-        if c.eos_early_stop and canvas.eos_id is not None:
-            end = end | ((pending[0] > 0) & (pending[1] >= 0) & (pending[2] == 0))
+        if self.early_stop(canvas):      # the same facts settle reads, on the canvas as this step leaves it
+            toks = canvas.tokens[0, :e].clone()
+            toks[s:e] = torch.where(commit, x0, toks[s:e])
+            left = canvas.step_of[0, :e] < 0
+            left[s:e] &= ~commit
+            hit, first, before = self.eos_facts(canvas, (commit & (x0 == canvas.eos_id)).any(), toks, left)
+            end = end | ((hit > 0) & (first >= 0) & (before == 0))
         delta = self.delta(canvas, proposal, commit[None], tokens=x0[None], confidence=conf[None].float(),
                            events=events, finished=end[None],
                            scalars={"block": st.block, "committed": commit.sum()[None]})
-        return delta, evolve(st, pending=pending)
+        return delta, st
 
-    def pending_eos(self, canvas, commit: torch.Tensor, x0: torch.Tensor, s: int, e: int) -> torch.Tensor:
-        """``[committed an EOS, first EOS (-1: none), masks in the generation before it]`` once this step's writes
-        are applied, over columns ``[lo, e)`` (``lo`` 0 with ``eos_search: window``, else the generation start)."""
+    def early_stop(self, canvas) -> bool:
+        return self.cfg.eos_early_stop and canvas.eos_id is not None
+
+    def eos_facts(self, canvas, hit: torch.Tensor, toks: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+        """``[the step committed an EOS (hit), first EOS column (-1: none), masks in the generation before it]`` of
+        row 0's columns ``[0, e)`` (``toks``, ``masked``), the EOS searched from column ``lo`` (0 with ``eos_search:
+        window``, else the generation start)."""
         dev = canvas.device
-        eos = canvas.eos_id
-        if eos is None or not self.cfg.eos_early_stop:
-            return torch.tensor([0, -1, 0], dtype=torch.long, device=dev)
         g = canvas.gen_start
         lo = 0 if self.cfg.eos_search == "window" else g
-        toks = canvas.tokens[0, :e].clone()
-        masked = canvas.step_of[0, :e] < 0
-        toks[s:e] = torch.where(commit, x0, toks[s:e])
-        masked[s:e] &= ~commit
-        is_eos = (toks == eos) & ~masked
+        is_eos = (toks == canvas.eos_id) & ~masked
         is_eos[:lo] = False
-        anyeos = is_eos.any()
-        first = torch.where(anyeos, is_eos.long().argmax(), torch.tensor(-1, device=dev))
-        col = torch.arange(e, device=dev)
+        first = torch.where(is_eos.any(), is_eos.long().argmax(), torch.tensor(-1, device=dev))
+        col = torch.arange(toks.shape[0], device=dev)
         before = (masked & (col >= g) & (col < first)).sum()
-        hit = (commit & (x0 == eos)).any()
         return torch.stack([hit.long(), first, before])
 
 

@@ -122,12 +122,12 @@ class Sdar(BlockDiffusionStrategy):
         first = canvas.gen_start // B
         return SdarState(phase="prefill" if first > 0 else "block", block=first)
 
-    # -- host reads -----------------------------------------------------------------------------------------
-    def sync_request(self, canvas, st: SdarState):
+    # -- what the next plan must know: the block's masks, and whether a stop id is in the generation ----------
+    def reads(self, canvas, st: SdarState):
         if st.phase == "done":
             return None
         s, e = self._block(canvas, st.block)
-        masks = canvas.masked_cols(s, max(e, s)).sum(-1) if e > s else canvas.masked_cols(0, 0).sum(-1)
+        masks = canvas.masked_cols(s, max(e, s)).sum(-1)
         ids = self._stop_ids(canvas)
         if ids is None:
             return masks
@@ -135,7 +135,7 @@ class Sdar(BlockDiffusionStrategy):
         hit = torch.isin(gen, torch.tensor(ids, device=gen.device)).any(-1).to(masks.dtype)
         return [masks, hit]
 
-    def synced(self, canvas, st: SdarState, values, delta):
+    def settle(self, canvas, st: SdarState, values, delta):
         if st.phase == "done":
             return st
         masks = int(values[0])
@@ -228,7 +228,7 @@ class Sdar(BlockDiffusionStrategy):
         new = torch.where(transfer, x0, cur)
         remask = transfer & (new == M)
         commit = transfer & (new != cur) & (new != M)
-        delta = self.delta(canvas, _window(proposal, s), commit, tokens=new, remask=remask, confidence=conf,
+        delta = self.delta(canvas, proposal, commit, tokens=new, remask=remask, confidence=conf,
                            finished=canvas.no_rows())
         delta.scalars["block"] = st.block
         return delta
@@ -254,9 +254,3 @@ class Sdar(BlockDiffusionStrategy):
             for r in range(conf.shape[0]):
                 out[r, torch.topk(conf[r], k).indices] = True
         return out
-
-
-def _window(proposal, s):
-    """The proposal seen as covering the block from column ``s`` (``sample=False`` proposals carry the window
-    start already; kept for clarity)."""
-    return proposal
