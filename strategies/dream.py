@@ -184,6 +184,8 @@ class Dream(DreamBlockLoop, Strategy):
             return [first, m.sum(-1)]
         parts = [m[:, st.lo:].sum(-1)]
         if st.steps_row is not None:
+            # confidence_threshold: the most tokens a row may commit next and the longest step budget (the carried
+            # rejections live in the state, not on the canvas)
             want = torch.where(st.i < st.steps_row, st.quota + st.carry, torch.zeros_like(st.quota))
             parts += [want.max(), st.steps_row.max()]
         return parts                            # (read in order, in the loop's one cat)
