@@ -79,7 +79,7 @@ class DreamBlockLoop:
             evolve(st, check=True)
 
     def _cached_delta(self, canvas, st, lo, commit, tokens, conf, remask, proposal):
-        """A cached step's delta. Whether it completed the block is decided on the host (``synced``); every row
+        """A cached step's delta. Whether it completed the block is decided on the host (``settle``); every row
         is done once the last block has no mask left in any row (a device flag here)."""
         done = False
         if st.block == self.num_blocks - 1:

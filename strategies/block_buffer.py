@@ -7,15 +7,16 @@ forward per step. In every buffered block each masked position with confidence >
 first of the buffer or its predecessor is semi-complete (committed fraction >=
 ``semi_complete_threshold``). After a step, complete blocks leave the buffer in order and, if there is
 room and the newest buffered block's progress is >= ``add_block_threshold``, the next block is
-admitted (one per step). ``buffer_size=1`` is exactly ``threshold``. Each row's buffer is decided on the host from
-the masked positions per block that the step's one host read brings back (``synced``); ``select`` works on the
-window with no per-row loop, gated by one small host-made tensor of which blocks each row may commit in.
+admitted (one per step). ``buffer_size=1`` is exactly ``threshold``.
+
+Each row's buffer is decided on the host from the masked positions per row and block, counted on the canvas after
+every step (``reads`` / ``settle``); ``select`` works on the window with no per-row loop, gated per row and block by
+two small host-made masks: the block is in the row's buffer, the block may force its top-1.
 EOS options as ``threshold`` (:class:`dlm_engine.core.eos.EosOptions`); a row ended by ``stop_at_eos`` has every
 block complete (its remaining blocks get ``completed`` events) and leaves the buffer.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -23,17 +24,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dlm_engine.core.blockwise import block_counts, fresh_block_counts
+from dlm_engine.core.blockwise import block_counts
 from dlm_engine.core.canvas import BlockEvent
 from dlm_engine.core.devices import host_tensor
 from dlm_engine.core.capabilities import Cap, caps
-from dlm_engine.core.eos import (EosOptions, check_eos_options, eos_confidence, eos_stop, eos_suppress,
-                                 no_candidate_scores_neg_inf)
+from dlm_engine.core.eos import EosOptions, check_eos_options, eos_confidence, eos_stop, eos_suppress
 from dlm_engine.core.registry import register_strategy
 from dlm_engine.core.selection import column_indices, f32, masked_conf
 from dlm_engine.core.confidence import Remasking, ranking
-from dlm_engine.core.strategy import CacheDirective, StepPlan, Strategy, evolve
-from dlm_engine.core.fast import finished_before, pending_delta
+from dlm_engine.core.strategy import CacheDirective, StepPlan, Strategy, candidates, evolve
 from dlm_engine.errors import ConfigError
 
 
@@ -50,16 +49,14 @@ class BlockBufferConfig(EosOptions):
 
 @dataclass(frozen=True)
 class BufferState:
-    counts: Optional[torch.Tensor]         # [B, num_blocks] masked positions per block after the last select (device;
-                                           # None before the first step: counted then, or known on the host)
-    # host arrays (numpy, never written), as of the last host read: per row the buffer's first block (= the first
+    # host arrays (numpy, never written), as of the last read: per row the buffer's first block (= the first
     # incomplete block) and its number of blocks; [B, num_blocks] masked positions per row and block
     host_first: Optional[np.ndarray] = None
     host_count: Optional[np.ndarray] = None
     host_masked: Optional[np.ndarray] = None
     host_win: Optional[Tuple[int, int]] = None  # host_window(host_first, host_count): the next step's window
     in_buf: Optional[torch.Tensor] = None  # [B, n_win] bool for the next window: the block is in the row's buffer
-    may_force: Optional[torch.Tensor] = None   # ... the block may force its top-1 (None: True everywhere)
+    may_force: Optional[torch.Tensor] = None   # ... the block may force its top-1
     events: Tuple[BlockEvent, ...] = ()    # waiting for the next delta
     window: Optional[Tuple[int, int]] = None
     step_in_window: int = 0
@@ -71,18 +68,11 @@ class BufferState:
 
 
 def host_progress(masked, size):
-    """``1.0 - masked / size`` as float32 tensors compute it (integer true division in float32, then ``rsub``), for
-    host numbers or numpy arrays: the same float32 operations on the host, so the same bits (a float32 scalar or
-    array)."""
+    """A block's progress ``1.0 - masked / size`` as float32 tensors compute it (integer true division in float32,
+    then ``rsub``), for host numbers or numpy arrays: the same float32 operations on the host, so the same bits (a
+    float32 scalar or array). Compared with a threshold rounded to float32 (:func:`f32`), as a float32 tensor
+    compares with a Python scalar."""
     return np.float32(1.0) - np.asarray(masked, np.float32) / np.asarray(size, np.float32)
-
-
-@functools.lru_cache(maxsize=256)          # (per block size and threshold: every batch builds a strategy)
-def progress_max(size: int, threshold: float) -> int:
-    """The largest ``m`` in ``[0, size]`` with ``host_progress(m, size) >= threshold`` (as a float32 tensor compares
-    with a Python scalar: rounded to float32), or -1: ``m <= progress_max(size, t)`` is the device's test."""
-    t = f32(float(threshold))
-    return max([m for m in range(size + 1) if host_progress(m, size) >= t], default=-1)
 
 
 @register_strategy("block_buffer", BlockBufferConfig)
@@ -102,17 +92,10 @@ class BlockBuffer(Strategy):
         self.block_len = int(c.block_length)
         self.num_blocks = -(-self.gen_length // self.block_len)
         self.sizes = tuple(min(self.block_len, self.gen_length - b * self.block_len) for b in range(self.num_blocks))
-        # per block: the most masked positions with which its float32 progress still reaches the threshold (-1:
-        # none), as the device compared them (progress falls as the masked positions grow)
-        self.semi_max = np.array([progress_max(n, c.semi_complete_threshold) for n in self.sizes], dtype=np.int64)
-        self.add_max = np.array([progress_max(n, c.add_block_threshold) for n in self.sizes], dtype=np.int64)
-        # host constants of synced / gates (per block): its index, its predecessor (block 0: itself), and the most
-        # masked positions that predecessor may hold for the block to force its top-1 (block 0 always may)
+        # per block: its index, its size in float32 (host_progress) and its predecessor (block 0: itself)
         self.cols = np.arange(self.num_blocks)
-        self.sizes_f32 = np.array(self.sizes, dtype=np.float32)   # (host_progress of every block, in synced)
+        self.sizes_f32 = np.array(self.sizes, dtype=np.float32)
         self.prev = np.maximum(self.cols - 1, 0)
-        self.force_max = self.semi_max[self.prev]
-        self.force_max[0] = np.iinfo(np.int64).max
 
     # -- block views -------------------------------------------------------------------------------------------
     def span(self, b: int, g: int) -> Tuple[int, int]:
@@ -137,12 +120,9 @@ class BlockBuffer(Strategy):
         return out
 
     # -- policy ------------------------------------------------------------------------------------
-    # The buffers (first block, number of blocks per row) evolve on the host, from the masked positions per row and
-    # block that the step's one host read brings back; select only gets, as one small host-made tensor, which blocks
-    # of its window each row may commit in and which may force a top-1 (None: all of them).
     def init_state(self, canvas):
         check_eos_options(self.cfg, canvas)
-        return BufferState(None)
+        return BufferState()
 
     def plan(self, canvas, st: BufferState):
         w = st.host_win
@@ -179,73 +159,39 @@ class BlockBuffer(Strategy):
         s, e = plan.window
         W, B, bl = e - s, canvas.batch_size, self.block_len
         n_win = -(-W // bl)
-        bw = W if n_win == 1 else bl    # the width blocks are compared in: one (short) block has nothing to pad
-        pad = n_win * bw - W
-        masked_gen = canvas.masked_cols(g)             # the generation's masks before this step (a fresh tensor) ...
-        win = masked_gen[:, s - g:e - g]               # ... whose window view becomes the masks after it (below)
-        cand = win if proposal.valid is None else win & proposal.valid
+        pad = n_win * bl - W
         conf_w = eos_confidence(c, canvas, plan, proposal)
-        conf = conf_w
-        one = n_win == 1        # one block in the window: its [B, W] rows are the blocks (no reshapes, no views)
-        if pad:
-            cand, conf = F.pad(cand, (0, pad)), F.pad(conf_w, (0, pad), value=float("-inf"))
-        if not one:
-            cand, conf = cand.reshape(B, n_win, bw), conf.reshape(B, n_win, bw)     # cand may be a view of ``win``
-        if st.in_buf is not None:
-            cand = cand & (st.in_buf if one else st.in_buf[..., None])
+        # the window as [B, n_win, block_length] (the last block padded with no candidate): candidates are the masked
+        # positions of the row's buffered blocks
+        cand = F.pad(candidates(canvas, proposal, e), (0, pad)).view(B, n_win, bl) & st.in_buf[..., None]
+        conf = F.pad(conf_w, (0, pad), value=float("-inf")).view(B, n_win, bl)
         accept = cand & (conf >= c.accept_threshold)
-        # = cand.any & ~accept.any (accept is a part of cand), per block: [B, n_win] ([B, 1] for one block)
-        need = cand.any(-1, keepdim=one) ^ accept.any(-1, keepdim=one)
-        if st.may_force is not None:
-            need &= st.may_force
-        top = masked_conf(conf, cand).argmax(-1, keepdim=one)
-        # accept | one_hot(top) where a block needs its top-1 (-1 matches no column)
-        hit = torch.where(need, top, -1)
-        commit = accept.logical_or_(column_indices(bw, conf.device) == (hit if one else hit[..., None]))
-        if not one:
-            commit = commit.view(B, n_win * bw)
-        if pad:
-            commit = commit[:, :W]
-        win.masked_fill_(commit, False)                 # masked_gen is now the masks after this step
-        if c.stop_at_eos:
-            finished = masked_gen.any(-1).logical_or_(canvas.finished).logical_not_()
-            delta = eos_stop(c, canvas, self.delta(canvas, proposal, commit, confidence=conf_w, finished=finished))
-            masked_gen &= ~delta.finished[:, None]      # rows ended at EOS have the rest filled
-            counts = block_counts(canvas, bl, masked_gen)
-        else:
-            # = the canvas' once the delta is applied: the sync request, which also tells the finished rows (none
-            # masked left) on the host (rows finished before never again: they have none left either)
-            counts = block_counts(canvas, bl, masked_gen)
-            before = finished_before(proposal, canvas.batch_size)
-            delta = pending_delta(canvas, proposal, commit, (counts, [-1 if f else 0 for f in before]),
-                                  confidence=conf_w)
+        # a block with candidates but none accepted commits its top-1 where it may force one
+        force = cand.any(-1) & ~accept.any(-1) & st.may_force
+        top = masked_conf(conf, cand).argmax(-1)
+        commit = accept | ((column_indices(bl, conf.device) == top[..., None]) & force[..., None])
+        commit = commit.view(B, n_win * bl)[:, :W]
+        delta = eos_stop(c, canvas, self.delta(canvas, proposal, commit, confidence=conf_w))
         events = list(st.events)
         for s0, e0 in (plan.cache.stored if plan.cache is not None else []):   # honoured by the cache
             events.append(BlockEvent("stored", (s0 - g) // bl, s0, e0))
-        delta.block_events = events            # + completed / admitted, once the host knows (synced)
-        # the buffers after this step are decided on the host (synced fills the placeholders, keeping this order);
-        # so are the commits per row where they are masked positions and nothing else changed the masks (no EOS
-        # stop; no candidate scoring -inf, which could make a block's forced top-1 a column that is not masked):
-        # the read's counts against the last ones
-        exact = not c.stop_at_eos and no_candidate_scores_neg_inf(c, plan, proposal)
-        delta.scalars.update({"committed": None if exact else commit.sum(-1), "block_progress": None,
-                              "buffer_first": None, "buffer_count": None})
-        return delta, evolve(st, counts=counts, in_buf=None, may_force=None, events=())
+        delta.block_events = events            # + completed / admitted, decided in settle
+        # the rule's commits (an EOS stop's fill is not counted); the buffers after this step are decided in settle
+        delta.scalars.update({"committed": commit.sum(-1), "block_progress": None, "buffer_first": None,
+                              "buffer_count": None})
+        return delta, evolve(st, events=())
 
-    # -- the step's host read: masked positions per row and block -----------------------------------------------
-    def sync_request(self, canvas, st: BufferState):
-        return block_counts(canvas, self.block_len) if st.counts is None else st.counts
+    # -- what the next plan must know: masked positions per row and block --------------------------------------
+    def reads(self, canvas, st: BufferState):
+        return block_counts(canvas, self.block_len)
 
-    def fresh_values(self, canvas, st: BufferState):
-        return fresh_block_counts(canvas, self.block_len)
-
-    def synced(self, canvas, st: BufferState, values, delta):
-        """The buffers once the host knows the masked positions per block, by the rules the device applied before:
-        complete blocks leave, and one more is admitted when there is room and the newest one is at least
-        ``add_block_threshold`` along (or the buffer is empty); the blocks that completed or were admitted become
-        block events. Host arrays, every row at once: this runs every step."""
+    def settle(self, canvas, st: BufferState, values, delta):
+        """The buffers once the host knows the masked positions per block: complete blocks leave, and one more is
+        admitted when there is room and the newest one is at least ``add_block_threshold`` along (or the buffer is
+        empty); the blocks that completed or were admitted become block events. Host arrays, every row at once."""
         B, g, nb = canvas.batch_size, canvas.gen_start, self.num_blocks
         masked = np.asarray(values, dtype=np.int64).reshape(B, nb)
+        progress = host_progress(masked, self.sizes_f32)               # [B, nb] float32
         first = np.where(masked > 0, self.cols, nb).min(1)             # the first incomplete block (nb: none)
         if delta is None:                                               # before the first step: the initial buffers
             count = (first < nb).astype(np.int64)
@@ -255,9 +201,9 @@ class BlockBuffer(Strategy):
             old_first = st.host_first
             end = np.maximum(old_first + st.host_count, first)          # complete blocks left from the front
             count = end - first
-            newest = np.minimum(np.maximum(end - 1, 0), nb - 1)          # (np.clip costs 3x as much)
+            newest = np.clip(end - 1, 0, nb - 1)
             room = (count < self.cfg.buffer_size) & (end < nb)
-            admit = room & ((count == 0) | (masked[np.arange(B), newest] <= self.add_max[newest]))
+            admit = room & ((count == 0) | (progress[np.arange(B), newest] >= f32(self.cfg.add_block_threshold)))
             count = count + admit                                       # an admitted block is block ``end``
             done = (self.cols >= old_first[:, None]) & (self.cols < first[:, None])   # row-major: rows, then blocks
             if done.any():
@@ -265,33 +211,22 @@ class BlockBuffer(Strategy):
             new = np.flatnonzero(admit)
             if new.size:
                 delta.block_events += self.event_list("admitted", list(zip(new.tolist(), end[new].tolist())), B, g)
-            # the fraction of each block committed, from the counts read (those ``select`` left for the read)
-            delta.scalars["block_progress"] = host_tensor(host_progress(masked, self.sizes_f32), torch.float32,
-                                                          canvas.device)
-            names, rows = ["buffer_first", "buffer_count"], [first, count]
-            if delta.scalars.get("committed", 0) is None:       # the masked positions the step's commits took
-                names.insert(0, "committed")
-                rows.insert(0, st.host_masked.sum(1) - masked.sum(1))
-            delta.scalars.update(zip(names, host_tensor(np.stack(rows), torch.long, canvas.device).unbind(0)))
+            delta.scalars["block_progress"] = host_tensor(progress, torch.float32, canvas.device)
+            delta.scalars.update(zip(["buffer_first", "buffer_count"],
+                                     host_tensor(np.stack([first, count]), torch.long, canvas.device).unbind(0)))
             events = st.events
         w = self.host_window(first, count)
-        in_buf, may_force = self.gates(w, first, count, masked, canvas.device)
+        in_buf, may_force = self.gates(w, first, count, progress, canvas.device)
         return evolve(st, host_first=first, host_count=count, host_masked=masked, host_win=w, in_buf=in_buf,
                       may_force=may_force, events=events)
 
-    def gates(self, w, first, count, masked, device) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """``[B, n_win]`` bool for the blocks of the next window ``w`` (None = True everywhere): in the row's buffer;
+    def gates(self, w, first, count, progress, device) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """``[B, n_win]`` bool for the blocks of the next window ``w`` (None, None: no window): in the row's buffer;
         may force its top-1 (the buffer's first block, or its predecessor is semi-complete)."""
         if w is None:
             return None, None
         blocks = slice(w[0] // self.block_len, -(-w[1] // self.block_len))
         b = self.cols[blocks]
         in_buf = (b >= first[:, None]) & (b < (first + count)[:, None])
-        may = (b == first[:, None]) | (masked[:, self.prev[blocks]] <= self.force_max[blocks])
-        need_buf, need_may = not in_buf.all(), not may.all()
-        if need_buf and need_may:
-            return host_tensor(np.stack([in_buf, may]), torch.bool, device).unbind(0)
-        if need_buf or need_may:
-            t = host_tensor(in_buf if need_buf else may, torch.bool, device)
-            return (t, None) if need_buf else (None, t)
-        return None, None
+        may = (b == first[:, None]) | (progress[:, self.prev[blocks]] >= f32(self.cfg.semi_complete_threshold))
+        return host_tensor(np.stack([in_buf, may]), torch.bool, device).unbind(0)

@@ -171,8 +171,8 @@ class Dream(DreamBlockLoop, Strategy):
     def init_state(self, canvas) -> DreamState:
         return DreamState()
 
-    # -- the step's host read ----------------------------------------------------------------------------
-    def sync_request(self, canvas, st: DreamState):
+    # -- what the next plan must know: masks per row (and block), counted on the canvas -------------------
+    def reads(self, canvas, st: DreamState):
         m = canvas.masked()
         if self.cfg.block_length is not None:
             bs, be = self._block(canvas, min(st.block, self.num_blocks - 1))
@@ -184,11 +184,13 @@ class Dream(DreamBlockLoop, Strategy):
             return [first, m.sum(-1)]
         parts = [m[:, st.lo:].sum(-1)]
         if st.steps_row is not None:
+            # confidence_threshold: the most tokens a row may commit next and the longest step budget (the carried
+            # rejections live in the state, not on the canvas)
             want = torch.where(st.i < st.steps_row, st.quota + st.carry, torch.zeros_like(st.quota))
             parts += [want.max(), st.steps_row.max()]
         return parts                            # (read in order, in the loop's one cat)
 
-    def synced(self, canvas, st: DreamState, values, delta):
+    def settle(self, canvas, st: DreamState, values, delta):
         B = canvas.batch_size
         ints = [int(v) for v in values]
         if self.cfg.block_length is not None:

@@ -171,9 +171,8 @@ def test_block_progress_has_the_bits_of_the_devices_float32_formula(tiny_llada):
                                 dict(buffer_size=2, block_length=8, stop_at_eos=True),
                                 dict(buffer_size=2, block_length=8, confidence_eos_eot_inf=True)])
 def test_committed_is_each_steps_commits_per_row(tiny_llada, kw):
-    """The ``committed`` scalar is the step's commits per row, int64: made on the host from the step's read (the
-    masked positions it took) where commits are all that changed the masks, on the device otherwise (an EOS stop,
-    confidences that may be -inf); with an EOS stop it counts the rule's commits, not the stop's fill."""
+    """The ``committed`` scalar is the step's commits per row, int64, also where candidates may score -inf; with an
+    EOS stop it counts the rule's commits, not the stop's fill."""
     canvas = Canvas.from_prompts(PROMPTS, 20, 1000, 1001, eos_id=int(tiny_llada.config.eos_token_id))
     rec = RecordingSink()
     decode(tiny_llada, canvas, BB(BB.Config(accept_threshold=0.6, **kw), 20), sinks=[rec])
