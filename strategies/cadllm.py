@@ -18,7 +18,7 @@ import torch
 from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.registry import register_strategy
 from dlm_engine.core.sampler import confidence_of, gumbel_argmax
-from dlm_engine.core.selection import factor_commit, host_schedule, threshold_commit, topk_commit
+from dlm_engine.core.selection import factor_commit, host_schedule, masked_order, threshold_commit, topk_commit
 from dlm_engine.core.confidence import Confidence, Remasking, check_kind, ranking
 from dlm_engine.core.strategy import BlockCursor, CacheDirective, StepPlan, Strategy, candidates, evolve
 from dlm_engine.errors import ConfigError
@@ -166,9 +166,9 @@ class CadLLM(Strategy):
         if tau is not None:
             scalars["threshold"] = tau
         conf = proposal.confidence
-        # the candidates' number: the block's masked positions (the last host read), counted when a cache left
-        # block columns out. The threshold rule's top-1 is the first of torch.topk over that many, as the
-        # reference ranks (exact ties: the zero confidences at T > 0)
+        # n: the candidates' number -- the block's masked positions (the last host read; CadLLM decodes one row),
+        # counted when a cache left block columns out. The threshold rule's top-1 is the first of torch.topk over
+        # that many, as the reference ranks (exact ties: the zero confidences at T > 0)
         n = st.left if proposal.valid is None else int(cand.sum())
         span = proposal.row_span
         if c.factor is not None:
@@ -185,7 +185,9 @@ class CadLLM(Strategy):
                 cb = confidence_of(proposal.logits, x0b, plan.confidence, top_v=plan.top_v)
             else:                                    # the same argmax: the proposal's confidences are the pass
                 cb = conf
-            mean = cb[cand].mean()                   # NaN when there is no candidate
+            # cb[cand].mean() (the reference's order and length: the same float; NaN without a candidate), gathered
+            # by the candidates' number n so that the step reads the host once, in the loop's read
+            mean = cb.reshape(-1)[masked_order(cand, n)].mean()
         if c.prophet_enabled and i > 0:
             p = torch.softmax(proposal.logits, dim=-1).topk(2, dim=-1).values
             gap = (p[..., 0] - p[..., 1]).mean()
