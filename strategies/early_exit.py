@@ -115,7 +115,7 @@ class EarlyExit(Strategy):
 
     def plan(self, canvas, st: ExitState):
         cur = st.cursor
-        if cur.block >= self.num_blocks or st.all_exited:
+        if cur.block >= self.num_blocks or st.all_exited:     # (Prophet stops once every row went all-in)
             return None, st
         s, e = block_range(canvas, cur.block, self.block_length)
         if cur.step == 0:

@@ -218,12 +218,13 @@ class Wino(Strategy):
         low = decoded & (conf < c.narrow_out_thres)
         lowest = topk_rows(torch.where(decoded, conf, float("inf")), k, largest=False) & decoded
         out = torch.where((low.sum(-1) > k)[:, None], lowest, low)
-        return self.frame(canvas, rows, (g + bs, g + be), wide, out, s.x0, conf, st), st
+        return self.frame(canvas, rows, st, wide, out, s.x0, conf), st
 
-    def frame(self, canvas, rows, window, wide_a, out_a, x0_a, conf_a, st: WinoState) -> FrameDelta:
-        """The delta of the call rows' (``rows``; None: every row) wide-in commits ``wide_a`` and narrow-out
-        re-masks ``out_a`` over canvas columns ``window``."""
-        s, e = window
+    def frame(self, canvas, rows, st: WinoState, wide_a, out_a, x0_a, conf_a) -> FrameDelta:
+        """The delta of the call rows' (``rows``; None: every row) wide-in commits ``wide_a`` (tokens ``x0_a``) and
+        narrow-out re-masks ``out_a`` over the step's window, with their confidences ``conf_a``."""
+        g = canvas.gen_start
+        s, e = g + st.window[0], g + st.window[1]
         B, W = canvas.batch_size, e - s
         if rows is None:                                   # every row took part: the call's tensors are the delta's
             commit, remask, x0, conf = wide_a, out_a, x0_a, conf_a.float()
@@ -243,7 +244,6 @@ class Wino(Strategy):
             lo, hi = st.block * self.block_len, (st.block + 1) * self.block_len
             now = left[:, lo:hi] & st.block_mask[:, lo:hi]
             finished = ~(now.any(-1) | left[:, hi:].any(-1)) & ~canvas.finished
-        g = canvas.gen_start
         return FrameDelta(step=canvas.step + 1, nfe=1, start=s, commit=commit, tokens=tokens, active=active,
                           finished=finished, confidence=conf, remask=remask,
                           scalars={"block": st.block, "remasked": remask.sum(-1), "committed": commit.sum(-1),
