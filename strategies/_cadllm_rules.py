@@ -18,16 +18,6 @@ def f32_mean(xs: Sequence[float]) -> float:
     return float(np.mean(np.asarray(list(xs), dtype=np.float32), dtype=np.float32))
 
 
-def mean_of_few(xs: Sequence[float]) -> float:
-    """``np.mean`` of fewer than 8 float64 values, bit for bit (numpy adds fewer than 8 values one after the
-    other from 0.0, then divides by their number) without building an array."""
-    assert len(xs) < 8
-    total = 0.0
-    for x in xs:
-        total += float(x)
-    return total / len(xs)
-
-
 def repetition_score(recent: Sequence[int], window: int = 8) -> float:
     """1.0 if the last 4 tokens are equal, else the longest repeated tail pattern length / window (0 = none)."""
     if len(recent) < window:
@@ -64,7 +54,7 @@ def vocab_size(progress: float, history: Sequence[float], recent: Sequence[int],
         return int(np.clip(initial, lo, hi))
     v = hi * 0.8 if progress < 0.2 else (initial * 0.7 if progress < 0.7 else initial * 0.9)
     if history:
-        r = mean_of_few(history[-5:])
+        r = float(np.mean(history[-5:]))
         f = 1.5 if r < 0.3 else 1.2 if r < 0.6 else 0.8 if r > 0.8 else 1.0
         if (history[-1] - history[-3] if len(history) >= 3 else 0) < -0.1:
             f *= 1.3
@@ -72,7 +62,7 @@ def vocab_size(progress: float, history: Sequence[float], recent: Sequence[int],
     rep = repetition_score(recent) if repetition else 0.0
     if rep > 0.5:
         v *= 1.0 + rep * 2.0
-    return int(min(max(v, lo), hi))          # np.clip's maximum, then minimum (this runs every step: no numpy)
+    return int(np.clip(v, lo, hi))
 
 
 def linear_threshold(i: int, steps: int, start: float = 0.85, end: float = 0.4) -> float:

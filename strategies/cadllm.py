@@ -21,7 +21,6 @@ from dlm_engine.core.sampler import confidence_of, gumbel_argmax
 from dlm_engine.core.selection import factor_commit, host_schedule, masked_order, threshold_commit, topk_commit
 from dlm_engine.core.confidence import Confidence, Remasking, check_kind, ranking
 from dlm_engine.core.strategy import BlockCursor, CacheDirective, StepPlan, Strategy, candidates, evolve
-from dlm_engine.core.fast import counted_delta
 from dlm_engine.errors import ConfigError
 from dlm_engine.strategies import _cadllm_rules as rules
 
@@ -70,14 +69,14 @@ class CadState:
     budget: int = 0                           # step budget of the current block
     progress: float = 0.0                     # fraction of the generation before the current block
     counts: Tuple[int, ...] = ()              # transfer schedule of the current block (tokens per step)
-    masked: Tuple[bool, ...] = ()             # masked generated positions as of the last host read
+    masked: Tuple[bool, ...] = ()             # masked generated positions (last host read)
     left: int = 0                             # masked positions left in the current block (last host read)
     gaps: Tuple[float, ...] = ()              # Prophet check: top-1 minus top-2 probability per step
     confs: Tuple[float, ...] = ()             # Prophet check: mean confidence per step (after the first)
     open: bool = False
     all_in: bool = False                      # the next step commits the argmax everywhere (Prophet)
-    # this step's device numbers for the host read: (flags, mean, gap), each None when not read. ``flags``: the
-    # Prophet decision, after "candidates left uncommitted" when the host cannot tell that from the masks it reads
+    # the step's numbers the next host read takes (on the device; each None when the step made none): the Prophet
+    # commit test's verdict, the mean confidence of the candidates and the Prophet gap
     pending: Optional[Tuple[Optional[torch.Tensor], ...]] = None
 
 
@@ -159,7 +158,7 @@ class CadLLM(Strategy):
         bounds = (st.start, st.end)
         if plan.data.all_in:               # Prophet-style commit: plain argmax everywhere
             nxt, events = st.cursor.advance(bounds, done=True)
-            return (counted_delta(canvas, proposal, cand, [sum(st.masked)], events=events, scalars=scalars),
+            return (self.delta(canvas, proposal, cand, events=events, scalars=scalars),
                     evolve(st, cursor=nxt, all_in=False, open=False, next_start=st.end, pending=None))
         i = st.cursor.step
         tau, v_t = plan.data.threshold, plan.data.vocab_size
@@ -167,20 +166,18 @@ class CadLLM(Strategy):
         if tau is not None:
             scalars["threshold"] = tau
         conf = proposal.confidence
-        # ranked in the reference's row, as its torch.topk ranks (exact ties: the zero confidences at T > 0)
-        # n: the candidates' number when the host knows it -- the block's masked positions of row 0 (the host reads
-        # row 0: CadLLM adapts per sequence, max_batch 1; decode refuses wider canvases, a direct call of select
-        # with one gets n unknown), unknown too when a cache leaves block columns out
+        # n: the candidates' number -- the block's masked positions (the last host read; CadLLM decodes one row),
+        # counted when a cache left block columns out. The threshold rule's top-1 is the first of torch.topk over
+        # that many, as the reference ranks (exact ties: the zero confidences at T > 0)
+        n = st.left if proposal.valid is None else int(cand.sum())
         span = proposal.row_span
-        n = st.left if proposal.valid is None and canvas.batch_size == 1 else None
         if c.factor is not None:
             commit = factor_commit(conf, cand, float(c.factor), span)
         elif tau is not None:
-            # (n known: the candidates are the block's masked columns, and no confidence kind here scores -inf)
-            commit = threshold_commit(conf, cand, tau, span, None if n is None else [n], candidates_only=n is not None)
+            commit = threshold_commit(conf, cand, tau, span, [n])
         else:
             commit = topk_commit(conf, cand, [st.counts[i] if i < st.budget else 1], span)
-        mean = gap = None
+        mean = gap = stable = None
         if c.remasking == Remasking.low_confidence:     # confidence tracking, with a second Gumbel draw at T > 0
             if c.temperature > 0:
                 x0b = gumbel_argmax(proposal.logits, c.temperature, proposal.call_len,
@@ -188,23 +185,18 @@ class CadLLM(Strategy):
                 cb = confidence_of(proposal.logits, x0b, plan.confidence, top_v=plan.top_v)
             else:                                    # the same argmax: the proposal's confidences are the pass
                 cb = conf
-            mean = candidate_mean(cb, cand, n)
-        stable = None
+            # cb[cand].mean() (the reference's order and length: the same float; NaN without a candidate), gathered
+            # by the candidates' number n so that the step reads the host once, in the loop's read
+            mean = cb.reshape(-1)[masked_order(cand, n)].mean()
         if c.prophet_enabled and i > 0:
             p = torch.softmax(proposal.logits, dim=-1).topk(2, dim=-1).values
             gap = (p[..., 0] - p[..., 1]).mean()
             if i > 0.2 * st.budget:
-                stable = self._stable_now(st, gap, mean, n if n is not None else int(cand.sum()))
+                stable = self._stable_now(st, gap, mean, n)
                 commit = commit & ~stable
                 scalars["prophet_commit"] = stable
-        delta = counted_delta(canvas, proposal, commit, [sum(st.masked)], scalars=scalars)  # commit <= cand
-        if n is not None:
-            # the candidates are the block's masked columns: the masks read after the step tell whether any is left
-            # (and which were committed: their tokens are read from the canvas), so only Prophet's flag is sent
-            flags = None if stable is None else stable.reshape(1)
-        else:
-            flags = torch.stack([(cand & ~commit).any(), stable if stable is not None else cand.new_zeros(())])
-        return delta, evolve(st, pending=(flags, mean, gap))
+        delta = self.delta(canvas, proposal, commit, scalars=scalars)
+        return delta, evolve(st, pending=(stable, mean, gap))
 
     def _stable_now(self, st: CadState, gap: torch.Tensor, mean: Optional[torch.Tensor], n: int) -> torch.Tensor:
         """The Prophet check with this step's gap and mean confidence still on the device: the earlier values
@@ -222,25 +214,21 @@ class CadLLM(Strategy):
             return gap.new_zeros((), dtype=torch.bool)
         return (gap > c.min_confidence_gap) & conf_now
 
-    # -- the step's host read ---------------------------------------------------------------------------
-    def sync_request(self, canvas, st: CadState):
+    # -- what the next plan must know ------------------------------------------------------------------------
+    def reads(self, canvas, st: CadState):
         """Row 0's generated ``step_of`` (masked: < 0), then after a step: the block's tokens (repetition detection:
-        the committed ones are the columns masked before the step and not after it), the flags, mean and gap. Views
-        where possible: ``cat`` promotes to int64, or to float64 when a float part is read (exact for these ints)."""
-        parts = [canvas.cols(canvas.gen_start, canvas.length)[1][0]]     # (window views)
+        the committed ones are the columns masked before the step and not after it), the Prophet verdict, the mean
+        confidence and the gap. (The loop's one cat promotes to int64, or to float64 with a float part: exact for
+        these ints; it flattens 0-d parts.)"""
+        parts = [canvas.cols(canvas.gen_start, canvas.length)[1][0]]
         if st.pending is not None:
-            flags, mean, gap = st.pending
             if self.cfg.repetition_detection:
                 parts.append(canvas.cols(st.start, st.end)[0][0])
-            if flags is not None:
-                parts.append(flags)
-            parts += [x if x.dtype == torch.float64 else x.to(torch.float64) for x in (mean, gap) if x is not None]
-        return parts                                    # (the loop's one cat; it flattens 0-d parts)
+            stable, mean, gap = st.pending
+            parts += [x if x.dtype == torch.bool else x.to(torch.float64) for x in (stable, mean, gap) if x is not None]
+        return parts
 
-    def fresh_values(self, canvas, st: CadState):
-        return [-1] * self.gen_length                   # row 0's generation: all masked
-
-    def synced(self, canvas, st: CadState, values, delta):
+    def settle(self, canvas, st: CadState, values, delta):
         G, g = self.gen_length, canvas.gen_start
         before = st.masked
         masked = tuple(v < 0 for v in values[:G])
@@ -248,21 +236,13 @@ class CadLLM(Strategy):
         if st.pending is None:                       # before the first step, or after an all-in step
             return st
         c = self.cfg
-        flags, mean, gap = st.pending
-        rest = values[G:]
+        stable, mean, gap = st.pending
+        rest = list(values[G:])
         s, e = st.start - g, st.end - g
         tokens = ()
         if c.repetition_detection:
             tokens, rest = rest[:e - s], rest[e - s:]
-        left = sum(masked[s:e])
-        stable = False
-        if flags is None:                            # no flag read: Prophet off or not checked
-            open_left = left > 0
-        elif flags.shape[0] == 1:                    # Prophet's flag alone
-            open_left, stable = left > 0, rest[0]
-            rest = rest[1:]
-        else:
-            (open_left, stable), rest = rest[:2], rest[2:]
+        stable = stable is not None and bool(rest.pop(0))
         i = st.cursor.step
         history, confs, gaps = st.history, st.confs, st.gaps
         if mean is not None:
@@ -273,28 +253,17 @@ class CadLLM(Strategy):
                     confs = confs + (m,)
         if gap is not None:
             gaps = gaps + (rest.pop(0),)
+        left = sum(masked[s:e])
         st = evolve(st, history=history, confs=confs, gaps=gaps, pending=None, left=left)
         if stable:
             return evolve(st, all_in=True)
         if c.repetition_detection:                   # the block's columns committed by this step, in order
             new = tuple(int(t) for t, was, now in zip(tokens, before[s:e], masked[s:e]) if was and not now)
             st = evolve(st, recent=(st.recent + new)[-50:])
-        done = not open_left
+        done = left == 0                             # the block's steps go on while it has a mask
         nxt, events = st.cursor.advance((st.start, st.end), done)
         delta.block_events += events
         st = evolve(st, cursor=nxt)
         if done:
             st = evolve(st, open=False, next_start=st.end)
         return st
-
-
-def candidate_mean(values: torch.Tensor, cand: torch.Tensor, n: Optional[int]) -> torch.Tensor:
-    """``values[cand].mean()`` (the reference's order and length, so the same float) without a host read when
-    the number of candidates ``n`` is known on the host; NaN when there is none."""
-    if n is None:
-        return values[cand].mean() if bool(cand.any()) else values.new_full((), float("nan"))
-    if n == 0:
-        return values.new_full((), float("nan"))
-    if n == values.numel() and values.is_contiguous():   # every position (a block's first step): no gather
-        return values.reshape(-1).mean()
-    return values.reshape(-1)[masked_order(cand, n)].mean()

@@ -10,7 +10,6 @@ at generation positions before decoding (they count as given: never candidates, 
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -22,9 +21,8 @@ from dlm_engine.core.devices import host_tensor
 from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.confidence import ConfidenceKind, Remasking, ranking
 from dlm_engine.core.registry import register_strategy
-from dlm_engine.core.blockwise import block_counts, counts_after, fresh_block_counts, host_rows
+from dlm_engine.core.blockwise import block_counts, host_rows
 from dlm_engine.core.selection import host_schedule, topk_commit
-from dlm_engine.core.fast import counted_delta
 from dlm_engine.core.strategy import (BlockCursor, CacheDirective, StepPlan, Strategy, block_range,
                                       candidates, evolve)
 from dlm_engine.errors import ConfigError
@@ -33,13 +31,6 @@ from dlm_engine.errors import ConfigError
 LOGIT_GAP = ConfidenceKind("the answer window's mean top-1 minus top-2 logit gap", 0.0, math.inf,
                            passes_all="it is below any gap", low_admitted=True)
 PHASES = ((0.33, "early"), (0.67, "mid"), (float("inf"), "late"))
-
-
-@functools.lru_cache(maxsize=64)
-def _first_columns(width: int, n: int, device: torch.device) -> torch.Tensor:
-    """``[1, width]`` bool, True on the first ``n`` columns: the generation's columns before a block's end (made
-    once per block and device; read only)."""
-    return torch.arange(width, device=device)[None, :] < n
 
 
 @dataclass
@@ -71,11 +62,6 @@ class ExitState:
     schedule: Tuple[Tuple[int, ...], ...] = ()    # the current block's transfer schedule per row (host)
     counts: Tuple[Tuple[int, ...], ...] = ()      # last host read: masked positions per row and block
     all_exited: bool = False                      # last host read: every row went all-in
-    any_exited: bool = False                      # last host read: some row went all-in
-    # the last step's (block, commits per row [B] on the device) when they were all masked positions of that block
-    # (or, for a row that went all-in, all of its masked positions): the next host read takes them instead of
-    # recounting the canvas (None: recount)
-    committed: Optional[Tuple[int, torch.Tensor]] = None
 
 
 @register_strategy("early_exit", EarlyExitConfig)
@@ -129,7 +115,7 @@ class EarlyExit(Strategy):
 
     def plan(self, canvas, st: ExitState):
         cur = st.cursor
-        if cur.block >= self.num_blocks or st.all_exited:
+        if cur.block >= self.num_blocks or st.all_exited:     # (Prophet stops once every row went all-in)
             return None, st
         s, e = block_range(canvas, cur.block, self.block_length)
         if cur.step == 0:
@@ -146,24 +132,13 @@ class EarlyExit(Strategy):
                         cache=CacheDirective(block=(s, e), block_start=cur.step == 0, step_in_block=cur.step),
                         masked=masked, data=TransferPlan([sch[cur.step] for sch in st.schedule])), st
 
-    def sync_request(self, canvas, st: ExitState):
-        if st.committed is not None:          # the step's commits and the exit flags (the loop's cat promotes)
-            return [st.committed[1], st.exited]
-        return [block_counts(canvas, self.block_length), st.exited]
+    # -- what the next plan must know: masked positions per row and block, and which rows went all-in ----------
+    def reads(self, canvas, st: ExitState):
+        return [block_counts(canvas, self.block_length), st.exited]     # (the loop's cat reads the flags as 0/1)
 
-    def fresh_values(self, canvas, st: ExitState):
-        return fresh_block_counts(canvas, self.block_length) + [0] * canvas.batch_size    # nothing exited yet
-
-    def synced(self, canvas, st: ExitState, values, delta):
+    def settle(self, canvas, st: ExitState, values, delta):
         B = canvas.batch_size
-        exited = values[-B:]
-        if st.committed is None:
-            counts = host_rows(values[:-B], B)
-        else:                                 # a row that went all-in has no masked position left
-            block, _ = st.committed
-            counts = tuple((0,) * len(row) if x else row for row, x in
-                           zip(counts_after(st.counts, block, values[:B]), exited))
-        return evolve(st, counts=counts, all_exited=all(exited), any_exited=any(exited), committed=None)
+        return evolve(st, counts=host_rows(values[:-B], B), all_exited=all(values[-B:]))
 
     def phase_threshold(self, global_step: int) -> float:
         q = global_step / self.steps
@@ -171,18 +146,13 @@ class EarlyExit(Strategy):
         return float(getattr(self.cfg, f"{name}_threshold"))
 
     def answer_gap(self, logits: torch.Tensor) -> torch.Tensor:
-        """Mean top-1 minus top-2 raw logit over the answer window ([B], float64, summed in order from 0.0)."""
+        """Mean top-1 minus top-2 raw logit over the answer window ([B], float64): the differences, taken in model
+        dtype, summed one after the other from 0.0 in float64 (as the reference sums them), over the window's
+        length."""
         lo, hi = self.answer_window
         first, second = torch.topk(logits[:, lo:hi], 2, dim=-1).values.unbind(-1)
-        diffs = first - second                                          # differences in model dtype
-        if diffs.device.type == "cpu":
-            # a CPU cumsum adds one element at a time to an accumulator that starts at 0.0: the reference's sum,
-            # bit for bit, in one kernel (a GPU scans in parallel: another rounding); its dtype argument casts the
-            # differences to float64 first, as the reference does
-            return diffs.cumsum(-1, dtype=torch.float64)[:, -1] / (hi - lo)
-        diffs = diffs.to(torch.float64).unbind(-1)
-        total = diffs[0] + 0.0                   # 0.0 + d, as the reference's sum starts (-0.0 becomes 0.0)
-        for d in diffs[1:]:                      # <= answer_length, sequential as the reference
+        total = torch.zeros(first.shape[0], dtype=torch.float64, device=logits.device)
+        for d in (first - second).to(torch.float64).unbind(-1):     # <= answer_length columns, in order
             total = total + d
         return total / (hi - lo)
 
@@ -195,31 +165,22 @@ class EarlyExit(Strategy):
             # the window is the generation: its masked positions are the all-in commit, those before the block's
             # end (and computed) the candidates
             masked = canvas.masked_cols(canvas.gen_start)
-            cand = masked
-            if e < canvas.length:
-                cand = masked & _first_columns(masked.shape[1], e - canvas.gen_start, masked.device)
+            cand = masked.clone()
+            cand[:, e - canvas.gen_start:] = False
             if proposal.valid is not None:
-                cand = cand & proposal.valid
+                cand &= proposal.valid
         commit = topk_commit(proposal.confidence, cand, plan.data.k, proposal.row_span)
-        exited = st.exited
-        if self.answer_window is None:
-            scalars = {"block": cur.block, "committed": commit.sum(-1)}
-        else:
+        exited, exit_scalars = st.exited, {}
+        if self.answer_window is not None:
+            # a row whose answer gap reaches the phase's threshold goes all-in: every masked position, this step
             gap = self.answer_gap(proposal.logits)
             thr = self.phase_threshold(canvas.step + 1)
-            if st.any_exited:
-                fire = (gap >= thr) & ~exited
-                exited = exited | fire
-            else:                               # no row went all-in before (the last host read): no flag to mask
-                fire = exited = gap >= thr
-            commit = torch.where(fire[:, None], masked, commit)     # all-in: every masked position
-            scalars = {"block": cur.block, "committed": commit.sum(-1), "gap": gap, "exit_threshold": thr,
-                       "exit": fire}
+            fire = (gap >= thr) & ~exited
+            exited = exited | fire
+            commit = torch.where(fire[:, None], masked, commit)
+            exit_scalars = {"gap": gap, "exit_threshold": thr, "exit": fire}
+        scalars = {"block": cur.block, "committed": commit.sum(-1), **exit_scalars}
         done = cur.step + 1 >= self.steps_per_block
         nxt, events = cur.advance((s, e), done)
-        delta = counted_delta(canvas, proposal, commit, [sum(row) for row in st.counts], committed=scalars["committed"],
-                              events=events, scalars=scalars)      # commits are masked positions only
-        # with every column computed, the commits are masked positions of the block (earlier blocks are full:
-        # each of their steps committed its scheduled number), or every masked position of a row that went all-in
-        committed = (cur.block, scalars["committed"]) if proposal.valid is None else None
-        return delta, evolve(st, cursor=nxt, exited=exited, committed=committed)
+        delta = self.delta(canvas, proposal, commit, events=events, scalars=scalars)
+        return delta, evolve(st, cursor=nxt, exited=exited)

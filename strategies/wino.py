@@ -24,7 +24,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from dlm_engine.core.blockwise import block_counts, fresh_block_counts, host_rows
+from dlm_engine.core.blockwise import block_counts, host_rows
 from dlm_engine.core.canvas import FrameDelta
 from dlm_engine.core.capabilities import Cap, caps
 from dlm_engine.core.confidence import Confidence, check_kind, sampler_confidence
@@ -32,12 +32,9 @@ from dlm_engine.core.priors import CertaintyDensity
 from dlm_engine.core.protocol import AuxColumns
 from dlm_engine.core.registry import register_strategy
 from dlm_engine.core.sampler import ALGS, sample_tokens
-from dlm_engine.core.devices import host_tensor
-from dlm_engine.core.fast import finished_before
-from dlm_engine.core.selection import capped_threshold, f32, masked_conf, topk_rows
+from dlm_engine.core.selection import d2c_commit, f32, topk_rows
 from dlm_engine.core.strategy import StepPlan, Strategy, evolve, masked_after
 from dlm_engine.errors import ConfigError, UserError
-
 
 
 @dataclass
@@ -71,9 +68,6 @@ class WinoState:
     counts: Tuple[Tuple[int, ...], ...] = ()    # last host read: masked positions per row and block
     shrunk: Optional[tuple] = None              # last host read (shrinking_window): (rows active, row 0's span,
                                                 # masked positions per row in that span) under block_mask
-    aux: Optional[tuple] = None                 # ((bs, be), AuxColumns): the shadow block of the last window (reused
-                                                # while the window stays: it depends on the window alone)
-    left: Optional[torch.Tensor] = None         # [B, G] masked generated positions after the last select
     density: Optional[CertaintyDensity] = None  # the certainty prior's reused rows (sigma set), one per decode
 
 
@@ -142,15 +136,12 @@ class Wino(Strategy):
         if c.shrinking_window:     # the active-row check shrinks the reference's block mask in place
             bm = st.block_mask if st.block_mask is not None else self.fresh_mask(canvas, st.block)
             mask = bm & canvas.masked_cols(g)
-        B = canvas.batch_size
-        pos = canvas.position_ids
-        aux = st.aux[1] if st.aux is not None and st.aux[0] == (bs, be) else self.shadow(canvas, bs, be)
-        st = evolve(st, block_mask=mask, window=(bs, be), aux=((bs, be), aux))
-        ntt = c.num_transfer_tokens
-        run = [n[r] for r in range(B) if rows[r]]
-        cap = [wide_cap(k, ntt) for k in run]
-        return StepPlan(window=(g + bs, g + be), sample=False, rows=None if all(rows) else list(rows), aux=aux,
-                        position_ids=pos, temperature=c.temperature, data=WinoPlan(run, cap)), st
+        st = evolve(st, block_mask=mask, window=(bs, be))
+        run = [k for k, r in zip(n, rows) if r]
+        cap = [wide_cap(k, c.num_transfer_tokens) for k in run]
+        return StepPlan(window=(g + bs, g + be), sample=False, rows=None if all(rows) else list(rows),
+                        aux=self.shadow(canvas, bs, be), position_ids=canvas.position_ids, temperature=c.temperature,
+                        data=WinoPlan(run, cap)), st
 
     def shadow(self, canvas, bs: int, be: int) -> AuxColumns:
         """The shadow block of window ``[bs, be)``: W masks at the window's positions; canvas rows cannot see it,
@@ -166,17 +157,18 @@ class Wino(Strategy):
                           positions=canvas.position_ids[:, g + bs:g + be], attend=attend,
                           shift_within=self.cfg.shadow_shift_within)
 
-    # -- the step's host read -----------------------------------------------------------------------------------
-    def sync_request(self, canvas, st: WinoState):
+    # -- what the next plan must know ------------------------------------------------------------------------
+    def reads(self, canvas, st: WinoState):
+        """Masked positions per row and block; with the reference's shrinking window, the rows it leaves out once
+        they finish and, under its block mask, the rows still active, row 0's span and the masked positions per row
+        in that span."""
         g = canvas.gen_start
-        # the masks of the canvas (as the last select left them), rows that finished left out; with the corrected
-        # window a finished row has none left (it finishes when its block and the rest are decoded, and blocks
-        # advance only when no row has a mask left in them), so only the shrinking window needs the row mask
-        masked = canvas.masked_cols(g) if st.left is None else st.left
-        if self.cfg.shrinking_window:
-            masked = masked & ~canvas.finished[:, None]
+        masked = canvas.masked_cols(g)
+        if not self.cfg.shrinking_window:
+            return block_counts(canvas, self.block_len, masked)
+        masked &= ~canvas.finished[:, None]
         parts = [block_counts(canvas, self.block_len, masked)]
-        if self.cfg.shrinking_window and st.block_mask is not None:
+        if st.block_mask is not None:
             bm = st.block_mask
             G = bm.shape[1]
             col = torch.arange(G, device=bm.device)
@@ -185,13 +177,9 @@ class Wino(Strategy):
             last = torch.where(any0, G - 1 - bm[0].flip(0).int().argmax(), -1)
             inside = (col >= first) & (col <= last)
             parts += [(bm & masked).any(-1), first, last, (canvas.masked_cols(g) & inside[None, :]).sum(-1)]
-            return parts                   # (the loop's one cat promotes the flags to int64 with the counts)
-        return parts[0]
+        return parts                       # (the loop's one cat promotes the flags to int64 with the counts)
 
-    def fresh_values(self, canvas, st: WinoState):
-        return fresh_block_counts(canvas, self.block_len)
-
-    def synced(self, canvas, st: WinoState, values, delta):
+    def settle(self, canvas, st: WinoState, values, delta):
         B, nb = canvas.batch_size, self.num_blocks
         counts = host_rows(values[:B * nb], B)
         shrunk = None
@@ -206,92 +194,57 @@ class Wino(Strategy):
         c, g = self.cfg, canvas.gen_start
         bs, be = st.window
         rows = proposal.rows
-        if rows is None:                                   # every row: slices instead of row gathers
-            # the masks the last select left (the canvas' since: ``WinoState.left``), else the canvas'
-            masked_w = st.left[:, bs:be] if st.left is not None else canvas.masked_cols(g + bs, g + be)
-            current = canvas.tokens[:, g + bs:g + be]
-        else:
-            masked_w = canvas.step_of[rows, g + bs:g + be] < 0
-            current = canvas.tokens[rows, g + bs:g + be]
+        masked_w = canvas.masked_cols(g + bs, g + be)
+        current = canvas.tokens[:, g + bs:g + be]
+        if rows is not None:                               # the call's rows
+            masked_w, current = masked_w[rows], current[rows]
+        # masked slots are proposed from the canvas, decoded ones scored by their shadow slot
         combined = torch.where(masked_w[..., None], proposal.logits, proposal.aux_logits).to(torch.float64)
         s = sample_tokens(combined, c.temperature, c.top_p, c.top_k, alg=c.alg.value)
         in_place = torch.gather(s.probs, -1, current[..., None]).squeeze(-1)
         conf = torch.where(masked_w, s.confidence, in_place)
-        scores = conf               # the wide-in rule ranks masked slots only (-inf elsewhere)
+        scores = conf
         if c.sigma:
-            m = canvas.masked_cols(g) if rows is None else canvas.step_of[rows, g:] < 0
-            dens = st.density.of_masked(m)[:, bs:be].to(conf.dtype)
+            m = canvas.masked_cols(g)
+            dens = st.density.of_masked(m if rows is None else m[rows])[:, bs:be].to(conf.dtype)
             scores = conf * dens
+        # wide in: the masked slots scoring >= wide_in_thres, between num_transfer_tokens and the cap of them
         ntt = c.num_transfer_tokens
-        wide, n_wide = wide_in(scores, masked_w, ntt, plan.data.cap, plan.data.counts, c.wide_in_thres)
-        k = (n_wide - ntt).clamp_min(0)
-        # narrow out: the k least confident decoded slots, but only those scoring below the threshold. Ranked with
-        # the masked slots last (inf), the slots below the threshold take the first ranks (NaN sorts last, and
-        # fails the test), so when more than k are below it the first k ranks are all below it, and when at most
-        # k are, all of them lie in the first k ranks: either way the re-masks are the first k ranks & below
-        ranked = torch.where(masked_w, float("inf"), conf)
-        low = ranked < c.narrow_out_thres
-        out = topk_rows(ranked, k, largest=False) & low
-        return self.frame(canvas, rows, (g + bs, g + be), wide, out, s.x0, conf, st, current, n_wide,
-                          finished_before(proposal, canvas.batch_size))
+        wide = d2c_commit(scores, masked_w, ntt, plan.data.cap, counts=plan.data.counts, threshold=c.wide_in_thres)
+        # narrow out: the decoded slots scoring < narrow_out_thres, the k least confident of them when more than
+        # k = (wide-in commits - num_transfer_tokens) do
+        k = (wide.sum(-1) - ntt).clamp_min(0)
+        decoded = ~masked_w
+        low = decoded & (conf < c.narrow_out_thres)
+        lowest = topk_rows(torch.where(decoded, conf, float("inf")), k, largest=False) & decoded
+        out = torch.where((low.sum(-1) > k)[:, None], lowest, low)
+        return self.frame(canvas, rows, st, wide, out, s.x0, conf), st
 
-    def frame(self, canvas, rows, window, wide_a, out_a, x0_a, conf_a, st: WinoState, current=None, n_wide=None,
-              before=None):
-        """The delta (``current``: the window's tokens of the call rows, ``n_wide``: ``wide_a.sum(-1)``, when the
-        caller has them; ``before``: the rows finished before the step, ``Proposal.finished_host``, None: unknown)
-        and the state holding the masks left after it."""
-        s, e = window
+    def frame(self, canvas, rows, st: WinoState, wide_a, out_a, x0_a, conf_a) -> FrameDelta:
+        """The delta of the call rows' (``rows``; None: every row) wide-in commits ``wide_a`` (tokens ``x0_a``) and
+        narrow-out re-masks ``out_a`` over the step's window, with their confidences ``conf_a``."""
+        g = canvas.gen_start
+        s, e = g + st.window[0], g + st.window[1]
         B, W = canvas.batch_size, e - s
         if rows is None:                                   # every row took part: the call's tensors are the delta's
-            commit, remask = wide_a, out_a
-            tokens = torch.where(wide_a, x0_a, canvas.tokens[:, s:e] if current is None else current)
-            conf = conf_a.float()
+            commit, remask, x0, conf = wide_a, out_a, x0_a, conf_a.float()
             active = canvas.every_row()
         else:
             commit = torch.zeros((B, W), dtype=torch.bool, device=canvas.device)
             remask = torch.zeros_like(commit)
-            commit[rows], remask[rows] = wide_a, out_a
-            tokens = canvas.tokens[:, s:e].clone()
-            tokens[rows] = torch.where(wide_a, x0_a, tokens[rows])
+            x0 = torch.zeros((B, W), dtype=x0_a.dtype, device=canvas.device)
             conf = torch.zeros((B, W), dtype=torch.float32, device=canvas.device)
-            conf[rows] = conf_a.float()
             active = torch.zeros(B, dtype=torch.bool, device=canvas.device)
-            active[rows] = True
-        g = canvas.gen_start
+            commit[rows], remask[rows], x0[rows], conf[rows], active[rows] = wide_a, out_a, x0_a, conf_a.float(), True
+        tokens = torch.where(commit, x0, canvas.tokens[:, s:e])
         left = masked_after(canvas, s, commit, remask)
-        lo = st.block * self.block_len
-        if st.block_mask is None:                          # ~(masks left in the block or after it) & ~finished
-            finished = left[:, lo:].any(-1)
-            if before is None or any(before):              # (the loop's host copy of canvas.finished)
-                finished.logical_or_(canvas.finished)
-            finished.logical_not_()
-        else:                                              # the reference: only what its block mask still holds
-            hi = lo + self.block_len
+        if st.block_mask is None:          # a row finishes when no masked generated position is left
+            finished = ~(left.any(-1) | canvas.finished)
+        else:                              # the reference: only what its block mask still holds, and what follows
+            lo, hi = st.block * self.block_len, (st.block + 1) * self.block_len
             now = left[:, lo:hi] & st.block_mask[:, lo:hi]
             finished = ~(now.any(-1) | left[:, hi:].any(-1)) & ~canvas.finished
-        delta = FrameDelta(step=canvas.step + 1, nfe=1, start=s, commit=commit, tokens=tokens, active=active,
-                           finished=finished, confidence=conf, remask=remask,
-                           scalars={"block": st.block, "remasked": remask.sum(-1),
-                                    "committed": n_wide if rows is None and n_wide is not None else commit.sum(-1),
-                                    "window_start": s - g, "window_end": e - g})
-        return delta, evolve(st, left=left)
-
-
-def wide_in(scores: torch.Tensor, cand: torch.Tensor, ntt: int, cap: Sequence[int], counts: Sequence[int],
-            threshold: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(commit, commit.sum(-1))``: ``d2c_commit(scores, cand, ntt, cap, counts=counts, threshold=threshold)`` --
-    :func:`dlm_engine.core.selection.capped_threshold`, its host-count form -- with the committed number as a clamp
-    of the passing one (the counts, ``counts``: ``|cand|`` per row, and ``cap``, are on the host). ``threshold`` is
-    in ``(0, 1]`` and every ``cap`` is at least 5 (:func:`wide_cap`)."""
-    c = masked_conf(scores, cand)
-    base = [min(m, ntt) for m in cap]
-    k_over = [min(k, m) for k, m in zip(counts, cap)]
-    k_base = [min(k, b) for k, b in zip(counts, base)]
-    commit, n = capped_threshold(c, cand, threshold, counts, cap, base)
-    n = n.view(-1)
-    if all(k == k_base[0] for k in k_base) and all(k == k_over[0] for k in k_over):
-        count = n.clamp(k_base[0], k_over[0])
-    else:
-        count = torch.minimum(torch.maximum(n, host_tensor(k_base, torch.long, c.device)),
-                              host_tensor(k_over, torch.long, c.device))
-    return commit, count
+        return FrameDelta(step=canvas.step + 1, nfe=1, start=s, commit=commit, tokens=tokens, active=active,
+                          finished=finished, confidence=conf, remask=remask,
+                          scalars={"block": st.block, "remasked": remask.sum(-1), "committed": commit.sum(-1),
+                                   "window_start": s - g, "window_end": e - g})
