@@ -18,11 +18,12 @@ from typing import Optional, Tuple
 
 import torch
 
+from dlm_engine.core.fast.block_scored import FromBlockStart
 from dlm_engine.core.registry import register_strategy
 from dlm_engine.core.selection import d2c_commit
 from dlm_engine.errors import ConfigError
 from dlm_engine.core.strategy import evolve
-from dlm_engine.strategies.d2c import D2C, BlockState, D2CConfig
+from dlm_engine.strategies.d2c import BlockState, D2CConfig, D2CRule
 
 
 @dataclass
@@ -48,8 +49,9 @@ class KlassState(BlockState):
     batch: int = 0                                # rows of the canvas
 
 
-@register_strategy("klass", KlassConfig)
-class Klass(D2C):
+class KlassRule(D2CRule):
+    """The KLASS rule (registered as :class:`Klass`, with its fast layer)."""
+
     def validate(self) -> None:
         super().validate()
         c = self.cfg
@@ -64,59 +66,34 @@ class Klass(D2C):
         return KlassState(ring=(None,) * int(self.cfg.kl_history_length), batch=canvas.batch_size,
                           density=base.density)
 
-    picks_from_block_scores = False     # the divergences read the distributions of the block and of later blocks
-
-    def sample_from(self, st: KlassState, proposal) -> int:
-        """The block's first column: :meth:`pick` reads the distributions of the block and of the later columns
-        only (the earlier blocks are full, so no candidate lies there either), and where sampling is per
-        position exact those columns' bits do not depend on the earlier ones being sampled too."""
-        if self.cfg.sample_candidates_only or not self.per_position_exact(proposal):
-            return 0
-        return self.block_cols(st.block)[0]
-
     def pick(self, scores, cand, block_cand, sampled, st: KlassState, rows, counts):
         """The reference computes every generated position's divergence every step. Only the block's candidates
         are ever read, and a position is read only once its block is current, when its history holds the
         divergences of the row's last H steps -- which the last H distributions give. So each step computes the
         block's divergences and keeps the later columns' distributions; a new block's history is computed from
-        them (the same values: the same float64 operations on the same inputs, per position)."""
+        them (the same values: the same float64 operations on the same inputs, per position). ``sampled.probs``
+        may cover the last columns only, from the block's start on (the fast layer's
+        :class:`~dlm_engine.core.fast.block_scored.FromBlockStart`)."""
         c = self.cfg
         a, b = self.block_cols(st.block)
-        every = rows is None                                           # the call ran every row
-        mine = slice(None) if every else rows
-        off = getattr(sampled, "first", 0)                             # sampled.probs covers columns [off, G)
+        off = cand.shape[1] - sampled.probs.shape[1]                   # sampled.probs covers columns [off, G)
         if st.of_block != st.block:
             st = self.enter_block(st, a, b, sampled.probs)
-        p = sampled.probs
-        if a - off or b - off != p.shape[1]:
-            p = p[:, a - off:b - off]
-        p64 = p.to(torch.float64)                                      # [B_a, Lb, V]
+        p64 = sampled.probs[:, a - off:b - off].to(torch.float64)      # [B_a, Lb, V]
         # kept for the next step: the same values as its log(prev + 1e-12). In place on a fresh temporary
         log_p = (p64 + 1e-12).log_()
-        prev_log, run = (st.previous_log, st.run) if every else (st.previous_log[rows], st.run[rows])
+        prev_log, run = (st.previous_log, st.run) if rows is None else (st.previous_log[rows], st.run[rows])
         kl = torch.sub(log_p, prev_log).mul_(p64).sum(-1)               # [B_a, Lb]: sum p (log p - log prev)
         run = torch.where(kl < c.kl_threshold, run + 1, 0)              # (NaN: not below)
-        stable = run >= c.kl_history_length
-        ranked = self.ranked(scores, cand, block_cand, sampled, st)   # scores -inf outside block_cand already
-        if c.threshold is not None:
-            # d2c_commit(scores, pool, 0, threshold=t) is pool & (scores >= t), pool the block's stable candidates
-            # (a finite threshold, whatever the confidence kind: -inf never passes)
-            chosen = scores >= c.threshold if ranked else block_cand & (scores >= c.threshold)
-            if a == 0 and b == chosen.shape[1]:
-                chosen &= stable
-            else:
-                blk = chosen[:, a:b]                                   # (a view: and-ed in place, no copy back)
-                blk &= stable
+        stable = torch.zeros_like(block_cand)                           # the block's stable candidates
+        stable[:, a:b] = block_cand[:, a:b] & (run >= c.kl_history_length)
+        if c.threshold is None and c.factor is None and c.klass_commit_stable:
+            chosen = stable
         else:
-            pool = torch.zeros_like(block_cand)
-            pool[:, a:b] = block_cand[:, a:b] & stable
-            if c.factor is None and c.klass_commit_stable:
-                chosen = pool
-            else:
-                chosen = d2c_commit(scores, pool, 0, threshold=c.threshold, factor=c.factor)
-        fallback = d2c_commit(scores, block_cand, c.num_transfer_tokens, counts=counts, ranked=ranked)
+            chosen = d2c_commit(scores, stable, 0, threshold=c.threshold, factor=c.factor)
+        fallback = d2c_commit(scores, block_cand, c.num_transfer_tokens, counts=counts)
         commit = torch.where(chosen.any(-1, keepdim=True), chosen, fallback)
-        if not every:
+        if rows is not None:
             run, log_p = st.run.index_copy(0, rows, run), st.previous_log.index_copy(0, rows, log_p)
         return commit, evolve(st, run=run, previous_log=log_p, ring=self.pushed(st, sampled.probs, b, rows, off),
                               ring_from=b)
@@ -170,3 +147,9 @@ class Klass(D2C):
                 keep = new.new_zeros((st.batch,) + tuple(new.shape[1:]))
             out.append(keep.index_fill(0, rows, 0) if take is None else keep.index_copy(0, rows, take))
         return tuple(out)
+
+
+@register_strategy("klass", KlassConfig)
+class Klass(FromBlockStart, KlassRule):
+    """KLASS, sampling from its block's first column on where that gives the same bits (the fast layer's
+    :class:`~dlm_engine.core.fast.block_scored.FromBlockStart`)."""
