@@ -500,10 +500,10 @@ def _spec_klass(base):
                                 dict(factor=2.0, kl_threshold=1.0)])
 @pytest.mark.parametrize("cache", ["none", "dual"])
 def test_klass_history_of_a_new_block_is_the_specs(tiny_llada, kw, cache):
-    """KLASS computes the current block's divergences each step and a later block's history from the last H
-    distributions when that block becomes current: the commits are the spec's, which recomputes every position
-    every step -- over several blocks, for a batch whose rows sit steps out (their history must not move) and
-    with stable sets that change what is committed."""
+    """KLASS measures the divergences from its block's first column on (the earlier blocks' history is dropped;
+    its fast layer samples those columns only): the commits are the spec's, which recomputes every position every
+    step -- over several blocks, for a batch whose rows sit steps out (their history must not move) and with
+    stable sets that change what is committed."""
     from dlm_engine.core.canvas import Canvas
     from dlm_engine.core.loop import decode
     from dlm_engine.core.registry import cache_class, strategy_class
@@ -521,15 +521,15 @@ def test_klass_history_of_a_new_block_is_the_specs(tiny_llada, kw, cache):
     prompts = [[5, 6, 7, 8, 9], [11, 12], [13, 14, 15, 16], [20]]
     mask = int(tiny_llada.config.mask_token_id)
     out = {}
-    for name, k, extra in (("lazy", cls, {}), ("spec", spec_cls, {}), ("never stable", cls, {"kl_threshold": 1e-30})):
+    for name, k, extra in (("klass", cls, {}), ("spec", spec_cls, {}), ("never stable", cls, {"kl_threshold": 1e-30})):
         canvas = Canvas.from_prompts(prompts, 24, mask, 0)
         s = k(k.Config(block_length=6, **dict(kw, **extra)), 24)
         with torch.inference_mode():
             decode(tiny_llada, canvas, s, cache_class(cache)())
         out[name] = (canvas.tokens, canvas.step_of, s)
-    assert torch.equal(out["lazy"][0], out["spec"][0]) and torch.equal(out["lazy"][1], out["spec"][1])
+    assert torch.equal(out["klass"][0], out["spec"][0]) and torch.equal(out["klass"][1], out["spec"][1])
     assert out["spec"][2].partial_steps > 0                                    # rows sat steps out
-    assert not torch.equal(out["lazy"][1], out["never stable"][1])            # the stable sets mattered
+    assert not torch.equal(out["klass"][1], out["never stable"][1])            # the stable sets mattered
     assert any(first > 0 for first in tails)            # steps that sampled from their block's start on (T = 0)
 
 
