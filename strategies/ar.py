@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
+from dlm_engine.core.fast.block_scored import BlockScored
 from dlm_engine.core.registry import register_strategy
 from dlm_engine.errors import ConfigError
-from dlm_engine.strategies.d2c import D2C, D2CConfig
+from dlm_engine.strategies.d2c import D2CConfig, D2CRule
 
 
 @dataclass
@@ -22,16 +23,15 @@ class ARConfig(D2CConfig):
     ar_respect_ntt: bool = False          # quirk 9: without threshold the whole masked run is committed at once
 
 
-@register_strategy("ar", ARConfig)
-class AR(D2C):
+class ARRule(D2CRule):
+    """The ar rule (registered as :class:`AR`, with its fast layer)."""
+
     def validate(self) -> None:
         super().validate()
         c = self.cfg
         for key in ("factor", "gamma", "sigma", "clip_alpha"):
             if getattr(c, key) is not None:
                 raise ConfigError(f"strategy.{key}: ar takes a threshold (and debias), not {key}")
-
-    picks_from_block_scores = True      # the run and its scores are the block's candidates
 
     def pick(self, scores, cand, block_cand, sampled, st, rows, counts):
         c = self.cfg
@@ -48,3 +48,11 @@ class AR(D2C):
         if c.threshold is not None:
             take |= (after > (scores >= c.threshold)).cumsum(-1) == 0
         return run & take, st
+
+
+@register_strategy("ar", ARConfig)
+class AR(BlockScored, ARRule):
+    """ar, sampling only the block's candidates where that gives the same bits (the fast layer's
+    :class:`~dlm_engine.core.fast.block_scored.BlockScored`: the run and its scores are the block's candidates)."""
+
+    block_pick = ARRule.pick

@@ -187,7 +187,7 @@ def test_reference_positions_number_dream_rows_from_zero():
     def first_plan(**kw):
         s = cls(cls.Config(**kw), 8)
         st = s.init_state(canvas)
-        st = s.synced(canvas, st, s.sync_request(canvas, st).reshape(-1).tolist(), None)   # the first host read
+        st = s.settle(canvas, st, s.reads(canvas, st).reshape(-1).tolist(), None)   # the first host read
         return s.plan(canvas, st)[0]
 
     canvas.model_info = ModelInfo("Dream", 1)
@@ -233,9 +233,10 @@ def test_wino_run_through_dlm_and_the_trace_tools(tmp_path):
 ])
 @pytest.mark.parametrize("cache", ["none", "dual"])
 def test_block_candidates_only_sampling_is_exact(tiny_llada, monkeypatch, name, kw, cache):
-    """At T = 0 the d2c family samples only the block's candidates (quirk 15's every-position sampling costs a
-    softmax over G x V a step); commits, tokens and committed confidences equal those of sampling every
-    position, on a padded batch of three."""
+    """At T = 0 the d2c family's fast layer (core/fast/block_scored.py: BlockScored) samples only the block's
+    candidates (quirk 15's every-position sampling costs a softmax over G x V a step); commits, tokens and committed
+    confidences equal those of the plain rule, which samples every position (``decode(..., fast=False)``), on a
+    padded batch of three."""
     import dlm_engine.core.sampler as sampler
     from dlm_engine.core.canvas import Canvas
     from dlm_engine.core.loop import decode
@@ -246,24 +247,20 @@ def test_block_candidates_only_sampling_is_exact(tiny_llada, monkeypatch, name, 
     cls = strategy_class(name)
     kw = dict(kw)
     prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16]][:kw.pop("batch", 3)]
-    out, calls = {}, {}
+    out, calls = {}, {True: [], False: []}
+    orig = cls.sample_at
     for fast in (True, False):
-        if not fast:
-            monkeypatch.setattr(cls, "block_scores_suffice", lambda self, proposal: False)
-        sizes = []
-        orig = cls.sample_at
-
-        def spy(self, logits, where, count, st, _orig=orig, _sizes=sizes):
+        def spy(self, logits, where, count, st, _sizes=calls[fast]):
             _sizes.append((count, logits.shape[0] * logits.shape[1]))
-            return _orig(self, logits, where, count, st)
+            return orig(self, logits, where, count, st)
 
         monkeypatch.setattr(cls, "sample_at", spy)
         canvas = Canvas.from_prompts(prompts, 16, int(tiny_llada.config.mask_token_id), 0,
                                      eos_id=int(tiny_llada.config.eos_token_id))
         sink = CommittedDeltas()
-        decode(tiny_llada, canvas, cls(cls.Config(block_length=4, **kw), 16), cache_class(cache)(), sinks=[sink])
+        decode(tiny_llada, canvas, cls(cls.Config(block_length=4, **kw), 16), cache_class(cache)(), sinks=[sink],
+               fast=fast)
         out[fast] = (canvas.tokens.tolist(), canvas.step_of.tolist(), canvas.nfe, sink.seen)
-        calls[fast] = sizes
     assert calls[True] and all(m < n for m, n in calls[True]) and not calls[False]
     assert out[True] == out[False]
 
@@ -299,7 +296,7 @@ def test_a_cache_that_reads_confidences_gets_every_position(tiny_llada, monkeypa
 def test_sums_draws_and_undeclared_picks_keep_every_position(tiny_llada, monkeypatch, kw):
     """A sum over the vocabulary (entropy, EB's budget, top-p's cumulative mass) may reduce differently for
     fewer positions, a draw's stream depends on every position, and a subclass whose own ``pick`` does not
-    declare ``picks_from_block_scores`` may read every distribution: all of these sample every position."""
+    is the composed class's ``block_pick`` may read every distribution: all of these sample every position."""
     import dlm_engine.core.sampler as sampler
     from dlm_engine.core.canvas import Canvas
     from dlm_engine.core.loop import decode
@@ -386,105 +383,74 @@ def test_ar_pick_is_the_run_from_the_first_candidate(kw):
         assert [j for j in range(16) if commit[r, j]] == run[:count], r
 
 
-def test_d2c_host_read_uses_selects_commit_counts_only_for_the_step_they_were_made_for(tiny_llada):
-    """``select`` hands ``sync_request`` its commit counts (no recount of the canvas) when they were all that changed
-    the eligible positions; a state from another step must count the canvas instead."""
-    from dlm_engine.core.registry import strategy_class
-    from dlm_engine.core.strategy import evolve
-
+def test_d2c_reads_count_the_eligible_positions_on_the_canvas():
+    """What the next plan reads (``reads``): per row and block, the masked positions a step may decode -- none in a
+    finished row, none after a row's first decoded EOS with ``stop_until_eos`` -- counted on the canvas; ``settle``
+    moves to the next block once the step left none in the current one."""
     from dlm_engine.core.canvas import Canvas
-
-    gen = 16
-    cls = strategy_class("d2c")
-    d2c = cls(cls.Config(block_length=8), gen)
-    canvas = Canvas.from_prompts([[5, 6, 7], [8, 9], [10]], gen, int(tiny_llada.config.mask_token_id), 0)
-    st = d2c.init_state(canvas)
-    fresh = d2c.sync_request(canvas, st)
-    n = torch.tensor([1, 2, 3])                                   # what a stale copy would claim
-    assert torch.equal(d2c.sync_request(canvas, evolve(st, committed_step=canvas.step + 1, committed=n)), fresh)
-    assert d2c.sync_request(canvas, evolve(st, committed_step=canvas.step, committed=n)) is n
-    assert int(fresh.sum()) == 3 * gen
-
-
-@pytest.mark.parametrize("name, kw", [("d2c", {}), ("d2c", dict(threshold=0.5)), ("d2c", dict(gamma=0.01)),
-                                      ("d2c", dict(sigma=10.0)), ("d2c", dict(stop_until_eos=True)),
-                                      ("d2c", dict(eos_fill=True)), ("klass", dict(threshold=0.5)),
-                                      ("ar", dict(threshold=0.5))])
-@pytest.mark.parametrize("cache", ["none", "dual"])
-def test_d2c_host_counts_follow_the_canvas(tiny_llada, name, kw, cache):
-    """The d2c family's host counts (eligible positions per row and block), updated from the step's commit counts
-    where select made the eligible positions after its delta, equal a recount of the canvas after every step -- a
-    padded batch whose rows fill blocks and finish at different steps; with EOS rules the canvas is recounted."""
-    from dlm_engine.core.blockwise import block_counts
     from dlm_engine.core.registry import strategy_class
-    from fakes import host_counts_checked
 
-    def recount(s, canvas):
-        elig = s.eligible(canvas, canvas.step_of[:, canvas.gen_start:] < 0) & ~canvas.finished[:, None]
-        return block_counts(canvas, s.block_len, elig)
+    cls = strategy_class("d2c")
+    mask, eos = 9, 3
+    canvas = Canvas.from_prompts([[5, 6], [7, 8], [1, 2]], 8, mask, 0, eos_id=eos)
+    g = canvas.gen_start
 
-    def how(s, canvas, st):
-        return "host" if s.knows_commits(canvas, st) else "read" if s.reads_commits(canvas, st) else None
+    def write(canvas, row, col, token):                              # a decoded position (at step 1)
+        canvas.tokens[row, canvas.gen_start + col], canvas.step_of[row, canvas.gen_start + col] = token, 1
 
-    cls = strategy_class(name)
-    checked = host_counts_checked(tiny_llada, cls, cls.Config(block_length=4, **kw), cache, recount, how)
-    assert checked and all(ok for _, ok in checked)
-    eos_rules = kw.get("stop_until_eos") or kw.get("eos_fill")
-    used = {u for u, _ in checked} - {None}
-    assert bool(used) != bool(eos_rules)      # the commit counts, read or known, updated the host counts
-    # the fixed rate of d2c's own pick knows its counts on the host (nothing read back); the rules that count on
-    # the device (threshold, EB, KLASS, AR) read them
-    fixed = name == "d2c" and not ({"threshold", "gamma", "factor"} & set(kw))
-    assert used == (set() if eos_rules else {"host"} if fixed else {"read"})
+    for col in range(4):
+        write(canvas, 0, col, 4)                                     # row 0: block 0 filled
+    write(canvas, 1, 1, eos)                                         # row 1: an EOS decoded at column 1
+    canvas.finished[2] = True                                        # row 2: finished
+    plain = cls(cls.Config(block_length=4), 8)
+    until_eos = cls(cls.Config(block_length=4, stop_until_eos=True), 8)
+    st = plain.init_state(canvas)
+    assert plain.reads(canvas, st).tolist() == [[0, 4], [3, 4], [0, 0]]
+    assert until_eos.reads(canvas, until_eos.init_state(canvas)).tolist() == [[0, 4], [1, 0], [0, 0]]
+    values = plain.reads(canvas, st).reshape(-1).tolist()
+    assert plain.settle(canvas, st, values, None).block == 0          # (before the first step: nothing ends)
+    done = Canvas.from_prompts([[5, 6]], 8, mask, 0)
+    for col in range(4):
+        write(done, 0, col, 4)
+    after = plain.settle(done, st, plain.reads(done, st).reshape(-1).tolist(), object())
+    assert (after.block, after.step, after.counts) == (1, 0, ((0, 4),))
 
 
 @pytest.mark.parametrize("kw", [dict(block_length=8), dict(block_length=4, num_transfer_tokens=3), dict(sigma=10.0),
-                                dict(debias=True, freq_table="llada", block_length=8)])
+                                dict(threshold=0.5), dict(stop_until_eos=True), dict(eos_fill=True)])
 @pytest.mark.parametrize("cache", ["none", "dual"])
-def test_d2c_fixed_rate_knows_its_commit_counts_on_the_host(tiny_llada, kw, cache):
-    """The fixed rate of d2c's own pick commits ``min(num_transfer_tokens, candidates)`` a row, so its counts, the
-    rows it finishes and the next host counts are known on the host: a decode reads the device once (the first
-    step's read, with the forward's health check), not once a step, and every delta's ``committed`` scalar and
-    ``finished`` flags are what its commits and the canvas say. The same decode with the counts read back (the
-    threshold rule's path, forced) makes the same tokens."""
+def test_d2c_deltas_count_their_commits_and_finish_rows_on_the_canvas(tiny_llada, kw, cache):
+    """Every d2c delta's ``committed`` scalar is its commits per row, and it finishes exactly the rows left with
+    nothing to decode: with the fixed rate a row commits ``min(num_transfer_tokens, masked left in the block)``;
+    every row ends finished."""
     from dlm_engine.app.sinks import RecordingSink
     from dlm_engine.core.canvas import Canvas
-    from dlm_engine.core.instrument import ModelTimer, SyncCounter
     from dlm_engine.core.loop import decode
     from dlm_engine.core.registry import cache_class, strategy_class
 
     cls = strategy_class("d2c")
-    timer = ModelTimer(tiny_llada)      # (reads inside the forward, a cache's, are not the loop's)
-
-    class ReadBack(cls):
-        def host_commits(self, counts):
-            return None
-
-    def run(klass):
-        canvas = Canvas.from_prompts([[5, 6, 7, 8], [9, 10, 11, 12]], 16, int(tiny_llada.config.mask_token_id), 0)
-        rec = RecordingSink()
-        with torch.inference_mode(), SyncCounter(timer) as counter:
-            decode(timer, canvas, klass(cls.Config(**kw), 16), cache_class(cache)(), sinks=[rec])
-        return canvas, rec, counter
-
-    canvas, rec, counter = run(cls)
-    reads = counter.total - counter.counts.get("host-tensor", 0)     # (PC-Sampler's table upload is no read)
-    assert canvas.step > 2 and reads == 1, (canvas.step, counter.counts)
-    left = None
-    for d, tokens in zip(rec.deltas, rec.states):
-        assert d.finished_host is not None
-        assert d.scalars["committed"].tolist() == d.commit.sum(-1).tolist()
-        still = (tokens[:, canvas.gen_start:] == canvas.mask_id).sum(-1)
-        assert d.finished.tolist() == (still == 0).tolist() == list(d.finished_host)
-        assert left is None or (left - d.commit.sum(-1)).tolist() == still.tolist()
-        left = still
-    assert bool(canvas.finished.all())
-    plain, plain_rec, plain_counter = run(ReadBack)
-    assert torch.equal(plain.tokens, canvas.tokens) and plain.step == canvas.step
-    assert plain_counter.total - plain_counter.counts.get("host-tensor", 0) == plain.step     # (one read a step)
-    for a, b in zip(rec.deltas, plain_rec.deltas):
-        assert a.scalars["committed"].tolist() == b.scalars["committed"].tolist()
-        assert torch.equal(a.finished, b.finished)
+    s = cls(cls.Config(**kw), 16)
+    mask = int(tiny_llada.config.mask_token_id)
+    canvas = Canvas.from_prompts([[5, 6, 7, 8], [9, 10, 11, 12]], 16, mask, 0,
+                                 eos_id=int(tiny_llada.config.eos_token_id))
+    rec = RecordingSink()
+    with torch.inference_mode():
+        decode(tiny_llada, canvas, s, cache_class(cache)(), sinks=[rec])
+    g, ntt = canvas.gen_start, s.cfg.num_transfer_tokens
+    fixed = not {"threshold", "stop_until_eos", "eos_fill"} & set(kw)
+    masked_before = torch.ones(2, 16, dtype=torch.bool)
+    finished_before = torch.zeros(2, dtype=torch.bool)
+    for d, tokens in zip(rec.deltas, rec.states):           # (the canvas' tokens once the delta is applied)
+        n = d.commit.sum(-1)
+        assert d.scalars["committed"].tolist() == n.tolist()
+        masked = tokens[:, g:] == mask
+        if not kw.get("stop_until_eos"):                    # (there a row finishes with masks after its EOS)
+            assert d.finished.tolist() == (~masked.any(-1) & ~finished_before).tolist()
+        if fixed:
+            a, b = s.block_cols(d.scalars["block"])
+            assert n.tolist() == (masked_before[:, a:b].sum(-1).clamp(max=ntt) * d.active).tolist()
+        masked_before, finished_before = masked, finished_before | d.finished
+    assert bool(canvas.finished.all()) and canvas.step > 2
 
 
 def _spec_klass(base):
@@ -534,10 +500,10 @@ def _spec_klass(base):
                                 dict(factor=2.0, kl_threshold=1.0)])
 @pytest.mark.parametrize("cache", ["none", "dual"])
 def test_klass_history_of_a_new_block_is_the_specs(tiny_llada, kw, cache):
-    """KLASS computes the current block's divergences each step and a later block's history from the last H
-    distributions when that block becomes current: the commits are the spec's, which recomputes every position
-    every step -- over several blocks, for a batch whose rows sit steps out (their history must not move) and
-    with stable sets that change what is committed."""
+    """KLASS measures the divergences from its block's first column on (the earlier blocks' history is dropped;
+    its fast layer samples those columns only): the commits are the spec's, which recomputes every position every
+    step -- over several blocks, for a batch whose rows sit steps out (their history must not move) and with
+    stable sets that change what is committed."""
     from dlm_engine.core.canvas import Canvas
     from dlm_engine.core.loop import decode
     from dlm_engine.core.registry import cache_class, strategy_class
@@ -555,15 +521,15 @@ def test_klass_history_of_a_new_block_is_the_specs(tiny_llada, kw, cache):
     prompts = [[5, 6, 7, 8, 9], [11, 12], [13, 14, 15, 16], [20]]
     mask = int(tiny_llada.config.mask_token_id)
     out = {}
-    for name, k, extra in (("lazy", cls, {}), ("spec", spec_cls, {}), ("never stable", cls, {"kl_threshold": 1e-30})):
+    for name, k, extra in (("klass", cls, {}), ("spec", spec_cls, {}), ("never stable", cls, {"kl_threshold": 1e-30})):
         canvas = Canvas.from_prompts(prompts, 24, mask, 0)
         s = k(k.Config(block_length=6, **dict(kw, **extra)), 24)
         with torch.inference_mode():
             decode(tiny_llada, canvas, s, cache_class(cache)())
         out[name] = (canvas.tokens, canvas.step_of, s)
-    assert torch.equal(out["lazy"][0], out["spec"][0]) and torch.equal(out["lazy"][1], out["spec"][1])
+    assert torch.equal(out["klass"][0], out["spec"][0]) and torch.equal(out["klass"][1], out["spec"][1])
     assert out["spec"][2].partial_steps > 0                                    # rows sat steps out
-    assert not torch.equal(out["lazy"][1], out["never stable"][1])            # the stable sets mattered
+    assert not torch.equal(out["klass"][1], out["never stable"][1])            # the stable sets mattered
     assert any(first > 0 for first in tails)            # steps that sampled from their block's start on (T = 0)
 
 
@@ -574,7 +540,7 @@ def test_klass_samples_from_the_blocks_start_only_where_that_is_exact():
     from types import SimpleNamespace
 
     from dlm_engine.core.registry import strategy_class
-    from dlm_engine.strategies.d2c import D2C, BlockState
+    from dlm_engine.strategies.d2c import BlockState, D2CRule
 
     cls = strategy_class("klass")
     plain = SimpleNamespace(all_confidences=False)
@@ -585,5 +551,4 @@ def test_klass_samples_from_the_blocks_start_only_where_that_is_exact():
     for kw in (dict(temperature=0.5), dict(alg="entropy"), dict(top_p=0.9), dict(sample_candidates_only=True)):
         assert cls(cls.Config(block_length=4, **kw), 16).sample_from(at_block, plain) == 0, kw
     assert cls(cls.Config(block_length=4), 16).sample_from(at_block, SimpleNamespace(all_confidences=True)) == 0
-    d2c = strategy_class("d2c")
-    assert d2c(d2c.Config(block_length=4), 16).sample_from(at_block, plain) == 0 and issubclass(d2c, D2C)
+    assert issubclass(cls, D2CRule) and not hasattr(D2CRule, "sample_from")      # the plain rule samples them all
