@@ -29,33 +29,6 @@ class CommittedDeltas(Sink):
                           None if c is None else torch.where(delta.commit, c, torch.zeros_like(c)).tolist()))
 
 
-HOST_COUNT_PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [13, 14, 15, 16]]
-
-
-def host_counts_checked(model, cls, config, cache: str, recount, read_commits):
-    """Decode ``HOST_COUNT_PROMPTS`` (16 positions, padded batch of 3) with a subclass of ``cls`` that compares,
-    after every step's host read, the counts the strategy keeps on the host with ``recount(strategy, canvas)``;
-    returns ``[(read_commits(strategy, canvas, state_before), counts equal), ...]`` per host read."""
-    from dlm_engine.core.canvas import Canvas
-    from dlm_engine.core.loop import decode
-    from dlm_engine.core.registry import cache_class
-
-    checked = []
-
-    class Checked(cls):
-        def synced(self, canvas, st, values, delta):
-            used = read_commits(self, canvas, st)
-            out = super().synced(canvas, st, values, delta)
-            checked.append((used, out.counts == tuple(map(tuple, recount(self, canvas).tolist()))))
-            return out
-
-    canvas = Canvas.from_prompts(HOST_COUNT_PROMPTS, 16, int(model.config.mask_token_id), 0,
-                                 eos_id=int(model.config.eos_token_id))
-    with torch.inference_mode():
-        decode(model, canvas, Checked(config, 16), cache_class(cache)())
-    return checked
-
-
 class FakeConfig:
     """The config attributes the engine reads from a model."""
 

@@ -343,8 +343,8 @@ FINISH_CASES = CASES + [
 @pytest.mark.parametrize("name,cache,kw", FINISH_CASES,
                          ids=[f"{n}-{c}-{i}" for i, (n, c, _) in enumerate(FINISH_CASES)])
 def test_delta_finished_flags_exactly_the_rows_that_finish(tiny_llada, name, cache, kw):
-    """The fast paths that take finished rows from host mask counts (``dlm_engine.core.fast.counted_delta``, d2c's
-    frame) must agree with the canvas on a batch whose rows finish at different steps."""
+    """A delta's finished rows agree with the canvas on a batch whose rows finish at different steps (EOS stops
+    included)."""
     cls = strategy_class(name)
     if "stop_at_eos" in cls.Config.__dataclass_fields__:
         kw = dict(kw, stop_at_eos=True)

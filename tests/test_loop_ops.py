@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from dlm_engine.core.canvas import Canvas
-from dlm_engine.core.fast.mirror import HostMirror
 from dlm_engine.core.sampler import ALGS, sample_tokens
 from dlm_engine.core.selection import NEG_INF, column_range, top1, topk_commit, topk_rows
 
@@ -208,8 +207,8 @@ def test_reads_given_as_parts_are_read_in_order_in_one_cat():
     seen, ops = {}, []
     parts = Asks([torch.tensor([[1, 2], [3, 4]]), torch.tensor(True), torch.tensor([False, True])], seen, "next")
     with op_recorder(ops):
-        host, state = sync_round(canvas, mirror := HostMirror(2), parts, None, None)
-    assert host.finished == (False, True) == mirror.finished and state == "next"
+        host, state = sync_round(canvas, parts, None, None)
+    assert host.finished == (False, True) and state == "next"
     assert seen["values"] == [1, 2, 3, 4, 1, 0, 1] and all(type(v) is int for v in seen["values"])
     assert sum("cat" in op for op in ops) == 1
 
@@ -300,56 +299,6 @@ def test_a_delta_that_finishes_no_row_leaves_finished_alone():
     assert a.finished.tolist() == [False, True] and not a.no_rows().any()
 
 
-def test_finished_told_from_the_commit_counts_on_the_host():
-    """A delta whose ``finished`` is left to its commit counts (``FrameDelta.finished_counts``): applied by the loop
-    (``settle=False``) the device ``finished`` is untouched until ``sync_round`` reads the counts -- once, also where
-    the strategy asks for the same tensor -- and tells the rows on the host; applied elsewhere it is compared on the
-    device. Both give the finished rows a reduction over the canvas gives."""
-    from dlm_engine.core.canvas import FrameDelta
-    from dlm_engine.core.loop import sync_round
-
-    def make():
-        c = Canvas.from_prompts([[5, 6], [7], [8]], 3, 99, 0)
-        c.finished[2] = True
-        m = HostMirror(3)
-        m.finished = (False, False, True)      # the loop's host copy of c.finished
-        return c, m
-
-    commit = torch.tensor([[True, True, True], [True, False, False], [False, False, False]])
-    n = commit.sum(-1)
-    left = (3, 3, -1)
-
-    def delta(c):
-        return FrameDelta(step=1, nfe=1, start=c.gen_start, commit=commit, tokens=torch.full((3, 3), 4),
-                          active=c.every_row(), finished=None, finished_counts=(n, left))
-
-    seen, ops = {}, []
-    for parts, values in ((None, []), (n, [3, 1, 0]), ([torch.tensor([7]), n], [7, 3, 1, 0])):
-        (c, m), ops[:] = make(), []
-        d = delta(c)
-        with op_recorder(ops):
-            c.apply(d, settle=False)
-            assert c.finished.tolist() == [False, False, True] and d.finished is None
-            host, _ = sync_round(c, m, Asks(parts, seen), None, d)
-        assert host.finished == (True, False, True) and m.finished == (True, False, True)
-        assert c.finished.tolist() == [True, False, True] and d.finished.tolist() == [True, False, False]
-        assert seen["values"] == values and all(type(v) is int for v in values)
-        assert not any(".eq." in op for op in ops)        # told on the host: no comparison on the device
-        assert sum("cat" in op for op in ops) == (1 if isinstance(parts, list) else 0)
-    # nothing finishes: the shared no-rows tensor, and no `finished |=`
-    c, m = make()
-    d = FrameDelta(step=1, nfe=1, start=c.gen_start, commit=commit, tokens=torch.full((3, 3), 4),
-                   active=c.every_row(), finished=None, finished_counts=(n, (4, 3, -1)))
-    c.apply(d, settle=False)
-    host, _ = sync_round(c, m, Asks(None, seen), None, d)
-    assert d.finished is c.no_rows() and host.finished == (False, False, True)
-    # applied outside the loop: compared on the device, the same rows
-    c, _ = make()
-    d = delta(c)
-    c.apply(d)
-    assert d.finished.tolist() == [True, False, False] and c.finished.tolist() == [True, False, True]
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_the_health_values_read_with_counts_keep_them_exact_integers(dtype):
     """The first forward's health values (:func:`all_finite`) are read in the step's one ``cat`` with the finished
@@ -361,42 +310,11 @@ def test_the_health_values_read_with_counts_keep_them_exact_integers(dtype):
     seen = {}
     asks = Asks(torch.tensor([1025, 300, 2 ** 24 + 1]), seen)
     logits = torch.randn(2, 3, 7).to(dtype)
-    host, _ = sync_round(canvas, HostMirror(2), asks, None, None, all_finite(logits))
+    host, _ = sync_round(canvas, asks, None, None, all_finite(logits))
     assert not host.bad and seen["values"] == [1025, 300, 2 ** 24 + 1] and all(type(v) is int for v in seen["values"])
     logits[1, 2, 0] = float("nan")
-    host, _ = sync_round(canvas, HostMirror(2), asks, None, None, all_finite(logits))
+    host, _ = sync_round(canvas, asks, None, None, all_finite(logits))
     assert host.bad and seen["values"] == [1025, 300, 2 ** 24 + 1]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_step_counts_read_with_the_health_values_come_back_exact(dtype):
-    """The block strategies' usual read: the strategy asks for the very commit counts the loop tells the finished
-    rows from (``FrameDelta.finished_counts``). ``sync_round`` reads them alone, or in one ``cat`` with the first
-    forward's health values: exact ints either way (counts past float32's exact range included), the finished rows
-    told on the host, and a NaN row flagged."""
-    from dlm_engine.core.canvas import FrameDelta
-    from dlm_engine.core.loop import all_finite, sync_round
-
-    big = 2 ** 24 + 1
-    n = torch.tensor([big, 2])
-    seen, ops = {}, []
-    for nan in (None, False, True):
-        c = Canvas.from_prompts([[5, 6], [7]], 3, 99, 0)
-        d = FrameDelta(step=1, nfe=1, start=c.gen_start, commit=torch.ones(2, 3, dtype=torch.bool),
-                       tokens=torch.full((2, 3), 4), active=c.every_row(), finished=None,
-                       finished_counts=(n, (big, 3)))
-        logits = torch.randn(2, 3, 7).to(dtype)
-        if nan:
-            logits[1, 0, 2] = float("nan")
-        finite = None if nan is None else all_finite(logits)
-        ops[:] = []
-        with op_recorder(ops):
-            host, _ = sync_round(c, m := HostMirror(2), Asks(n, seen), None, d, finite)
-        assert seen["values"] == [big, 2] and all(type(v) is int for v in seen["values"])
-        assert host.values == [big, 2] and host.bad is bool(nan)
-        assert host.finished == (True, False) and m.finished == (True, False)
-        assert c.finished.tolist() == [True, False] and d.finished.tolist() == [True, False]
-        assert sum("cat" in op for op in ops) == (0 if nan is None else 1)
 
 
 @pytest.mark.parametrize("seed", range(6))

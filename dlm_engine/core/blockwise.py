@@ -52,17 +52,6 @@ def block_counts(canvas, block_length: int, masked: Optional[torch.Tensor] = Non
     return m.view(B, nb, block_length).sum(-1)
 
 
-def fresh_block_counts(canvas, block_length: int) -> list:
-    """What ``block_counts(canvas, block_length).reshape(-1).tolist()`` reads from a fresh canvas (every
-    generated position masked), made on the host."""
-    G = canvas.gen_length
-    return [min(block_length, G - b) for b in range(0, G, block_length)] * canvas.batch_size
-
-
-def counts_after(counts, block: int, committed):   # (transition: removed once no strategy keeps commit counts)
-    return tuple(row[:block] + (row[block] - int(n),) + row[block + 1:] for row, n in zip(counts, committed))
-
-
 def host_rows(values, batch: int) -> Tuple[Tuple[int, ...], ...]:
     """A flat host list of per-row numbers (row-major) as one tuple of ints per row."""
     n = len(values) // batch

@@ -8,7 +8,6 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from dlm_engine.core.devices import host_tensor
 
 Scalar = Union[int, float, bool, torch.Tensor]
 
@@ -84,7 +83,7 @@ class FrameDelta:
     commit: torch.Tensor                       # [B, W] bool
     tokens: torch.Tensor                       # [B, W] long, meaningful where commit
     active: torch.Tensor                       # [B] bool: rows that took part in this step
-    finished: Optional[torch.Tensor]           # [B] bool: rows finished after this step (None: see finished_counts)
+    finished: torch.Tensor                     # [B] bool: rows finished after this step
     confidence: Optional[torch.Tensor] = None  # [B, W] float (float32 or float64), confidence of the proposals
     remask: Optional[torch.Tensor] = None      # [B, W] bool
     block_events: List[BlockEvent] = field(default_factory=list)
@@ -93,33 +92,9 @@ class FrameDelta:
     # [B, W, V] the proposal's logits; set by the loop only when a sink has ``wants_logits = True``.
     # Sinks may keep references to a delta's tensors: nothing mutates them after the delta is emitted.
     logits: Optional[torch.Tensor] = None
-    # ``finished`` on the host, where the strategy knows it exactly (e.g. from commit counts it knows): the step
-    # loop then has nothing to read back for it (None: the loop reads ``canvas.finished``)
-    finished_host: Optional[Tuple[bool, ...]] = None
-    # ``finished`` still to be told from counts, with ``finished`` None: ``(counts, target)``, ``counts`` ``[B]`` or
-    # ``[B, k]`` integers on the device and ``target[b]`` a host number: row b finishes when its counts sum to it (-1:
-    # never, e.g. finished before). E.g. the step's commits per row against the masked positions the row had before
-    # the step, or the masked positions per row and block after it against 0. The step loop reads the counts in its
-    # one sync (once, when the strategy asks for the same tensor) and sets ``finished`` before any sink sees the
-    # delta, so that the step makes no comparison and no ``finished |=`` on the device; elsewhere
-    # :meth:`settle_finished` (which :meth:`Canvas.apply` calls) compares on the device
-    finished_counts: Optional[Tuple[torch.Tensor, Tuple[int, ...]]] = None
-    # True when ``finished`` was told from commit counts by the fast layer (:mod:`dlm_engine.core.fast`): the plain
-    # path (``decode(..., fast=False)``) recomputes it from the canvas with the plain rule
-    counted: bool = False
-
     @property
     def width(self) -> int:
         return int(self.commit.shape[1])
-
-    def settle_finished(self) -> torch.Tensor:
-        """``finished``, told on the device from ``finished_counts`` where it was left to them."""
-        if self.finished is None:
-            n, left = self.finished_counts
-            n = n if n.dim() == 1 else n.sum(-1)
-            same = all(v == left[0] for v in left)      # (a batch of one): a scalar, no host-made tensor
-            self.finished = n == (left[0] if same else host_tensor(left, n.dtype, n.device))
-        return self.finished
 
 
 class Canvas:
@@ -231,10 +206,8 @@ class Canvas:
         return self.cols(start, self.length if end is None else end)[1] < 0
 
     # -- update ------------------------------------------------------------------------------------
-    def apply(self, delta: FrameDelta, settle: bool = True) -> None:
-        """Apply ``delta``. ``settle=False`` (the step loop): a ``finished`` left to the commit counts
-        (``FrameDelta.finished_counts``) is left for the loop to tell on the host and apply
-        (:meth:`HostMirror.finish_rows <dlm_engine.core.fast.mirror.HostMirror.finish_rows>`)."""
+    def apply(self, delta: FrameDelta) -> None:
+        """Apply ``delta``."""
         s = delta.start
         tok, so = self.cols(s, s + delta.width)
         if delta.remask is not None:
@@ -244,8 +217,6 @@ class Canvas:
         torch.where(delta.commit, new, tok, out=tok)     # in place, one kernel
         so.masked_fill_(delta.commit, delta.step)
         fin = delta.finished
-        if fin is None and settle:
-            fin = delta.settle_finished()
         if fin is not None and fin is not self._no_rows:
             self.finished |= fin
         self.step = delta.step

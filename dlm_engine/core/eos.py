@@ -96,7 +96,7 @@ def stop_at_eos(canvas: Canvas, delta: FrameDelta, eos_id: int) -> FrameDelta:
     g, L = canvas.gen_start, canvas.length
     s, W = delta.start, delta.width
     lo = min(s, g)
-    finished = delta.settle_finished()
+    finished = delta.finished
     B = canvas.batch_size
     # the canvas after this delta, over columns [lo, L)
     commit = torch.zeros((B, L - lo), dtype=torch.bool, device=canvas.device)

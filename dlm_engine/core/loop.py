@@ -14,9 +14,8 @@ from dlm_engine.core.protocol import CallRequest, ForwardCall
 from dlm_engine.core.registry import cache_class
 from dlm_engine.core.rows import ActiveRows, call_rows, expand_proposal, full_batch, idle_proposal, recomputed_rows
 from dlm_engine.core import sampler
-from dlm_engine.core.fast import plain_finished, scored_window
+from dlm_engine.core.fast import scored_window
 from dlm_engine.core.fast.layer import plain_policy
-from dlm_engine.core.fast.mirror import HostMirror
 from dlm_engine.core.sampler import Proposal, propose
 from dlm_engine.core.strategy import StepPlan, Strategy
 from dlm_engine.errors import ConfigError, check_finite_logits
@@ -165,13 +164,7 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
     state = strategy.init_state(canvas)
     limit = max_steps if max_steps is not None else strategy.max_steps(canvas)
     active = ActiveRows(canvas, compact)
-    mirror = HostMirror(canvas.batch_size)      # the loop's host copy of the finished rows (core/fast/mirror.py)
-    mirror.attach(canvas)
-    try:
-        _steps(model, canvas, strategy, cache, sinks, state, limit, active, mirror, want_logits, want_recomputed,
-               all_conf, fast)
-    finally:
-        mirror.detach(canvas)
+    _steps(model, canvas, strategy, cache, sinks, state, limit, active, want_logits, want_recomputed, all_conf)
     cache.end(canvas)
     for s in sinks:
         s.on_end(canvas)
@@ -179,9 +172,9 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
 
 
 def _steps(model, canvas: Canvas, strategy: Strategy, cache, sinks, state, limit, active: ActiveRows,
-           mirror: HostMirror, want_logits: bool, want_recomputed: bool, all_conf: bool, fast: bool) -> None:
+           want_logits: bool, want_recomputed: bool, all_conf: bool) -> None:
     """The steps of :func:`decode`, from its first host read to the plan that ends it."""
-    host, state = sync_round(canvas, mirror, strategy, state, None)     # what the first plan reads
+    host, state = sync_round(canvas, strategy, state, None)     # what the first plan reads
     t0 = time.perf_counter()
     # (a caller already in inference mode -- decode_batch, the benchmarks -- costs no second enter and exit a decode)
     with contextlib.nullcontext() if torch.is_inference_mode_enabled() else torch.inference_mode():
@@ -213,18 +206,15 @@ def _steps(model, canvas: Canvas, strategy: Strategy, cache, sinks, state, limit
                 if rows is not None and plan.sample:
                     proposal = expand_proposal(proposal, rows, canvas)
             proposal.active, proposal.pads, proposal.all_confidences = active.mask, canvas.pads, all_conf
-            proposal.finished_host = mirror.finished     # (with rows a sink finished: Canvas.finished_host)
             delta, state = strategy.select(canvas, plan, proposal, state)
-            if not fast and delta.counted:     # the plain path: finished rows from the canvas, not from counts
-                plain_finished(canvas, delta)
             delta.wall_time = time.perf_counter() - t0
             if want_logits:
                 delta.logits = delta_logits(proposal, delta, rows, canvas)
             cache.after_step(canvas, delta, call)
             if want_recomputed:
                 delta.scalars["recomputed"] = recomputed_rows(canvas, call, rows)
-            canvas.apply(delta, settle=False)     # (finished_counts: told in sync_round)
-            host, state = sync_round(canvas, mirror, strategy, state, delta, finite, fast)
+            canvas.apply(delta)
+            host, state = sync_round(canvas, strategy, state, delta, finite)
             if host.bad:
                 check_finite_logits(logits)             # describes the problem and raises
             for s in sinks:
@@ -241,64 +231,24 @@ class HostView:
         self.finished, self.values, self.bad = finished, values, bad
 
 
-def sync_round(canvas: Canvas, mirror: HostMirror, strategy: Strategy, state, delta: Optional[FrameDelta],
-               finite: Optional[torch.Tensor] = None, fast: bool = True):
-    """The one host read of a step: finished rows, the first forward's health (``finite``, see
-    :func:`all_finite`) and the strategy's request; returns ``(HostView, state after Strategy.synced)`` and keeps
-    the finished rows in ``mirror``. A step
-    whose delta says on the host which rows it finished (``FrameDelta.finished_host``), with nothing else to read,
-    reads nothing (``fast=False``: it reads them)."""
+def sync_round(canvas: Canvas, strategy: Strategy, state, delta: Optional[FrameDelta],
+               finite: Optional[torch.Tensor] = None):
+    """The one host read of a step: the finished rows, the first forward's health (``finite``, see
+    :func:`all_finite`) and what the strategy's next plan reads (:meth:`Strategy.reads`), in one transfer; returns
+    ``(HostView, the state after Strategy.settle)``."""
     req = strategy.reads(canvas, state)
-    counts = None
-    if delta is not None:
-        known = delta.finished_host
-        if fast and known is not None and finite is None and req is None:    # nothing to read: the host knows it all
-            fin = mirror.add(known)
-            return HostView(fin, [], False), strategy.settle(canvas, state, [], delta)
-        # the finished rows: read, or told on the host from the step's commit counts (FrameDelta.finished_counts)
-        if delta.finished is None:
-            counts = delta.finished_counts[0]
-            if req is counts and counts.dim() == 1 and not counts.is_floating_point():
-                # the common case (the block strategies): the strategy asks for the very counts the loop tells the
-                # finished rows from, one number per row: read them (with the first step's health values) as they are
-                if finite is None:
-                    values, bad = counts.tolist(), False
-                else:                       # (the cat is float: the counts come back as exact floats)
-                    flat = torch.cat((counts, finite)).tolist()
-                    B = counts.shape[0]
-                    values, bad = [int(v) for v in flat[:B]], not healthy(flat[B:])
-                fin = mirror.finish_rows(canvas, delta, values)
-                return HostView(fin, values, bad), strategy.settle(canvas, state, values, delta)
-    parts = [canvas.finished if counts is None else counts if counts.dim() == 1 else counts.reshape(-1)]
+    parts = [canvas.finished]
     if finite is not None:
         parts.append(finite)
     asked = () if req is None else req if isinstance(req, (tuple, list)) else (req,)
-    for t in asked:       # a tensor or a sequence of them, read in order (one cat for the loop's and the strategy's)
-        if t is not counts:
-            parts.append(t if t.dim() == 1 else t.reshape(-1))
+    parts.extend(t if t.dim() == 1 else t.reshape(-1) for t in asked)   # (any shape, flattened, read in order)
     flat = torch.cat(parts).tolist() if len(parts) > 1 else parts[0].tolist()   # cat promotes to one dtype
     B = canvas.batch_size
-    head = B if counts is None else counts.numel()
     n_flag = 0 if finite is None else int(finite.shape[0])
-    rest = flat[head + n_flag:]
-    if counts is None:
-        fin = tuple(bool(v) for v in flat[:B])
-    else:
-        fin = mirror.finish_rows(canvas, delta, flat[:head])
-        if any(t is counts for t in asked):         # the strategy's values, its counts where it asked for them
-            values, i = [], 0
-            for t in asked:
-                if t is counts:
-                    values.extend(flat[:head])
-                else:
-                    k = t.numel()
-                    values.extend(rest[i:i + k])
-                    i += k
-            rest = values
+    rest = flat[B + n_flag:]
     if finite is not None and not any(p.is_floating_point() for p in parts if p is not finite):
         rest = [int(v) for v in rest]       # (the health values made the cat float: the rest were integers)
-    host = HostView(fin, rest, finite is not None and not healthy(flat[head:head + n_flag]))
-    mirror.finished = fin
+    host = HostView(tuple(bool(v) for v in flat[:B]), rest, finite is not None and not healthy(flat[B:B + n_flag]))
     return host, strategy.settle(canvas, state, host.values, delta)
 
 

@@ -46,9 +46,6 @@ class Proposal:
     aux_logits: Optional[torch.Tensor] = None   # plans with auxiliary columns: their logits [B_call, W_aux, V]
     active: Optional[torch.Tensor] = None       # [B] bool: the rows that took part in the call (set by the loop)
     pads: Tuple[int, ...] = ()                  # per row: left-padding columns of the canvas (set by the loop)
-    # per row: finished before this step, as the loop's host mirror knows it (set by the loop; None, outside the loop:
-    # no row -- read it with dlm_engine.core.fast.mirror.finished_before)
-    finished_host: Optional[Tuple[bool, ...]] = None
     # set by the loop: something downstream (a cache's ``after_step``, ``Cache.reads_confidence``) reads the
     # step's confidence at every window position, so none may be left out (StepPlan.masked is then ignored)
     all_confidences: bool = False

@@ -129,18 +129,12 @@ class Strategy:
         step and hands the numbers to :meth:`settle` (``cat`` promotes: with an int part, flags read as 0/1; with a
         float part, every value is a float; on the first forward's step the loop's health values are float, and it
         hands back ints for a request that had no float part). None = nothing to read."""
-        return self.sync_request(canvas, state)     # (transition: the old protocol's name)
+        return None
 
     def settle(self, canvas: Canvas, state: Any, values: List[float], delta: Optional[FrameDelta]) -> Any:
         """The state once the host knows ``values`` (what :meth:`reads` asked for, flattened). ``delta`` is the
         step's delta before the sinks see it (None for the read before the first step): a strategy may add block
         events it decides here (a block the step filled)."""
-        return self.synced(canvas, state, values, delta)     # (transition: the old protocol's name)
-
-    def sync_request(self, canvas, state):   # (transition)
-        return None
-
-    def synced(self, canvas, state, values, delta):   # (transition)
         return state
 
     def max_steps(self, canvas: Canvas) -> int:
@@ -195,8 +189,7 @@ class Strategy:
         """A delta over the proposal's window committing ``commit`` (and re-masking ``remask``, applied first) with
         the proposal's tokens and confidences (or ``tokens``, ``confidence``), for the rows of the call. Unless
         given, ``finished`` marks the rows that have no masked generated position left once the delta is applied
-        (and were not finished before). (:func:`dlm_engine.core.fast.counted_delta` tells the same rows from
-        commit counts, for a strategy that opted into the fast layer.)"""
+        (and were not finished before)."""
         if finished is None:       # ~left & ~finished, as one reduction and two in-place ops
             finished = masked_after(canvas, proposal.start, commit, remask).any(dim=-1).logical_or_(
                 canvas.finished).logical_not_()
@@ -204,12 +197,11 @@ class Strategy:
                      events=events, scalars=scalars)
 
 
-def frame(canvas: Canvas, proposal: Proposal, commit: torch.Tensor, finished: Optional[torch.Tensor], *,
+def frame(canvas: Canvas, proposal: Proposal, commit: torch.Tensor, finished: torch.Tensor, *,
           confidence: Optional[torch.Tensor] = None, tokens: Optional[torch.Tensor] = None,
           remask: Optional[torch.Tensor] = None, events: Optional[List[BlockEvent]] = None,
           scalars: Optional[dict] = None) -> FrameDelta:
-    """The :class:`FrameDelta` of :meth:`Strategy.delta` with ``finished`` as given (None: left to the fast layer's
-    counts, ``FrameDelta.finished_counts``)."""
+    """The :class:`FrameDelta` of :meth:`Strategy.delta` with ``finished`` as given."""
     active = proposal.active if proposal.active is not None else ~canvas.finished
     conf = proposal.confidence if confidence is None else confidence   # (float64 or float32: sinks cast)
     return FrameDelta(

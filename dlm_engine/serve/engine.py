@@ -27,7 +27,6 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 import torch
 
-from dlm_engine.core.fast.mirror import live_mirror
 from dlm_engine.core.loop import Sink
 
 log = logging.getLogger("dlm_engine.serve")
@@ -166,11 +165,9 @@ class ServeSink(Sink):
         self.freed.update(new)
         if len(self.freed) == len(self.requests):
             raise _BatchCancelled()
-        # the rows count as finished from here: the step loop leaves them out of the next forwards
+        # the rows count as finished from here: the step loop reads them at its next read and leaves them out of
+        # the forwards after it
         canvas.finished[torch.as_tensor(new, device=canvas.device)] = True
-        mirror = live_mirror(canvas)            # the loop's host copy of the finished rows: told the same
-        if mirror is not None:
-            mirror.add([i in self.freed for i in range(len(self.requests))])
         self.engine.metrics.freed_rows(len(new))
 
 

@@ -1,20 +1,17 @@
-"""The opt-in fast layer: shortcuts a strategy may take on top of its plain rule, each checked against the plain
-path (``decode(..., fast=False)``; tests/test_plain_fast.py decodes every strategy with every cache it pairs with
-both ways and compares the deltas).
+"""The opt-in fast layer: shortcuts that change no result, apart from the plain rules, each checked against the
+plain path (``decode(..., fast=False)``; tests/test_plain_fast.py decodes every strategy with every cache it pairs
+with both ways and compares the deltas step by step).
 
-What lives here changes no result, only how much the step loop does on the device and reads back: a delta whose
-finished rows are told from commit counts the host knows or reads in its one sync (:func:`counted_delta`,
-:func:`pending_delta`) instead of a reduction over the canvas; confidences at a plan's masked positions only
-(:func:`scored_window`, for a plan that sets ``StepPlan.masked``); the loop's host mirror of the canvas
-(:mod:`dlm_engine.core.fast.mirror`: the finished rows as of its last read, handed to ``select`` as
-``Proposal.finished_host``, and whether a canvas is still fresh, so that the first read is made on the host). A
-strategy that does not call these gets the plain behaviour of :meth:`dlm_engine.core.strategy.Strategy.delta`. Under
-``fast=False`` the loop recomputes such a delta's finished rows with the plain rule (:func:`plain_finished`), so any
-disagreement shows as a different delta.
+* :mod:`~dlm_engine.core.fast.layer`: :class:`FastLayer`, the base of a strategy's fast mixins (listed before its
+  policy class; each override first asks ``fast_on``), and :func:`plain_policy`, the copy with them off.
+* :mod:`~dlm_engine.core.fast.block_scored`: d2c's mixins that sample only the positions its rule reads (the
+  block's candidates; KLASS from the block's first column on) instead of every generated position.
+* :mod:`~dlm_engine.core.fast.scored`: the loop's confidences at a plan's masked positions only
+  (``StepPlan.masked``) instead of the whole window.
+
+What a shortcut saves is measured with ``experiments/bench_overhead.py --model d256`` with and without ``--plain``.
 """
-from dlm_engine.core.fast.mirror import HostMirror, finished_before
-from dlm_engine.core.fast.finished import counted_delta, host_finished, pending_delta, plain_finished
+from dlm_engine.core.fast.layer import FastLayer, plain_policy
 from dlm_engine.core.fast.scored import scored_window
 
-__all__ = ["HostMirror", "counted_delta", "finished_before", "host_finished", "pending_delta",
-           "plain_finished", "scored_window"]
+__all__ = ["FastLayer", "plain_policy", "scored_window"]
