@@ -126,16 +126,14 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
     a step the strategy schedules after every row finished still runs one (discarded) forward, so
     ``canvas.nfe`` always equals the number of model calls.
 
-    Host synchronisation: once per step, after the delta is applied, the loop reads the finished rows and
-    whatever the strategy asks for (:meth:`Strategy.sync_request`) in a single transfer and hands the values
-    to :meth:`Strategy.synced` before the sinks see the delta. Plans decide on those host values alone.
+    Host synchronisation: once per step, after the delta is applied, the loop reads the finished rows and what the
+    strategy's next plan must know (:meth:`Strategy.reads`) in a single transfer and hands the values to
+    :meth:`Strategy.settle` before the sinks see the delta. Plans decide on those host values alone.
 
-    ``fast=False`` runs the plain path: the loop takes none of the fast paths a plan or a delta offers --
-    confidences at every position (``StepPlan.masked`` ignored, and ``Proposal.all_confidences`` set, as under a
-    cache that reads every confidence), no host-made read before the first step (:meth:`Strategy.fresh_values`),
-    finished rows a delta told from commit counts (:mod:`dlm_engine.core.fast`) recomputed from the canvas with the
-    plain rule, and finished rows read from the device rather than taken from ``FrameDelta.finished_host``. It
-    makes the same deltas (tests/test_plain_fast.py), with more work on the device and more host reads.
+    ``fast=False`` runs the plain path (:mod:`dlm_engine.core.fast`): the strategy with its fast mixins off
+    (:func:`~dlm_engine.core.fast.layer.plain_policy`), and confidences at every position (``StepPlan.masked``
+    ignored, and ``Proposal.all_confidences`` set, as under a cache that reads every confidence). It makes the same
+    deltas (tests/test_plain_fast.py), with more work on the device.
     """
     if not fast:
         strategy = plain_policy(strategy)
