@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 
 from dlm_engine.core.fast.block_scored import BlockScored
 from dlm_engine.core.registry import register_strategy

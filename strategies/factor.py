@@ -36,7 +36,5 @@ class Factor(FillBlocks):
             plan = dataclasses.replace(plan, data=FillPlan(None))
         return super().select(canvas, plan, proposal, st)
 
-    rule_within_candidates = True       # factor_commit ends with ``& cand``
-
-    def rule(self, conf, cand, cur, span=None, counts=None, exact_counts=False):
+    def rule(self, conf, cand, cur, span=None, counts=None):
         return factor_commit(conf, cand, float(self.cfg.factor), span, counts)

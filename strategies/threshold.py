@@ -25,7 +25,5 @@ class Threshold(FillBlocks):
         super().validate()
         self.check_threshold("threshold", self.cfg.threshold)      # a probability: (0, 1]
 
-    rule_within_candidates = True       # threshold_commit ends with ``& cand``
-
-    def rule(self, conf, cand, cur, span=None, counts=None, exact_counts=False):
-        return threshold_commit(conf, cand, float(self.cfg.threshold), span, counts, candidates_only=exact_counts)
+    def rule(self, conf, cand, cur, span=None, counts=None):
+        return threshold_commit(conf, cand, float(self.cfg.threshold), span, counts)

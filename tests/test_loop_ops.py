@@ -173,14 +173,13 @@ def test_debias_with_precomputed_weights_is_the_reference_formula(dtype, alpha):
 
 
 @pytest.mark.parametrize("name", ["threshold", "factor"])
-def test_rules_that_skip_the_candidate_intersection_keep_to_the_candidates(name):
-    """``FillBlocks.rule_within_candidates``: select trusts these rules not to return a non-candidate."""
+def test_block_rules_commit_candidates_only(name):
+    """``FillBlocks.rule`` returns candidates only, whatever the scores (ties, ``-inf``) and the host counts."""
     from dlm_engine.core.blockwise import BlockCursor
     from dlm_engine.core.registry import load_plugins, strategy_class
 
     load_plugins()
     cls = strategy_class(name)
-    assert cls.rule_within_candidates
     kw = {"threshold": 0.5} if name == "threshold" else {"factor": 1.0}
     strat = cls(cls.Config(**kw), 12)
     g = torch.Generator().manual_seed(7)
@@ -252,27 +251,6 @@ def test_density_floor_bounds_every_density_and_says_when_one_can_be_zero(L, sig
     assert dens.positive == (density_floor(L, sigma) > 1e-30)
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_topk_commit_shortcuts_give_the_same_commits(seed):
-    """``candidates_only`` (every row has >= k candidates, none at -inf) leaves out the ``& cand`` and ``masked=False``
-    (scores already -inf off the candidates) the masking: the same commits, with and without a reference row."""
-    from dlm_engine.core.selection import topk_commit
-
-    g = torch.Generator().manual_seed(seed)
-    B, W = 3, 12
-    cand = torch.rand(B, W, generator=g) < 0.6
-    cand[:, 0] = True
-    conf = torch.rand(B, W, generator=g).round(decimals=1)          # exact ties
-    left = cand.sum(-1).tolist()
-    k = [max(1, n // 2) for n in left]
-    placed = conf.masked_fill(~cand, float("-inf"))
-    for span in (None, (2, W + 5)):
-        want = topk_commit(conf, cand, k, span)
-        assert torch.equal(topk_commit(conf, cand, k, span, candidates_only=True), want)
-        assert torch.equal(topk_commit(placed, cand, k, span, candidates_only=True, masked=False), want)
-        assert torch.equal(want.sum(-1), torch.tensor(k))
-
-
 def test_masked_order_is_the_row_major_order_of_the_mask():
     from dlm_engine.core.selection import masked_order
 
@@ -315,27 +293,6 @@ def test_the_health_values_read_with_counts_keep_them_exact_integers(dtype):
     logits[1, 2, 0] = float("nan")
     host, _ = sync_round(canvas, asks, None, None, all_finite(logits))
     assert host.bad and seen["values"] == [1025, 300, 2 ** 24 + 1]
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_threshold_commit_without_the_candidate_intersection_commits_the_same(seed):
-    """``threshold_commit(candidates_only=True)`` (the host counts are exactly the candidates, none scores -inf)
-    tests the threshold on the ranking row and leaves out the ``& cand``: the same commits as the full form, exact
-    ties and a reference row wider than the window included, and never a non-candidate."""
-    from dlm_engine.core.selection import threshold_commit
-
-    g = torch.Generator().manual_seed(seed)
-    B, W = 3, 12
-    conf = (torch.randint(0, 6, (B, W), generator=g).double() / 5)       # ties, and values on the threshold
-    cand = torch.rand(B, W, generator=g) < 0.6
-    cand[:, 0] = True
-    counts = cand.sum(-1).tolist()
-    with torch.inference_mode():
-        for span in (None, (4, W + 9)):
-            for tau in (0.6, 0.999):
-                full = threshold_commit(conf, cand, tau, span, counts)
-                fast = threshold_commit(conf, cand, tau, span, counts, candidates_only=True)
-                assert torch.equal(full, fast) and not (fast & ~cand).any() and fast.any(-1).all()
 
 
 @pytest.mark.parametrize("G, bl", [(5, 8), (16, 32), (16, 16), (13, 4), (12, 4), (20, 6)])

@@ -1,10 +1,10 @@
-"""``sampler.row_max``: the vocabulary-wide max/argmax taken by chunks on a CPU (torch's max-with-index reduction
+"""``core/fast/row_max.py: row_max``: the vocabulary-wide max/argmax taken by chunks on a CPU (torch's max-with-index reduction
 runs element by element there). It must return torch's own values and indices bit for bit -- first maximum among
 ties, first NaN, infinities -- and decodes that take it must make the very tokens of decodes that do not."""
 import pytest
 import torch
 
-import dlm_engine.core.sampler as sampler
+import dlm_engine.core.fast.row_max as sampler      # (the module of row_max and its chunk constants)
 from dlm_engine.core.canvas import Canvas
 from dlm_engine.core.loop import decode
 from dlm_engine.core.registry import cache_class, strategy_class
@@ -108,7 +108,7 @@ CASES = [
 ]
 
 
-def run(model, name, kw):
+def run(model, name, kw, fast=True):
     cls = strategy_class(name)
     strategy = cls(cls.Config(**kw), 16)
     prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16]][:cls.max_batch or 3]
@@ -116,7 +116,7 @@ def run(model, name, kw):
                                  eos_id=int(model.config.eos_token_id))
     sink = CommittedDeltas()
     torch.manual_seed(0)
-    decode(model, canvas, strategy, cache_class("none")(), sinks=[sink])
+    decode(model, canvas, strategy, cache_class("none")(), sinks=[sink], fast=fast)
     return canvas.tokens.tolist(), canvas.step_of.tolist(), canvas.nfe, sink.seen
 
 
@@ -128,6 +128,17 @@ def test_decodes_by_chunks_make_the_same_tokens(tiny_llada, monkeypatch, name, k
     calls = count_chunked(monkeypatch, 16)
     assert run(tiny_llada, name, kw) == plain
     assert calls, "the decode never took the chunked path"
+
+
+def test_the_plain_path_takes_torchs_own_maximum(tiny_llada, monkeypatch):
+    """The chunked maximum is a fast-layer shortcut: ``decode(..., fast=False)`` never takes it (and makes the same
+    tokens), even where its limits would."""
+    fast = run(tiny_llada, "threshold", {"block_length": 8, "threshold": 0.7})
+    calls = count_chunked(monkeypatch, 16)
+    assert run(tiny_llada, "threshold", {"block_length": 8, "threshold": 0.7}, fast=False) == fast
+    assert not calls
+    run(tiny_llada, "threshold", {"block_length": 8, "threshold": 0.7})
+    assert calls                                    # (the fast path does, with the same limits)
 
 
 @pytest.mark.parametrize("kw", [{}, {"alg": "topk_margin"}, {"alg": "entropy", "top_k": 5}])

@@ -10,14 +10,13 @@ options of :class:`dlm_engine.core.eos.EosOptions` (``logits_eos_inf``, ``confid
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
 from dlm_engine.core.canvas import BlockEvent
 from dlm_engine.core.capabilities import Cap, caps
-from dlm_engine.core.eos import (EosOptions, check_eos_options, eos_confidence, eos_stop, eos_suppress,
-                                 no_candidate_scores_neg_inf)
+from dlm_engine.core.eos import EosOptions, check_eos_options, eos_confidence, eos_stop, eos_suppress
 from dlm_engine.core.confidence import Remasking, ranking
 from dlm_engine.core.strategy import (BlockCursor, CacheDirective, StepPlan, Strategy, block_range,
                                       candidates)
@@ -77,10 +76,6 @@ class FillBlocks(Strategy):
 
     offers = caps(Cap.BLOCKS)
     needs = caps()
-    # True when :meth:`rule` never returns a non-candidate (its own last op intersects with ``cand``): select then
-    # takes the rule's commits as they are instead of intersecting once more (one op a step)
-    rule_within_candidates: ClassVar[bool] = False
-
     def validate(self) -> None:
         c = self.cfg
         self.block_length = self.block_length_or_gen(c.block_length)
@@ -89,13 +84,10 @@ class FillBlocks(Strategy):
             self.check_steps_per_block(int(c.steps), self.num_blocks)
         self.check_non_negative("temperature", c.temperature)
 
-    def rule(self, conf: torch.Tensor, cand: torch.Tensor, cur: BlockCursor, span=None, counts=None,
-             exact_counts: bool = False) -> torch.Tensor:
-        """Which candidates to commit this step (``[B, W]`` bool; :meth:`select` keeps only its candidates, unless
-        ``rule_within_candidates`` says the rule did); ``span`` is the row the
+    def rule(self, conf: torch.Tensor, cand: torch.Tensor, cur: BlockCursor, span=None, counts=None) -> torch.Tensor:
+        """Which candidates to commit this step (``[B, W]`` bool, candidates only); ``span`` is the row the
         reference ranks in (``Proposal.row_span``: exact ties break as its ``torch.topk`` does), ``counts`` the
-        block's masked positions per row, known on the host. ``exact_counts``: ``counts`` are exactly the candidates
-        per row and no candidate scores ``-inf`` (so a row's best ranked column is a candidate)."""
+        block's masked positions per row, known on the host (None: unknown)."""
         raise NotImplementedError
 
     def init_state(self, canvas):
@@ -129,12 +121,7 @@ class FillBlocks(Strategy):
         cur = st.cursor
         cand = candidates(canvas, proposal, e)
         conf = eos_confidence(self.cfg, canvas, plan, proposal)
-        # every masked position of the block is a candidate (all columns computed) and none scores -inf (that takes
-        # the EOS/EOT ranking quirk): the host counts are the candidates
-        exact = no_candidate_scores_neg_inf(self.cfg, plan, proposal)
-        commit = self.rule(conf, cand, cur, proposal.row_span, plan.data.counts, exact_counts=exact)
-        if not self.rule_within_candidates:
-            commit = commit & cand
+        commit = self.rule(conf, cand, cur, proposal.row_span, plan.data.counts)
         n = commit.sum(-1)
         delta = eos_stop(self.cfg, canvas, self.delta(canvas, proposal, commit, confidence=conf))
         delta.block_events = [BlockEvent("opened", cur.block, s, e)] if cur.step == 0 else []

@@ -59,13 +59,6 @@ def eos_confidence(cfg, canvas: Canvas, plan, proposal) -> torch.Tensor:
     return proposal.confidence
 
 
-def no_candidate_scores_neg_inf(cfg, plan, proposal) -> bool:
-    """Whether no candidate of the step can score ``-inf`` (the confidences :func:`eos_confidence` gives): every
-    column computed, and no ``confidence_eos_eot_inf`` ranking (random ranking ignores it). Then a rule that
-    commits a row's top candidates commits masked positions only, as many as the host asked for."""
-    return proposal.valid is None and not (cfg.confidence_eos_eot_inf and plan.confidence != "random")
-
-
 def eos_stop(cfg, canvas: Canvas, delta: FrameDelta) -> FrameDelta:
     """``stop_at_eos``: :func:`stop_at_eos` when enabled, else ``delta`` unchanged."""
     return stop_at_eos(canvas, delta, canvas.eos_id) if cfg.stop_at_eos else delta

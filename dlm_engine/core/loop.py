@@ -14,8 +14,8 @@ from dlm_engine.core.protocol import CallRequest, ForwardCall
 from dlm_engine.core.registry import cache_class
 from dlm_engine.core.rows import ActiveRows, call_rows, expand_proposal, full_batch, idle_proposal, recomputed_rows
 from dlm_engine.core import sampler
-from dlm_engine.core.fast import scored_window
-from dlm_engine.core.fast.layer import plain_policy
+from dlm_engine.core.fast.layer import fast_paths, plain_policy
+from dlm_engine.core.fast.scored import scored_window
 from dlm_engine.core.sampler import Proposal, propose
 from dlm_engine.core.strategy import StepPlan, Strategy
 from dlm_engine.errors import ConfigError, check_finite_logits
@@ -131,9 +131,10 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
     :meth:`Strategy.settle` before the sinks see the delta. Plans decide on those host values alone.
 
     ``fast=False`` runs the plain path (:mod:`dlm_engine.core.fast`): the strategy with its fast mixins off
-    (:func:`~dlm_engine.core.fast.layer.plain_policy`), and confidences at every position (``StepPlan.masked``
-    ignored, and ``Proposal.all_confidences`` set, as under a cache that reads every confidence). It makes the same
-    deltas (tests/test_plain_fast.py), with more work on the device.
+    (:func:`~dlm_engine.core.fast.layer.plain_policy`), confidences at every position (``StepPlan.masked``
+    ignored, and ``Proposal.all_confidences`` set, as under a cache that reads every confidence) and torch's own
+    vocabulary maximum (:mod:`dlm_engine.core.fast.row_max`). It makes the same deltas (tests/test_plain_fast.py),
+    with more work on the device.
     """
     if not fast:
         strategy = plain_policy(strategy)
@@ -162,7 +163,8 @@ def decode(model, canvas: Canvas, strategy: Strategy, cache=None, sinks: Iterabl
     state = strategy.init_state(canvas)
     limit = max_steps if max_steps is not None else strategy.max_steps(canvas)
     active = ActiveRows(canvas, compact)
-    _steps(model, canvas, strategy, cache, sinks, state, limit, active, want_logits, want_recomputed, all_conf)
+    with fast_paths(fast):
+        _steps(model, canvas, strategy, cache, sinks, state, limit, active, want_logits, want_recomputed, all_conf)
     cache.end(canvas)
     for s in sinks:
         s.on_end(canvas)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import struct
-import threading
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -46,66 +45,26 @@ def masked_conf(conf: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
     return torch.where(cand, conf, NEG_INF)        # one kernel (masked_fill(~cand) is two)
 
 
-def ranked_row(conf: torch.Tensor, cand: torch.Tensor, span: Optional[Tuple],
-               masked: bool = True) -> Tuple[torch.Tensor, int]:
+def ranked_row(conf: torch.Tensor, cand: torch.Tensor, span: Optional[Tuple]) -> Tuple[torch.Tensor, int]:
     """``(row, offset)``: the candidates' scores (``-inf`` elsewhere) placed at ``offset`` of a ``-inf`` row of
     ``width`` (``span = (offset, width[, lead])``): the row a reference ranks in, so that exactly tied scores
     break the way its ``torch.topk`` breaks them (``topk`` on equal values depends on the row's length and on
     ``k``). ``lead`` (per row, on the host): the row's first columns that are left padding of a batch; each row
-    is ranked without them, as in a batch of one (see :func:`row_lead`). ``masked=False``: ``conf`` is already
-    ``-inf`` at every non-candidate (no operation to make it so)."""
-    return _ranked(conf, cand, span, masked)[:2]
-
-
-def _ranked(conf: torch.Tensor, cand: torch.Tensor, span: Optional[Tuple], masked: bool = True):
-    """:func:`ranked_row` and the row's window columns ``row[:, offset:offset + W]`` where they exist without an
-    operation (the row itself, or the kept row's view), else None."""
+    is ranked without them, as in a batch of one (see :func:`row_lead`)."""
+    row = masked_conf(conf, cand)
     if span is None or (span[0] == 0 and span[1] == conf.shape[1]):
-        row = masked_conf(conf, cand) if masked else conf
-        return row, 0, row
+        return row, 0
     off, width = span[0], span[1]
-    if not masked:      # the window's scores, -inf padded to the row (one kernel)
-        return torch.nn.functional.pad(conf, (off, width - off - conf.shape[1]), value=NEG_INF), off, None
-    # the candidates' scores written into the window's columns of a kept -inf row (one kernel, not a where and a
-    # pad): the row is the caller's until its next ranking, which every caller finishes before it returns
-    row, view, neg_inf = _ranking_row(conf.shape[0], width, off, conf.shape[1], conf.dtype, conf.device)
-    torch.where(cand, conf, neg_inf, out=view)
-    return row, off, view
+    return torch.nn.functional.pad(row, (off, width - off - conf.shape[1]), value=NEG_INF), off
 
 
-_rows = threading.local()
-
-
-def _ranking_row(B: int, width: int, off: int, W: int, dtype: torch.dtype, device: torch.device):
-    """``(row, row[:, off:off + W], -inf)``: a ``[B, width]`` row that is ``-inf`` outside those columns, one per shape,
-    window, dtype and device (and thread: decodes on several threads do not share one). Only the window's columns
-    are ever written, so the others stay ``-inf``. (``torch.where`` with ``out`` takes tensors only: the third is a
-    0-dim ``-inf`` of the row's dtype.)"""
-    cache = getattr(_rows, "cache", None)
-    if cache is None:
-        cache = _rows.cache = {}
-    key = (B, width, off, W, dtype, device, torch.is_inference_mode_enabled())
-    hit = cache.get(key)
-    if hit is None:
-        if len(cache) >= 64:            # (windows that keep moving: keep it small)
-            cache.clear()
-        row = torch.full((B, width), NEG_INF, dtype=dtype, device=device)
-        hit = cache[key] = (row, row[:, off:off + W], torch.full((), NEG_INF, dtype=dtype, device=device))
-    return hit
-
-
-def topk_commit(conf: torch.Tensor, cand: torch.Tensor, k, span: Optional[Tuple[int, int]] = None,
-                candidates_only: bool = False, masked: bool = True) -> torch.Tensor:
+def topk_commit(conf: torch.Tensor, cand: torch.Tensor, k, span: Optional[Tuple[int, int]] = None) -> torch.Tensor:
     """Commit the ``k[b]`` most confident candidates of each row (never a non-candidate). With ``k`` a host
     sequence of ints they are chosen as ``torch.topk(row, k[b])`` chooses them in the reference's row (``span``,
     see :func:`ranked_row`); with a device tensor (a data-dependent count) by a stable sort, without a host read
-    (exact ties then break towards the lower position). ``candidates_only``: the caller knows that every row has at
-    least ``k[b]`` candidates and that none of them scores ``-inf``; the picks are then candidates (everything else
-    in the row is ``-inf``) and the intersection with ``cand`` is left out (one operation). ``masked=False``:
-    ``conf`` is already ``-inf`` at every non-candidate (see :func:`ranked_row`)."""
-    row, off = ranked_row(conf, cand, span, masked)
-    picks = topk_rows(row, k, lead=row_lead(span), cols=(off, off + conf.shape[1]))
-    return picks if candidates_only else picks & cand
+    (exact ties then break towards the lower position)."""
+    row, off = ranked_row(conf, cand, span)
+    return topk_rows(row, k, lead=row_lead(span), cols=(off, off + conf.shape[1])) & cand
 
 
 def row_lead(span: Optional[Tuple]) -> Optional[Sequence[int]]:
@@ -122,11 +81,11 @@ def top1(conf: torch.Tensor, cand: torch.Tensor, span: Optional[Tuple[int, int]]
 
 
 def _top1_columns(conf: torch.Tensor, cand: torch.Tensor, span: Optional[Tuple[int, int]] = None,
-                  counts: Optional[Sequence[int]] = None, ranked: Optional[Tuple[torch.Tensor, int]] = None) -> torch.Tensor:
+                  counts: Optional[Sequence[int]] = None) -> torch.Tensor:
     """:func:`top1` before its ``& cand`` (a row whose candidates all score ``-inf`` may pick another column): for
-    callers that intersect with ``cand`` anyway. ``ranked``: :func:`ranked_row`'s result, when the caller has it."""
+    callers that intersect with ``cand`` anyway."""
     W = conf.shape[1]
-    row, off = ranked_row(conf, cand, span) if ranked is None else ranked
+    row, off = ranked_row(conf, cand, span)
     # the window's columns (as row positions) that are each row's pick: one comparison, not a scattered full row
     # that is then cut to the window
     if counts is None:
@@ -161,17 +120,11 @@ def _groups(values: Sequence, device) -> List[Tuple[object, torch.Tensor]]:
 
 
 def threshold_commit(conf: torch.Tensor, cand: torch.Tensor, tau, span: Optional[Tuple[int, int]] = None,
-                     counts: Optional[Sequence[int]] = None, candidates_only: bool = False) -> torch.Tensor:
+                     counts: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Fast-dLLM: the top-1 candidate always, plus every candidate with ``conf >= tau`` (ties commit).
 
     ``tau`` is a float or a per-row tensor ``[B]``; ``counts``: candidates per row on the host (see :func:`top1`).
-    ``candidates_only``: ``counts`` are exactly the candidates of each row and none of them scores ``-inf``: the
-    top-1 is then a candidate, and the threshold is tested on the ranking row's window (``-inf`` off the
-    candidates), so that nothing needs intersecting with ``cand`` (one operation fewer).
     """
-    if candidates_only and counts is not None and not torch.is_tensor(tau):
-        row, off, view = _ranked(conf, cand, span)     # (masked: the view always exists)
-        return (view >= tau).logical_or_(_top1_columns(conf, cand, span, counts, ranked=(row, off)))
     if not torch.is_tensor(tau):
         above = conf >= tau
     else:

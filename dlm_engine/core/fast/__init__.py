@@ -8,10 +8,13 @@ with both ways and compares the deltas step by step).
   block's candidates; KLASS from the block's first column on) instead of every generated position.
 * :mod:`~dlm_engine.core.fast.scored`: the loop's confidences at a plan's masked positions only
   (``StepPlan.masked``) instead of the whole window.
+* :mod:`~dlm_engine.core.fast.row_max`: the sampler's vocabulary-wide maximum by chunks on a CPU.
+
+The loop sets whether a decode takes them (:func:`~dlm_engine.core.fast.layer.fast_paths`); the mixins ask their own
+``fast_on``.
 
 What a shortcut saves is measured with ``experiments/bench_overhead.py --model d256`` with and without ``--plain``.
 """
-from dlm_engine.core.fast.layer import FastLayer, plain_policy
-from dlm_engine.core.fast.scored import scored_window
+from dlm_engine.core.fast.layer import FastLayer, fast_paths, fast_paths_on, plain_policy
 
-__all__ = ["FastLayer", "plain_policy", "scored_window"]
+__all__ = ["FastLayer", "fast_paths", "fast_paths_on", "plain_policy"]

@@ -10,6 +10,8 @@ strategy both ways and compares the deltas.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 
 
@@ -33,3 +35,23 @@ def plain_policy(strategy):
     plain = copy.copy(strategy)
     plain.fast_on = False
     return plain
+
+
+# whether the decode running in this context takes the fast layer's shortcuts outside the strategies (the sampler's
+# chunked maximum): set by :func:`dlm_engine.core.loop.decode` for its steps
+_FAST_PATHS = contextvars.ContextVar("dlm_engine_fast_paths", default=True)
+
+
+def fast_paths_on() -> bool:
+    """False inside ``decode(..., fast=False)``: shared helpers then take the plain call."""
+    return _FAST_PATHS.get()
+
+
+@contextlib.contextmanager
+def fast_paths(on: bool):
+    """Run the block with the fast layer's shared shortcuts on or off (:func:`fast_paths_on`)."""
+    token = _FAST_PATHS.set(bool(on))
+    try:
+        yield
+    finally:
+        _FAST_PATHS.reset(token)
