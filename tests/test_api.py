@@ -48,6 +48,7 @@ def test_generate_equals_the_command_line_run(session, tmp_path):
     assert out.config.strategy.name == "threshold" and out.config.cache.name == "dual"
 
 
+@pytest.mark.slow       # (an in-process run of a second or more: the quick tier stays under 3 minutes)
 def test_strings_token_ids_and_chat_objects_mix(session):
     ids = session.lm.encode("347+085=")
     out = session.generate(["347+085=", ids, {"prompt": "347+085=", "id": 3}], strategy="low_confidence",
@@ -61,6 +62,7 @@ def test_strings_token_ids_and_chat_objects_mix(session):
     assert again[0].tokens == out[0].tokens
 
 
+@pytest.mark.slow       # (an in-process run of a second or more: the quick tier stays under 3 minutes)
 def test_the_model_is_loaded_once_per_session(monkeypatch):
     import dlm_engine.app.api as api
 

@@ -75,6 +75,7 @@ def test_diff_finds_where_two_block_diffusion_runs_part(tmp_path, capsys):
     assert "first" in capsys.readouterr().out
 
 
+@pytest.mark.slow       # (an in-process run of a second or more: the quick tier stays under 3 minutes)
 def test_python_api_generate_on_a_local_block_diffusion_checkpoint():
     res = dlm_engine.generate([[40, 41, 42]], "llada2", "block_store", model="local", device="cpu",
                               dtype="float32", gen_length=32, **{"model.path": str(BD / "tiny_llada2")})

@@ -83,6 +83,7 @@ def test_prompts_longer_than_the_context_fail_before_decoding(lm, tmp_path):
         _cfg("gen_length=128")
 
 
+@pytest.mark.slow       # (an in-process run of a second or more: the quick tier stays under 3 minutes)
 def test_model_max_length_replaces_the_declared_context(tmp_path):
     """``model.max_length`` lets a RoPE model run past the context its config declares (the embedded model's
     64 positions), and is then the limit every check names."""

@@ -35,6 +35,7 @@ def test_the_preset_label_leaves_the_job_digest_alone():
 
 
 # -- item 3: one set of defaults -------------------------------------------------------------------------------
+@pytest.mark.slow       # (an in-process run of a second or more: the quick tier stays under 3 minutes)
 def test_the_python_api_runs_dlms_defaults():
     """Session/generate left to their defaults compose what `dlm` runs without arguments (conf/config.yaml): the
     API restated threshold + dual cache where `dlm` runs low_confidence + none."""
@@ -131,6 +132,7 @@ def test_show_counts_writes_that_are_re_masked_later(wino_trace, capsys):
 
 
 # -- item 7: a batch size a trace cannot hold is refused before loading, in the run's terms ------------------------
+@pytest.mark.slow       # (an in-process run of a second or more: the quick tier stays under 3 minutes)
 def test_a_batch_size_beyond_the_trace_limit_is_checked_before_loading(monkeypatch):
     from dlm_engine.app import api
     from dlm_engine.app.run import validate

@@ -127,6 +127,7 @@ def test_steps_scheduled_after_the_sequence_is_complete_cost_nothing(lm, prompts
 
 
 # ------------------------------------------------------------------------------------------- traces
+@pytest.mark.slow       # (an in-process run of a second or more: the quick tier stays under 3 minutes)
 def test_trace_api_show_and_diff_report_the_same_per_sequence_figures(lm, prompts, tmp_path, capsys):
     from dlm_engine.app.api import run_prompts
     from dlm_engine.core.registry import cache_class, strategy_class

@@ -138,6 +138,7 @@ def test_instruct_preset_loads_official_format_with_chat_template(ckpts, family,
     assert not plain.chat_template and plain.encode("hi") == [ord("h") - 32, ord("i") - 32]
 
 
+@pytest.mark.slow       # (an in-process run of a second or more: the quick tier stays under 3 minutes)
 def test_chat_template_auto_is_off_for_base_presets_and_on_requires_a_template(ckpts, tmp_path):
     path, _ = ckpts["llada"]
     assert not load("llada_8b_base", path).chat_template
@@ -155,6 +156,7 @@ def test_chat_template_auto_is_off_for_base_presets_and_on_requires_a_template(c
         load("llada_8b_instruct", bare, chat_template="on")
 
 
+@pytest.mark.slow       # (an in-process run of a second or more: the quick tier stays under 3 minutes)
 def test_end_of_turn_id_comes_from_the_checkpoints_tokenizer(ckpts):
     """Presets hard-code no EoT id: the checkpoint's tokenizer gives it (151645 / 126348 in the official ones,
     other ids in these tiny tokenizers); model.eot_token_id overrides it and is range-checked."""

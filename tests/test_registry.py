@@ -152,6 +152,7 @@ def test_schemas_are_not_options(tmp_path):
     assert "schema" not in offered, bad.stderr
 
 
+@pytest.mark.slow       # (an in-process run of a second or more: the quick tier stays under 3 minutes)
 def test_cadllm_preset_brings_the_dual_cache_unless_overridden():
     assert _compose(["strategy=cadllm"]).cache.name == "dual"
     assert _compose(["strategy=cadllm", "cache=prefix"]).cache.name == "prefix"

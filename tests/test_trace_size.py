@@ -79,6 +79,7 @@ def test_the_embedded_model_at_its_longest_canvas(tmp_path, steady_clock):
     assert positions == 48 and body / positions <= 5.0, f"{body} bytes for {positions} generated positions"
 
 
+@pytest.mark.slow       # (an in-process run of a second or more: the quick tier stays under 3 minutes)
 def test_the_embedded_model_at_gen_128_takes_at_most_3_bytes_per_position(tmp_path, steady_clock):
     """Past its declared context (``model.max_length``): a real decode of 128 positions, whatever it writes."""
     path = dlm_run(tmp_path, ["batch_size=1", "gen_length=128", "model.max_length=192", "task.n=1"])
