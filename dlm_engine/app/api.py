@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
@@ -55,12 +54,6 @@ class LoadedModel:
         if self.tokenizer is None:
             return " ".join(str(i) for i in ids)
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
-
-
-def _file_digest(path: Path) -> str:
-    import hashlib
-
-    return "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def load_directory(path: Optional[str] = None, device: str = "cpu", dtype: str = "float32",

@@ -10,7 +10,6 @@ copies without blocking. On the CPU it is ``torch.tensor``.
 """
 from __future__ import annotations
 
-import functools
 from typing import Sequence, Union
 
 import numpy as np
@@ -44,14 +43,6 @@ def host_tensor(values: Union[Sequence, int, float, bool], dtype: torch.dtype,
     if dev.type == "cuda":
         return t.pin_memory().to(dev, non_blocking=True)
     return t.to(dev)
-
-
-@functools.lru_cache(maxsize=256)
-def host_constant(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """:func:`host_tensor` of ``values`` (a tuple) made once per values, dtype and device and then shared: small
-    per-step values that repeat, e.g. commit counts a strategy knows on the host, cost no operation after the first
-    step. Read-only: never write to it (consumers that keep such values copy them, as the trace recorder does)."""
-    return host_tensor(values, dtype, device)
 
 
 def staging() -> bool:

@@ -22,15 +22,10 @@ class FastLayer:
     fast_on: bool = True
 
 
-def uses_fast_layer(strategy) -> bool:
-    """Whether ``strategy`` has a fast mixin in force."""
-    return isinstance(strategy, FastLayer) and strategy.fast_on
-
-
 def plain_policy(strategy):
     """``strategy`` with its fast mixins turned off (a shallow copy; the strategy itself when it has none): the
     plain rule of its module, what ``decode(..., fast=False)`` runs."""
-    if not uses_fast_layer(strategy):
+    if not isinstance(strategy, FastLayer) or not strategy.fast_on:
         return strategy
     plain = copy.copy(strategy)
     plain.fast_on = False
